@@ -1,0 +1,133 @@
+"""Greedy speculative decoding emits exactly the tokens of plain decoding (float32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.drafters import OracleDrafter, RandomDrafter
+from tests.tiny import VOCAB, plain_greedy, tiny_llama
+from verispec.drafters import ModelDrafter, PromptLookupDrafter, early_exit_drafter
+from verispec.engine import SpeculativeEngine
+from verispec.policies import ConstantK, HeuristicK
+from verispec.stopping import StoppingRules
+
+NEW = 48
+PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5], [1, 60]]
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    return [plain_greedy(target, p, NEW) for p in PROMPTS]
+
+
+def run(target, drafter, k, prompt, policy=None):
+    engine = SpeculativeEngine(target, drafter, policy or ConstantK(k))
+    return engine.generate(prompt, StoppingRules.build(NEW))
+
+
+def drafters(target, prompt, truth):
+    """The forcing drafters plus every real one."""
+    return {
+        "self": ModelDrafter(target, VOCAB),
+        "random": RandomDrafter(VOCAB),
+        "oracle": OracleDrafter(len(prompt), truth, errors={0, 3, 4, 11, 12, 13, 30}, vocab=VOCAB),
+        "draft-model": ModelDrafter(tiny_llama(seed=7, layers=1), VOCAB),
+        "pld": PromptLookupDrafter(max_ngram=3),
+        "early-exit": early_exit_drafter(target, 1, VOCAB),
+    }
+
+
+@pytest.mark.parametrize("k", list(range(1, 17)))
+def test_every_drafter_matches_plain_decoding(target, references, k):
+    for prompt, truth in zip(PROMPTS, references):
+        for name, drafter in drafters(target, prompt, truth).items():
+            result = run(target, drafter, k, prompt)
+            assert result.token_ids == truth, f"{name} with k={k} diverged from plain decoding"
+            assert result.stats.new_tokens == NEW
+
+
+def test_forcing_drafters_force_their_acceptance_pattern(target, references):
+    prompt, truth = PROMPTS[0], references[0]
+    everything = run(target, ModelDrafter(target, VOCAB), 8, prompt)
+    assert all(step.num_accepted == step.num_drafted for step in everything.steps)
+    assert everything.stats.mean_accepted_tokens > 5
+    nothing = run(target, RandomDrafter(VOCAB), 8, prompt)
+    assert nothing.stats.mean_accepted_tokens < 1.3
+    oracle = run(target, OracleDrafter(len(prompt), truth, {0, 3, 11, 30}, VOCAB), 8, prompt)
+    partial = [s.num_accepted for s in oracle.steps if 0 < s.num_accepted < s.num_drafted]
+    assert partial, "the oracle should produce partially accepted drafts"
+    # A draft starting at position 0 hits the error at 0 at once: the first step accepts nothing.
+    assert oracle.steps[0].num_accepted == 0
+
+
+def test_heuristic_schedule_and_confidence_threshold_stay_exact(target, references):
+    for prompt, truth in zip(PROMPTS, references):
+        result = run(target, ModelDrafter(tiny_llama(seed=7, layers=1), VOCAB), 0, prompt, HeuristicK(3))
+        assert result.token_ids == truth
+        stopped_early = ModelDrafter(target, VOCAB, confidence_threshold=0.9)
+        result = run(target, stopped_early, 10, prompt)
+        assert result.token_ids == truth
+        assert min(s.num_drafted for s in result.steps[:-1]) < 10
+
+
+def test_heuristic_schedule_follows_hf_rule():
+    policy = HeuristicK(5)
+    policy.update(5, 5)
+    assert policy.next_k() == 7
+    policy.update(7, 2)
+    assert policy.next_k() == 6
+    for _ in range(10):
+        policy.update(policy.next_k(), 0)
+    assert policy.next_k() == 1
+
+
+def test_kv_cache_stays_consistent_over_many_rejection_cycles(target):
+    """Hundreds of rejections: caches keep exactly the committed length, output still exact."""
+    prompt = PROMPTS[0]
+    truth = plain_greedy(target, prompt, 300)
+    oracle = OracleDrafter(len(prompt), truth, errors=set(range(0, 300, 3)), vocab=VOCAB)
+    draft = ModelDrafter(tiny_llama(seed=3, layers=1), VOCAB)
+    for drafter in (oracle, draft):
+        engine = SpeculativeEngine(target, drafter, ConstantK(6))
+        length = len(prompt)
+        for step in engine.steps(prompt, StoppingRules.build(300)):
+            length += len(step.tokens)
+            assert engine.target.length == length - 1  # all committed tokens but the last
+            if isinstance(drafter, ModelDrafter):
+                assert drafter.lm.length <= length - 1
+        assert length == len(prompt) + 300
+    result = SpeculativeEngine(target, oracle, ConstantK(6)).generate(prompt, StoppingRules.build(300))
+    assert result.token_ids == truth
+    assert sum(s.num_accepted < s.num_drafted for s in result.steps) > 50
+
+
+def test_memory_is_flat_over_many_calls(target):
+    """Repeated generations reuse nothing stale: cache sizes return to the same value each call."""
+    engine = SpeculativeEngine(target, ModelDrafter(tiny_llama(seed=7, layers=1), VOCAB), ConstantK(4))
+    sizes = []
+    for _ in range(200):
+        engine.generate(PROMPTS[1], StoppingRules.build(6))
+        sizes.append((engine.target.length, engine.drafter.lm.length))
+    assert len(set(sizes)) == 1
+
+
+def test_k_zero_is_plain_decoding(target, references):
+    result = run(target, ModelDrafter(target, VOCAB), 0, PROMPTS[0])
+    assert result.token_ids == references[0]
+    assert result.stats.target_forwards == NEW and result.stats.mean_accepted_tokens == 1.0
+
+
+def test_huge_k_is_clamped(target, references):
+    result = run(target, ModelDrafter(target, VOCAB), 10**6, PROMPTS[0])
+    assert result.token_ids == references[0]
+    assert max(s.num_drafted for s in result.steps) <= NEW - 1
+
+
+def test_bfloat16_greedy_is_deterministic(target):
+    """Exactness is per dtype: bfloat16 runs repeat exactly and speculation matches bf16 plain decoding."""
+    bf16 = tiny_llama(seed=0).to(torch.bfloat16)
+    prompt = PROMPTS[0]
+    plain = SpeculativeEngine(bf16).generate(prompt, StoppingRules.build(24)).token_ids
+    again = SpeculativeEngine(bf16).generate(prompt, StoppingRules.build(24)).token_ids
+    assert plain == again

@@ -1,0 +1,12 @@
+"""verispec: lossless speculative decoding for Hugging Face causal LMs."""
+
+from verispec.api import generate, load, stream
+from verispec.drafters import METHODS, DraftOptions, build_engine
+from verispec.engine import SpeculativeEngine
+from verispec.errors import VerispecError
+from verispec.models import LoadedModel, load_model
+from verispec.types import Fate, GenerationResult, SamplingParams
+
+__all__ = ["generate", "stream", "load", "load_model", "LoadedModel", "build_engine",
+           "DraftOptions", "METHODS", "SpeculativeEngine", "SamplingParams", "GenerationResult",
+           "Fate", "VerispecError"]

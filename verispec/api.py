@@ -1,0 +1,194 @@
+"""`verispec.generate` and `verispec.stream`: Hugging Face `generate()`-shaped entry points.
+
+The speculation method follows from the arguments, as in Hugging Face: `assistant_model` ->
+independent draft model, `prompt_lookup_num_tokens` -> prompt lookup, `assistant_early_exit` ->
+early exit; none of them -> plain decoding. Outputs are the target's own (lossless).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from transformers import PreTrainedModel
+
+from verispec.drafters import DraftOptions, build_engine
+from verispec.engine import SpeculativeEngine
+from verispec.errors import VerispecError
+from verispec.models import LoadedModel, load_model
+from verispec.stopping import StoppingRules
+from verispec.types import GenerationResult, SamplingParams, Step
+
+ModelLike = str | LoadedModel | PreTrainedModel
+
+
+@lru_cache(maxsize=2)
+def load(model: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """Load a model by name or path, keeping the last two in memory for repeated calls."""
+    return load_model(model, dtype, device)
+
+
+def _as_loaded(model: ModelLike, tokenizer=None) -> LoadedModel:
+    if isinstance(model, LoadedModel):
+        return model if tokenizer is None else LoadedModel(model.model, tokenizer, model.name)
+    if isinstance(model, PreTrainedModel):
+        return LoadedModel(model.eval(), tokenizer, type(model).__name__)
+    if isinstance(model, str):
+        loaded = load(model)
+        return loaded if tokenizer is None else LoadedModel(loaded.model, tokenizer, loaded.name)
+    raise VerispecError(f"model must be a name, a path, a LoadedModel or a PreTrainedModel, "
+                        f"got {type(model).__name__}")
+
+
+def encode_prompt(target: LoadedModel, inputs: str | list[int] | torch.Tensor,
+                  chat: bool = False) -> list[int]:
+    """Token ids for a prompt: ids pass through; text is tokenized (via the chat template if chat)."""
+    if isinstance(inputs, torch.Tensor):
+        if inputs.dim() == 2 and inputs.shape[0] != 1:
+            raise VerispecError(f"batch size must be 1, got input_ids of shape {tuple(inputs.shape)}")
+        return inputs.reshape(-1).tolist()
+    if isinstance(inputs, str):
+        if not inputs.strip():
+            raise VerispecError("the prompt is empty")
+        if target.tokenizer is None:
+            raise VerispecError(f"{target.name} has no tokenizer: pass token ids instead of text")
+        if chat:
+            if not getattr(target.tokenizer, "chat_template", None):
+                raise VerispecError(f"{target.name} has no chat template: use a raw prompt")
+            return list(target.tokenizer.apply_chat_template(
+                [{"role": "user", "content": inputs}], add_generation_prompt=True, tokenize=True,
+                return_dict=False))
+        return target.tokenizer(inputs)["input_ids"]
+    return list(inputs)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A fully validated request: engine, prompt ids, stopping rules, sampling, seed."""
+
+    target: LoadedModel
+    engine: SpeculativeEngine
+    prompt_ids: list[int]
+    stopping: StoppingRules
+    sampling: SamplingParams
+    seed: int | None
+
+
+def make_job(target: LoadedModel, inputs: str | list[int] | torch.Tensor, *, method: str = "ar",
+             options: DraftOptions = DraftOptions(), sampling: SamplingParams = SamplingParams(),
+             max_new_tokens: int = 128, eos_token_id: int | Iterable[int] | None = None,
+             stop_strings: str | Iterable[str] | None = None, chat: bool = False,
+             seed: int | None = None) -> Job:
+    """Validate a request by method name (the CLI's entry); raises before any work starts."""
+    engine = build_engine(target, method, options)
+    eos = target.eos_token_ids if eos_token_id is None else eos_token_id
+    stopping = StoppingRules.build(max_new_tokens, eos, stop_strings, target.tokenizer)
+    prompt_ids = encode_prompt(target, inputs, chat)
+    engine.check_prompt(prompt_ids, max_new_tokens)
+    return Job(target, engine, prompt_ids, stopping, sampling, seed)
+
+
+def prepare(
+    model: ModelLike,
+    inputs: str | list[int] | torch.Tensor,
+    *,
+    max_new_tokens: int = 128,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    assistant_model: ModelLike | None = None,
+    num_assistant_tokens: int | None = None,
+    num_assistant_tokens_schedule: str = "constant",
+    assistant_confidence_threshold: float | None = None,
+    prompt_lookup_num_tokens: int | None = None,
+    max_matching_ngram_size: int | None = None,
+    assistant_early_exit: int | None = None,
+    eos_token_id: int | Iterable[int] | None = None,
+    stop_strings: str | Iterable[str] | None = None,
+    tokenizer=None,
+    chat: bool = False,
+) -> Job:
+    """Map Hugging Face-style arguments to a method and validate; see `generate`."""
+    target = _as_loaded(model, tokenizer)
+    chosen = [name for name, value in [("assistant_model", assistant_model),
+                                       ("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
+                                       ("assistant_early_exit", assistant_early_exit)]
+              if value is not None]
+    if len(chosen) > 1:
+        raise VerispecError(f"choose one speculation method, got {' and '.join(chosen)}")
+    common = {"schedule": num_assistant_tokens_schedule,
+              "confidence_threshold": assistant_confidence_threshold}
+    method, options = "ar", DraftOptions(**common)
+    if assistant_model is not None:
+        draft = assistant_model if isinstance(assistant_model, (str, LoadedModel)) else _as_loaded(
+            assistant_model, target.tokenizer)
+        method, options = "draft", DraftOptions(num_assistant_tokens, draft=draft, **common)
+    elif prompt_lookup_num_tokens is not None:
+        method = "pld"
+        options = DraftOptions(prompt_lookup_num_tokens, max_ngram=max_matching_ngram_size
+                               or DraftOptions.max_ngram, **common)
+    elif assistant_early_exit is not None:
+        method = "early-exit"
+        options = DraftOptions(num_assistant_tokens, exit_layer=assistant_early_exit, **common)
+    return make_job(target, inputs, method=method, options=options,
+                    sampling=SamplingParams(do_sample, temperature, top_k, top_p),
+                    max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                    stop_strings=stop_strings, chat=chat, seed=seed)
+
+
+def run(job: Job, streamer=None) -> GenerationResult:
+    """Execute a prepared job; decode the text when a tokenizer is known."""
+    if streamer is None:
+        result = job.engine.generate(job.prompt_ids, job.stopping, job.sampling, job.seed)
+    else:
+        streamer.put(torch.tensor(job.prompt_ids))
+        result = job.engine.generate(job.prompt_ids, job.stopping, job.sampling, job.seed,
+                                     on_step=lambda step: streamer.put(torch.tensor(step.tokens)))
+        streamer.end()
+    if job.target.tokenizer is not None:
+        result.text = job.target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    return result
+
+
+def generate(model: ModelLike, inputs: str | list[int] | torch.Tensor, *, streamer=None,
+             **kwargs) -> GenerationResult:
+    """Generate from `model` (a name, path, LoadedModel or PreTrainedModel), losslessly faster.
+
+    inputs: text (tokenized raw, or through the chat template with chat=True) or token ids
+    ([n] or [1, n]). Keyword arguments follow Hugging Face `generate()`: max_new_tokens,
+    do_sample, temperature, top_k, top_p, seed, assistant_model, num_assistant_tokens,
+    num_assistant_tokens_schedule ("constant" | "heuristic"), assistant_confidence_threshold,
+    prompt_lookup_num_tokens, max_matching_ngram_size, assistant_early_exit, eos_token_id,
+    stop_strings, tokenizer. A Hugging Face-style `streamer` (put/end) receives the prompt, then
+    each committed block of tokens.
+
+    Returns a GenerationResult: new token ids, text, the steps with each token's fate, and stats.
+    """
+    return run(prepare(model, inputs, **kwargs), streamer)
+
+
+def stream(model: ModelLike, inputs: str | list[int] | torch.Tensor, **kwargs) -> Iterator[str]:
+    """Yield the generated text piece by piece as tokens are committed (same arguments)."""
+    job = prepare(model, inputs, **kwargs)
+    if job.target.tokenizer is None:
+        raise VerispecError(f"{job.target.name} has no tokenizer: streaming text needs one")
+    yield from stream_text(job.engine.steps(job.prompt_ids, job.stopping, job.sampling, job.seed),
+                           job.target.tokenizer)
+
+
+def stream_text(steps: Iterable[Step], tokenizer) -> Iterator[str]:
+    """Turn committed steps into text deltas, holding back incomplete multi-byte characters."""
+    tokens: list[int] = []
+    shown = 0
+    for step in steps:
+        tokens += step.tokens
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            continue
+        if len(text) > shown:
+            yield text[shown:]
+            shown = len(text)

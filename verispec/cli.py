@@ -1,0 +1,176 @@
+"""The `verispec` command: generate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from verispec.api import make_job, run
+from verispec.display import LEGEND, acceptance_line, render_steps, stats_table
+from verispec.drafters import METHODS, DraftOptions
+from verispec.errors import VerispecError
+from verispec.models import BUILTIN_MODELS, DEFAULT_MODEL, DTYPES, load_model
+from verispec.policies import SCHEDULES
+from verispec.types import SamplingParams
+
+DEMO_PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain in three sentences why the sky is blue.",
+    "Repeat this list, adding a number before each item: apples, pears, plums, figs, cherries.",
+]
+DEMO_METHOD = "pld"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"built-in name ({', '.join(BUILTIN_MODELS)}), a Hugging Face model "
+                             f"directory or a .gguf file (default: {DEFAULT_MODEL})")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                        help="weights and compute dtype; exactness is relative to this dtype")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+
+
+def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -> None:
+    parser.add_argument("--method", default=default, choices=list(METHODS),
+                        help="; ".join(f"{m.name}: {m.description}" for m in METHODS.values()))
+    parser.add_argument("--draft", help="draft model for --method draft (name, directory or .gguf)")
+    parser.add_argument("--k", type=int, help="tokens drafted per step (0: no drafting; default: "
+                        + ", ".join(f"{m.name} {m.default_k}" for m in METHODS.values() if m.build)
+                        + "); clamped to what fits")
+    parser.add_argument("--schedule", default="constant", choices=list(SCHEDULES),
+                        help="draft length: constant k, or heuristic (+2 after a full accept, -1 otherwise)")
+    parser.add_argument("--confidence-threshold", type=float,
+                        help="model drafters stop drafting when their confidence falls below this")
+    parser.add_argument("--exit-layer", type=int, help="early exit: layers used to draft (default: half)")
+    parser.add_argument("--max-ngram", type=int, default=DraftOptions.max_ngram,
+                        help="prompt lookup: longest n-gram to match")
+    parser.add_argument("--min-ngram", type=int, default=DraftOptions.min_ngram,
+                        help="prompt lookup: shortest n-gram to match")
+
+
+def draft_options(args: argparse.Namespace) -> DraftOptions:
+    return DraftOptions(k=args.k, schedule=args.schedule, confidence_threshold=args.confidence_threshold,
+                        draft=args.draft, exit_layer=args.exit_layer, max_ngram=args.max_ngram,
+                        min_ngram=args.min_ngram)
+
+
+def use_colour(choice: str) -> bool:
+    if choice == "auto":
+        return sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    return choice == "always"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    sampling = SamplingParams(do_sample=args.temperature > 0, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p)
+    if not args.prompt.strip():
+        raise VerispecError("the prompt is empty")
+    target = load_model(args.model, args.dtype, args.device)
+    job = make_job(target, args.prompt, method=args.method, options=draft_options(args),
+                   sampling=sampling, max_new_tokens=args.max_new_tokens, stop_strings=args.stop,
+                   chat=not args.raw, seed=args.seed)
+    result = run(job)
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids,
+                          "stats": result.stats.as_dict()}))
+        return 0
+    colour = use_colour(args.color)
+    print(render_steps(result.steps, target.tokenizer, colour))
+    print()
+    if colour and args.method != "ar":
+        print(LEGEND)
+    print(stats_table({args.method: result.stats}))
+    if args.method != "ar":
+        print(acceptance_line(result.stats))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    target = load_model(args.model, args.dtype, args.device)
+    colour = use_colour(args.color)
+    totals: dict[str, list] = {"ar": [], args.method: []}
+    for prompt in DEMO_PROMPTS:
+        print(f"\n>>> {prompt}")
+        for method in totals:
+            job = make_job(target, prompt, method=method, options=draft_options(args),
+                           max_new_tokens=args.max_new_tokens, chat=True)
+            totals[method].append(run(job))
+        plain, fast = totals["ar"][-1], totals[args.method][-1]
+        print(render_steps(fast.steps, target.tokenizer, colour))
+        same = "identical to" if plain.token_ids == fast.token_ids else "DIFFERENT from"
+        print(f"[{args.method}: {fast.stats.tokens_per_second:.1f} tok/s, tau "
+              f"{fast.stats.mean_accepted_tokens:.2f}; ar: {plain.stats.tokens_per_second:.1f} tok/s; "
+              f"output {same} plain decoding]")
+    if colour:
+        print("\n" + LEGEND)
+    print()
+    seconds = {m: sum(r.stats.total_seconds for r in rs) for m, rs in totals.items()}
+    merged = {m: _merge([r.stats for r in rs]) for m, rs in totals.items()}
+    print(stats_table(merged))
+    print(f"\nspeedup of {args.method} over plain decoding (same run, same prompts): "
+          f"{seconds['ar'] / seconds[args.method]:.2f}x, tau {merged[args.method].mean_accepted_tokens:.2f}")
+    return 0
+
+
+def _merge(all_stats):
+    from verispec.types import GenerationStats
+
+    total = GenerationStats()
+    for s in all_stats:
+        total.new_tokens += s.new_tokens
+        total.target_forwards += s.target_forwards
+        total.draft_seconds += s.draft_seconds
+        total.verify_seconds += s.verify_seconds
+        total.total_seconds += s.total_seconds
+    return total
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="verispec", description="Lossless speculative decoding for Hugging Face causal LMs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text with one method, coloured by token fate",
+                              description="Generate text from a prompt. Output is exactly the "
+                              "target's (greedy: same tokens; sampling: same distribution).")
+    add_model_arguments(gen)
+    add_method_arguments(gen)
+    gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    gen.add_argument("--seed", type=int, help="seed for sampling; seeded runs repeat exactly")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead")
+    gen.add_argument("--color", default="auto", choices=["auto", "always", "never"])
+    gen.set_defaults(func=cmd_generate)
+
+    demo = commands.add_parser("demo", help="plain vs speculative decoding on the built-in model",
+                               description="A few built-in prompts, decoded plainly and with "
+                               "speculation, side by side: coloured output, speedup and tau.")
+    add_model_arguments(demo)
+    add_method_arguments(demo, default=DEMO_METHOD)
+    demo.add_argument("--max-new-tokens", type=int, default=96, help="default: 96")
+    demo.add_argument("--color", default="auto", choices=["auto", "always", "never"])
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except VerispecError as error:
+        print(f"verispec: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("verispec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Terminal rendering: text coloured by each token's fate, as in Leviathan et al.'s figure."""
+
+from __future__ import annotations
+
+from verispec.types import Fate, GenerationStats, Step
+
+GREEN, RED_STRIKE, BLUE, CYAN, RESET = "\033[32m", "\033[31;9m", "\033[34m", "\033[36m", "\033[0m"
+FATE_COLOURS = {Fate.ACCEPTED: GREEN, Fate.RECOVERED: BLUE, Fate.BONUS: CYAN}
+LEGEND = (f"{GREEN}accepted draft{RESET}  {RED_STRIKE}rejected draft{RESET}  "
+          f"{BLUE}target correction{RESET}  {CYAN}bonus token{RESET}")
+
+
+def render_steps(steps: list[Step], tokenizer, colour: bool = True) -> str:
+    """The generated text; with colour, each token painted by fate and rejected drafts struck out.
+
+    Steps without a draft (plain decoding) stay uncoloured. Text is decoded incrementally so
+    tokens that split a multi-byte character still render correctly.
+    """
+    if not colour:
+        return tokenizer.decode([t for s in steps for t in s.tokens], skip_special_tokens=True)
+    pieces: list[str] = []
+    tokens: list[int] = []
+    shown = ""
+    for step in steps:
+        for i, (token, fate) in enumerate(zip(step.tokens, step.fates)):
+            if fate is Fate.RECOVERED and step.rejected:
+                rejected = tokenizer.decode(tokens + step.rejected[:1], skip_special_tokens=True)
+                pieces.append(f"{RED_STRIKE}{rejected[len(shown):]}{RESET}")
+            tokens.append(token)
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            if text.endswith("\ufffd") and i < len(step.tokens) - 1:
+                continue
+            piece = text[len(shown):]
+            shown = text
+            pieces.append(piece if step.num_drafted == 0 else f"{FATE_COLOURS[fate]}{piece}{RESET}")
+    return "".join(pieces)
+
+
+def stats_table(rows: dict[str, GenerationStats]) -> str:
+    """A small fixed-width table, one row per method."""
+    header = f"{'method':<14}{'tokens':>8}{'forwards':>10}{'tau':>7}{'tok/s':>9}{'draft s':>9}{'verify s':>10}"
+    lines = [header, "-" * len(header)]
+    for name, s in rows.items():
+        lines.append(f"{name:<14}{s.new_tokens:>8}{s.target_forwards:>10}{s.mean_accepted_tokens:>7.2f}"
+                     f"{s.tokens_per_second:>9.1f}{s.draft_seconds:>9.2f}{s.verify_seconds:>10.2f}")
+    return "\n".join(lines)
+
+
+def acceptance_line(stats: GenerationStats, limit: int = 12) -> str:
+    rates = stats.acceptance_by_position[:limit]
+    return "acceptance by draft position: " + (" ".join(f"{r:.2f}" for r in rates) or "(no drafts)")

@@ -1,0 +1,95 @@
+"""Speculation methods by name: the one place that maps a method to its drafter.
+
+Adding a drafter is one new file plus one entry in METHODS; the engine never changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from verispec.drafters.base import Drafter, DraftRequest
+from verispec.drafters.early_exit import early_exit_drafter
+from verispec.drafters.model import ModelDrafter, check_same_vocabulary
+from verispec.drafters.ngram import PromptLookupDrafter
+from verispec.engine import SpeculativeEngine
+from verispec.errors import VerispecError
+from verispec.models import LoadedModel, load_model
+from verispec.policies import SCHEDULES
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """Every method setting, with its default; unset k means the method's own default."""
+
+    k: int | None = None
+    schedule: str = "constant"  # or "heuristic": +2 after a full accept, -1 otherwise
+    confidence_threshold: float | None = None  # model drafters stop below this confidence
+    draft: str | LoadedModel | None = None  # draft model: name, directory, GGUF or loaded model
+    exit_layer: int | None = None  # early exit: layers kept (default: half the target's)
+    max_ngram: int = 3  # prompt lookup: longest n-gram matched
+    min_ngram: int = 1  # prompt lookup: shortest n-gram matched
+
+
+def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
+    if options.draft is None:
+        raise VerispecError("method 'draft' needs a draft model (--draft PATH / assistant_model=)")
+    draft = options.draft
+    if not isinstance(draft, LoadedModel):
+        draft = load_model(draft, dtype=_dtype_name(target), device=str(target.model.device))
+    if draft.tokenizer is None and target.tokenizer is not None:
+        raise VerispecError(f"draft model {draft.name} has no tokenizer to check against the target's")
+    check_same_vocabulary(target.tokenizer, draft.tokenizer)
+    return ModelDrafter(draft.model, target.vocab_size, options.confidence_threshold)
+
+
+def _early_exit(target: LoadedModel, options: DraftOptions) -> Drafter:
+    layers = options.exit_layer
+    if layers is None:
+        layers = target.model.config.get_text_config(decoder=True).num_hidden_layers // 2
+    return early_exit_drafter(target.model, layers, target.vocab_size, options.confidence_threshold)
+
+
+def _prompt_lookup(target: LoadedModel, options: DraftOptions) -> Drafter:
+    return PromptLookupDrafter(options.max_ngram, options.min_ngram)
+
+
+def _dtype_name(target: LoadedModel) -> str:
+    return str(target.model.dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    description: str
+    default_k: int
+    build: Callable[[LoadedModel, DraftOptions], Drafter] | None  # None: plain decoding
+
+
+METHODS: dict[str, Method] = {m.name: m for m in [
+    Method("ar", "plain autoregressive decoding (no speculation)", 0, None),
+    Method("draft", "independent draft model with the target's tokenizer (SpS)", 5, _draft_model),
+    Method("pld", "prompt lookup: n-gram matches in the prompt and output", 10, _prompt_lookup),
+    Method("early-exit", "the target's first layers draft (LayerSkip-style)", 5, _early_exit),
+]}
+
+
+def build_engine(target: LoadedModel, method: str = "ar",
+                 options: DraftOptions = DraftOptions()) -> SpeculativeEngine:
+    """An engine for `target` speculating with `method`; validates every option."""
+    if method not in METHODS:
+        raise VerispecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    spec = METHODS[method]
+    k = spec.default_k if options.k is None else options.k
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise VerispecError(f"draft length k must be an integer >= 0 (0: no drafting), got {k!r}")
+    if options.schedule not in SCHEDULES:
+        raise VerispecError(
+            f"unknown draft-length schedule {options.schedule!r}; choose from {', '.join(SCHEDULES)}")
+    if spec.build is None or k == 0:
+        return SpeculativeEngine(target.model)
+    return SpeculativeEngine(target.model, spec.build(target, options), SCHEDULES[options.schedule](k))
+
+
+__all__ = ["Drafter", "DraftRequest", "DraftOptions", "METHODS", "Method", "ModelDrafter",
+           "PromptLookupDrafter", "build_engine", "early_exit_drafter"]

@@ -1,0 +1,36 @@
+"""The drafter contract: propose tokens for the target to verify, then rewind own state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from verispec.types import Proposal, SamplingParams
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """Everything a drafter may look at when proposing."""
+
+    tokens: torch.Tensor  # [context_len] int64: prompt + every committed token
+    k: int  # most tokens to propose (>= 1); a drafter may propose fewer, or none
+    sampling: SamplingParams
+    generator: torch.Generator | None
+
+
+class Drafter(Protocol):
+    """A drafter owns its state (a KV cache, say) and keeps it in step with the committed text."""
+
+    def reset(self) -> None:
+        """Forget everything: a new sequence starts."""
+        ...
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        """Up to request.k draft tokens continuing request.tokens, with their q (or None)."""
+        ...
+
+    def commit(self, num_accepted: int) -> None:
+        """The target kept the first num_accepted tokens of the last proposal; rewind the rest."""
+        ...

@@ -1,0 +1,121 @@
+"""The decode loop: propose -> verify -> commit -> adapt the draft length.
+
+The engine owns the target's KV cache and rewinds it once per step, after verification. Each
+drafter owns and rewinds its own state; verifiers are pure. Invariant at the start of a step: the
+target cache holds every committed token but the last, which is fed together with the draft, so
+one forward of 1 + k tokens scores all k drafts and yields the token after them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from transformers import PreTrainedModel
+
+from verispec.cached_model import CachedModel
+from verispec.drafters.base import Drafter, DraftRequest
+from verispec.errors import VerispecError
+from verispec.policies import ConstantK, DraftLengthPolicy
+from verispec.stopping import StoppingRules
+from verispec.types import (Fate, GenerationResult, GenerationStats, Proposal, SamplingParams,
+                            Step)
+from verispec.verifiers import verifier_for
+
+
+def context_length(model: PreTrainedModel) -> int:
+    """The longest sequence the model's positions allow."""
+    config = model.config.get_text_config(decoder=True)
+    return int(getattr(config, "max_position_embeddings", None) or 2**31)
+
+
+class SpeculativeEngine:
+    """Generates from `target`, optionally speculating with `drafter` (None: plain decoding)."""
+
+    def __init__(self, target: PreTrainedModel, drafter: Drafter | None = None,
+                 policy: DraftLengthPolicy | None = None) -> None:
+        self.target = CachedModel(target)
+        self.drafter = drafter
+        self.policy = policy or ConstantK(0 if drafter is None else 5)
+        self.max_length = context_length(target)
+
+    def check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        if not prompt_ids:
+            raise VerispecError("the prompt is empty: give at least one token")
+        if len(prompt_ids) + max_new_tokens > self.max_length:
+            raise VerispecError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"the model's context of {self.max_length} tokens")
+
+    def steps(self, prompt_ids: list[int], stopping: StoppingRules,
+              sampling: SamplingParams = SamplingParams(),
+              seed: int | None = None) -> Iterator[Step]:
+        """Run generation, yielding each step's emitted tokens as soon as they are committed."""
+        self.check_prompt(prompt_ids, stopping.max_new_tokens)
+        device = self.target.device
+        generator = torch.Generator(device=device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        verifier = verifier_for(sampling)
+        tokens = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
+        buffer = torch.cat([tokens, tokens.new_zeros(stopping.max_new_tokens)])  # [prompt + new]
+        length = len(prompt_ids)
+        generated: list[int] = []
+
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        if length > 1:
+            self.target.forward(buffer[: length - 1])
+        while True:
+            remaining = stopping.max_new_tokens - len(generated)
+            # Never draft past the budget: the step always adds one target token after the draft.
+            k = min(self.policy.next_k(), remaining - 1) if self.drafter is not None else 0
+            started = time.perf_counter()
+            if k > 0:
+                proposal = self.drafter.propose(
+                    DraftRequest(buffer[:length], k, sampling, generator))
+            else:
+                proposal = Proposal(buffer[:0])
+            drafted = time.perf_counter()
+            num_drafted = len(proposal)
+            logits = self.target.forward(torch.cat([buffer[length - 1: length], proposal.tokens]))
+            verdict = verifier.verify(proposal, logits, sampling, generator)
+            accepted = verdict.num_accepted
+            self.target.rewind(length + accepted)
+            if num_drafted:
+                self.drafter.commit(accepted)
+                self.policy.update(num_drafted, accepted)
+            verified = time.perf_counter()
+
+            block = proposal.tokens[:accepted].tolist() + [verdict.next_token]
+            fates = [Fate.ACCEPTED] * accepted + [
+                Fate.RECOVERED if accepted < num_drafted else Fate.BONUS]
+            keep, finished = stopping.cut(generated, block)
+            buffer[length: length + keep] = torch.tensor(block[:keep])
+            length += keep
+            generated += block[:keep]
+            yield Step(block[:keep], fates[:keep], proposal.tokens[accepted:].tolist(),
+                       num_drafted, accepted, drafted - started, verified - drafted, finished)
+            if finished:
+                return
+
+    def generate(self, prompt_ids: list[int], stopping: StoppingRules,
+                 sampling: SamplingParams = SamplingParams(),
+                 seed: int | None = None,
+                 on_step: Callable[[Step], None] | None = None) -> GenerationResult:
+        """Run to completion and collect tokens, steps and statistics."""
+        stats = GenerationStats()
+        steps: list[Step] = []
+        started = time.perf_counter()
+        for step in self.steps(prompt_ids, stopping, sampling, seed):
+            steps.append(step)
+            stats.add(step)
+            if on_step is not None:
+                on_step(step)
+        stats.total_seconds = time.perf_counter() - started
+        new_tokens = [t for step in steps for t in step.tokens]
+        return GenerationResult(list(prompt_ids), new_tokens, steps, stats)

