@@ -124,10 +124,11 @@ def test_huge_k_is_clamped(target, references):
     assert max(s.num_drafted for s in result.steps) <= NEW - 1
 
 
-def test_bfloat16_greedy_is_deterministic(target):
-    """Exactness is per dtype: bfloat16 runs repeat exactly and speculation matches bf16 plain decoding."""
+def test_bfloat16_speculation_matches_bfloat16_plain_decoding():
+    """Exactness is relative to the dtype the target runs in: here bfloat16 against bfloat16."""
     bf16 = tiny_llama(seed=0).to(torch.bfloat16)
     prompt = PROMPTS[0]
-    plain = SpeculativeEngine(bf16).generate(prompt, StoppingRules.build(24)).token_ids
-    again = SpeculativeEngine(bf16).generate(prompt, StoppingRules.build(24)).token_ids
-    assert plain == again
+    plain = SpeculativeEngine(bf16).generate(prompt, StoppingRules.build(32)).token_ids
+    assert SpeculativeEngine(bf16).generate(prompt, StoppingRules.build(32)).token_ids == plain
+    fast = SpeculativeEngine(bf16, ModelDrafter(bf16, VOCAB), ConstantK(4))
+    assert fast.generate(prompt, StoppingRules.build(32)).token_ids == plain

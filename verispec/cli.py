@@ -13,7 +13,7 @@ from verispec.drafters import METHODS, DraftOptions
 from verispec.errors import VerispecError
 from verispec.models import BUILTIN_MODELS, DEFAULT_MODEL, DTYPES, load_model
 from verispec.policies import SCHEDULES
-from verispec.types import SamplingParams
+from verispec.types import GenerationStats, SamplingParams
 
 DEMO_PROMPTS = [
     "Write a short poem about the sea.",
@@ -107,24 +107,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("\n" + LEGEND)
     print()
     seconds = {m: sum(r.stats.total_seconds for r in rs) for m, rs in totals.items()}
-    merged = {m: _merge([r.stats for r in rs]) for m, rs in totals.items()}
+    merged = {m: GenerationStats.total([r.stats for r in rs]) for m, rs in totals.items()}
     print(stats_table(merged))
     print(f"\nspeedup of {args.method} over plain decoding (same run, same prompts): "
           f"{seconds['ar'] / seconds[args.method]:.2f}x, tau {merged[args.method].mean_accepted_tokens:.2f}")
     return 0
-
-
-def _merge(all_stats):
-    from verispec.types import GenerationStats
-
-    total = GenerationStats()
-    for s in all_stats:
-        total.new_tokens += s.new_tokens
-        total.target_forwards += s.target_forwards
-        total.draft_seconds += s.draft_seconds
-        total.verify_seconds += s.verify_seconds
-        total.total_seconds += s.total_seconds
-    return total
 
 
 def build_parser() -> argparse.ArgumentParser:

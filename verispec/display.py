@@ -38,7 +38,8 @@ def render_steps(steps: list[Step], tokenizer, colour: bool = True) -> str:
 
 def stats_table(rows: dict[str, GenerationStats]) -> str:
     """A small fixed-width table, one row per method."""
-    header = f"{'method':<14}{'tokens':>8}{'forwards':>10}{'tau':>7}{'tok/s':>9}{'draft s':>9}{'verify s':>10}"
+    header = (f"{'method':<14}{'tokens':>8}{'forwards':>10}{'tau':>7}{'tok/s':>9}{'draft s':>9}"
+              f"{'verify s':>10}")
     lines = [header, "-" * len(header)]
     for name, s in rows.items():
         lines.append(f"{name:<14}{s.new_tokens:>8}{s.target_forwards:>10}{s.mean_accepted_tokens:>7.2f}"

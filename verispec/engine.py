@@ -19,8 +19,7 @@ from verispec.drafters.base import Drafter, DraftRequest
 from verispec.errors import VerispecError
 from verispec.policies import ConstantK, DraftLengthPolicy
 from verispec.stopping import StoppingRules
-from verispec.types import (Fate, GenerationResult, GenerationStats, Proposal, SamplingParams,
-                            Step)
+from verispec.types import Fate, GenerationResult, GenerationStats, Proposal, SamplingParams, Step
 from verispec.verifiers import verifier_for
 
 

@@ -52,6 +52,10 @@ class LoadedModel:
         return ids
 
 
+def first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "verispec" / "models"
@@ -84,7 +88,8 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         quantized = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except (ValueError, KeyError, OSError, RuntimeError) as error:
-        raise VerispecError(f"{gguf} is not a GGUF causal LM that transformers can load: {error}")
+        raise VerispecError(f"{gguf} is not a GGUF causal LM that transformers can load: "
+                            f"{first_line(error)}") from error
     # A GGUF-loaded model refuses save_pretrained: copy its weights into a plain model.
     config = copy.deepcopy(quantized.config)
     if hasattr(config, "quantization_config"):
@@ -136,7 +141,8 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu") -> Loaded
         config = AutoConfig.from_pretrained(directory)
         model = AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=DTYPES[dtype])
     except (ValueError, KeyError, OSError) as error:
-        raise VerispecError(f"{spec} is not a causal LM that transformers can load: {error}")
+        raise VerispecError(f"{spec} is not a causal LM that transformers can load: "
+                            f"{first_line(error)}") from error
     finally:
         transformers.utils.logging.enable_progress_bar()
     try:

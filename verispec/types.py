@@ -98,7 +98,6 @@ class GenerationStats:
     accepted_by_position: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
-    prefill_seconds: float = 0.0
     total_seconds: float = 0.0
 
     def add(self, step: Step) -> None:
@@ -112,6 +111,23 @@ class GenerationStats:
                 counts[i] += 1
         self.draft_seconds += step.draft_seconds
         self.verify_seconds += step.verify_seconds
+
+    @staticmethod
+    def total(all_stats: list[GenerationStats]) -> GenerationStats:
+        """Counters summed over several generations (for per-task or per-run totals)."""
+        total = GenerationStats()
+        for s in all_stats:
+            total.new_tokens += s.new_tokens
+            total.target_forwards += s.target_forwards
+            for mine, theirs in ((total.drafted_by_position, s.drafted_by_position),
+                                 (total.accepted_by_position, s.accepted_by_position)):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for i, count in enumerate(theirs):
+                    mine[i] += count
+            total.draft_seconds += s.draft_seconds
+            total.verify_seconds += s.verify_seconds
+            total.total_seconds += s.total_seconds
+        return total
 
     @property
     def mean_accepted_tokens(self) -> float:

@@ -42,7 +42,7 @@ def rejection_sample(
 
     rows = torch.arange(batch, device=target_probs.device)
     p_next = target_probs[rows, num_accepted]  # [batch, vocab]
-    q_next = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, num_accepted]
+    q_next = torch.cat([draft_probs, torch.zeros_like(target_probs[:, :1])], dim=1)[rows, num_accepted]
     residual = (p_next - q_next).clamp_min(0)  # q_next is 0 at the bonus position: residual = p
     mass = residual.sum(-1, keepdim=True)
     # Exact arithmetic never rejects when p == q; guard float round-off that leaves no mass.

@@ -1,0 +1,111 @@
+"""The Python API: Hugging Face-style arguments, streaming, seeded sampling, local directories."""
+
+from __future__ import annotations
+
+import pytest
+
+import verispec
+from tests.tiny import plain_greedy, tiny_llama, tiny_tokenizer
+
+PROMPT = "w10 w11 w12 w10 w11"
+
+
+def test_generate_with_each_hf_style_method_matches_plain(tiny_dir, target):
+    prompt_ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    truth = plain_greedy(target, prompt_ids, 20)
+    draft = verispec.load_model(str(tiny_dir))
+    for kwargs in ({}, {"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 2},
+                   {"assistant_early_exit": 1, "num_assistant_tokens": 3},
+                   {"assistant_model": draft, "num_assistant_tokens": 5,
+                    "num_assistant_tokens_schedule": "heuristic"},
+                   {"assistant_model": str(tiny_dir), "assistant_confidence_threshold": 0.5}):
+        result = verispec.generate(str(tiny_dir), PROMPT, max_new_tokens=20, eos_token_id=[], **kwargs)
+        assert result.token_ids == truth, kwargs
+        assert result.text == tiny_tokenizer().decode(truth, skip_special_tokens=True)
+
+
+def test_plain_pretrained_model_and_token_ids(target):
+    result = verispec.generate(target, [1, 5, 6], max_new_tokens=5)
+    assert result.token_ids == plain_greedy(target, [1, 5, 6], 5)
+    assert result.stats.mean_accepted_tokens == 1.0
+
+
+def test_seeded_sampling_repeats_exactly(tiny_dir):
+    kwargs = dict(max_new_tokens=24, do_sample=True, temperature=0.9, top_k=20, top_p=0.9,
+                  eos_token_id=[])
+    for method in ({}, {"assistant_model": str(tiny_dir)}, {"prompt_lookup_num_tokens": 3}):
+        first = verispec.generate(str(tiny_dir), PROMPT, seed=123, **kwargs, **method)
+        second = verispec.generate(str(tiny_dir), PROMPT, seed=123, **kwargs, **method)
+        other = verispec.generate(str(tiny_dir), PROMPT, seed=124, **kwargs, **method)
+        assert first.token_ids == second.token_ids
+        assert first.token_ids != other.token_ids
+
+
+def test_stream_yields_the_same_text_as_generate(tiny_dir):
+    pieces = list(verispec.stream(str(tiny_dir), PROMPT, max_new_tokens=16, eos_token_id=[],
+                                  prompt_lookup_num_tokens=4))
+    full = verispec.generate(str(tiny_dir), PROMPT, max_new_tokens=16, eos_token_id=[])
+    assert len(pieces) > 1 and "".join(pieces) == full.text
+
+
+def test_hf_style_streamer_receives_prompt_then_blocks(tiny_dir):
+    class Recorder:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.tolist())
+
+        def end(self):
+            self.ended = True
+
+    recorder = Recorder()
+    result = verispec.generate(str(tiny_dir), PROMPT, max_new_tokens=10, eos_token_id=[], streamer=recorder)
+    assert recorder.ended
+    assert recorder.puts[0] == tiny_tokenizer()(PROMPT)["input_ids"]
+    assert sum(recorder.puts[1:], []) == result.token_ids
+
+
+def test_chat_template_is_applied_on_request(tiny_dir):
+    result = verispec.generate(str(tiny_dir), "w9", chat=True, max_new_tokens=3, eos_token_id=[])
+    assert result.prompt_ids == tiny_tokenizer()("<user> w9 <assistant>")["input_ids"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -1.0, "do_sample": True}, "temperature must be >= 0"),
+    ({"temperature": float("nan"), "do_sample": True}, "finite"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"prompt_lookup_num_tokens": -1}, "k must be an integer >= 0"),
+    ({"assistant_early_exit": 99}, "exit layer"),
+    ({"prompt_lookup_num_tokens": 3, "assistant_early_exit": 1}, "choose one"),
+    ({"num_assistant_tokens_schedule": "wild", "prompt_lookup_num_tokens": 3}, "schedule"),
+    ({"max_new_tokens": 600}, "exceeds the model's context"),
+])
+def test_bad_arguments_are_refused_clearly(tiny_dir, kwargs, message):
+    with pytest.raises(verispec.VerispecError, match=message):
+        verispec.generate(str(tiny_dir), PROMPT, **kwargs)
+
+
+def test_empty_prompt_and_unknown_model_are_refused(tiny_dir, tmp_path):
+    with pytest.raises(verispec.VerispecError, match="empty"):
+        verispec.generate(str(tiny_dir), "   ")
+    with pytest.raises(verispec.VerispecError, match="empty"):
+        verispec.generate(str(tiny_dir), [])
+    with pytest.raises(verispec.VerispecError, match="unknown model"):
+        verispec.generate(str(tmp_path / "nowhere"), "w5")
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_dir, tmp_path):
+    other = tmp_path / "other-vocab"
+    tiny_llama(seed=1).save_pretrained(other)
+    tiny_tokenizer(prefix="x").save_pretrained(other)
+    with pytest.raises(verispec.VerispecError, match="tokenizers differ"):
+        verispec.generate(str(tiny_dir), PROMPT, assistant_model=str(other))
+    smaller = tmp_path / "smaller-vocab"
+    tiny_llama(seed=1, vocab=48).save_pretrained(smaller)
+    tiny_tokenizer(vocab=48).save_pretrained(smaller)
+    with pytest.raises(verispec.VerispecError, match="48 tokens"):
+        verispec.generate(str(tiny_dir), PROMPT, assistant_model=str(smaller))

@@ -1,0 +1,50 @@
+"""A short run on the built-in SmolLM2-135M-Instruct (converted once into the user's cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import verispec
+from verispec.cli import main
+from verispec.models import cache_root
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return verispec.load("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm):
+    return verispec.api.encode_prompt(smollm, "List three colours of the rainbow, then repeat them.",
+                                      chat=True)
+
+
+def test_builtin_greedy_equals_hf_generate(smollm, prompt_ids):
+    reference = smollm.model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW, do_sample=False)
+    reference = reference[0, len(prompt_ids):].tolist()
+    for kwargs in ({}, {"prompt_lookup_num_tokens": 8}, {"assistant_early_exit": 20},
+                   {"assistant_model": smollm, "num_assistant_tokens": 4}):
+        result = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW, **kwargs)
+        assert result.token_ids == reference, kwargs
+    assert result.stats.mean_accepted_tokens > 3  # the target drafting for itself
+
+
+def test_builtin_has_chat_template_and_eos(smollm):
+    assert smollm.tokenizer.chat_template
+    assert smollm.eos_token_ids
+    assert smollm.model.dtype == torch.float32
+
+
+def test_demo_runs(capsys):
+    assert main(["demo", "--max-new-tokens", "8", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup of" in out and "identical to plain decoding" in out
+
+
+def test_cache_respects_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_root() == tmp_path / "verispec" / "models"

@@ -1,0 +1,93 @@
+"""The command line: one-line errors for bad input, --json output, --help everywhere."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.tiny import tiny_llama
+from verispec.cli import main
+
+
+def test_generate_json_has_every_field(tiny_dir, capsys):
+    code = main(["generate", "--model", str(tiny_dir), "--method", "pld", "--k", "4",
+                 "--prompt", "w10 w11 w10 w11", "--max-new-tokens", "12", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"text", "token_ids", "stats"}
+    assert set(out["stats"]) == {"new_tokens", "target_forwards", "mean_accepted_tokens",
+                                 "acceptance_by_position", "draft_seconds", "verify_seconds",
+                                 "tokens_per_second"}
+    stats = out["stats"]
+    assert stats["new_tokens"] == len(out["token_ids"]) <= 12
+    assert stats["mean_accepted_tokens"] == pytest.approx(stats["new_tokens"] / stats["target_forwards"])
+
+
+def test_generate_colours_tokens_by_fate(tiny_dir, capsys):
+    code = main(["generate", "--model", str(tiny_dir), "--method", "early-exit", "--exit-layer", "1",
+                 "--prompt", "w10 w11", "--max-new-tokens", "16", "--color", "always"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "\033[32m" in out or "\033[34m" in out  # accepted drafts or corrections are painted
+    assert "tau" in out and "acceptance by draft position" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "w5", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt", "w5", "--temperature", "nan"], "finite"),
+    (["--prompt", "w5", "--temperature", "1", "--top-p", "0"], "top_p"),
+    (["--prompt", "w5", "--temperature", "1", "--top-p", "1.1"], "top_p"),
+    (["--prompt", "w5", "--top-k", "-1"], "top_k"),
+    (["--prompt", "w5", "--method", "pld", "--k", "-1"], "k must be an integer >= 0"),
+    (["--prompt", "w5", "--method", "draft"], "needs a draft model"),
+    (["--prompt", "w5", "--max-new-tokens", "1000"], "exceeds the model's context"),
+    (["--prompt", " ".join(["w5"] * 600)], "exceeds the model's context"),
+])
+def test_bad_generate_input_is_one_line_error(tiny_dir, capsys, args, message):
+    code = main(["generate", "--model", str(tiny_dir), *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_unknown_or_unusable_models_are_one_line_errors(tmp_path, capsys):
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("not a model")
+    fake_gguf = tmp_path / "fake.gguf"
+    fake_gguf.write_bytes(b"not a gguf file")
+    for model, message in [(str(tmp_path / "missing"), "unknown model"),
+                           (str(junk), "not a causal LM"),
+                           (str(fake_gguf), "not a GGUF causal LM")]:
+        code = main(["generate", "--model", model, "--prompt", "hi"])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_draft_vocabulary_mismatch_is_one_line_error(tiny_dir, tmp_path, capsys):
+    from tests.tiny import tiny_tokenizer
+
+    other = tmp_path / "other"
+    tiny_llama(seed=2).save_pretrained(other)
+    tiny_tokenizer(prefix="z").save_pretrained(other)
+    code = main(["generate", "--model", str(tiny_dir), "--method", "draft", "--draft", str(other),
+                 "--prompt", "w5"])
+    err = capsys.readouterr().err
+    assert code == 2 and "tokenizers differ" in err
+
+
+def test_unknown_method_is_refused(tiny_dir):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", str(tiny_dir), "--method", "magic", "--prompt", "w5"])
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["demo"]])
+def test_help_on_every_command(command):
+    out = subprocess.run([sys.executable, "-m", "verispec.cli", *command, "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.startswith("usage: verispec")
