@@ -291,13 +291,19 @@ def results_for(name: str, seed: int, buggy: bool = False) -> list[PositionResul
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("name", list(REGIMES))
 def test_emitted_tokens_follow_target(name: str, seed: int) -> None:
-    """At every reachable position (bonus included) the emitted tokens are distributed as p_j."""
+    """At every reachable position (bonus included) the emitted tokens are distributed as p_j.
+
+    TV(empirical, p_j) <= eps(N_j, V, delta) with N_j >= MIN_N; unreachable positions (reach 0,
+    the disjoint regime) must never be reached.
+    """
     regime = REGIMES[name]
     for j, (res, reach) in enumerate(zip(results_for(name, seed), regime.reach())):
         if reach == 0:
             assert res.n == 0, f"{name} position {j} is unreachable but was reached {res.n} times"
             continue
         assert res.n >= MIN_N, f"{name} position {j}: only {res.n} samples"
+        # Exact part: a token with p_j = 0 is never emitted (top-k/top-p cut-offs, q_zero's token 9).
+        assert (res.empirical[regime.target[j] == 0] == 0).all(), f"{name} position {j}"
         assert res.tv <= res.bound, (
             f"{name} seed {seed} position {j}: TV {res.tv:.5f} > bound {res.bound:.5f} (N={res.n})")
 

@@ -91,6 +91,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     target = load_model(args.model, args.dtype, args.device)
     colour = use_colour(args.color)
     totals: dict[str, list] = {"ar": [], args.method: []}
+    for method in totals:  # warm-up: the first forward passes are slow; keep them out of timings
+        run(make_job(target, DEMO_PROMPTS[0], method=method, options=draft_options(args),
+                     max_new_tokens=4, chat=True))
     for prompt in DEMO_PROMPTS:
         print(f"\n>>> {prompt}")
         for method in totals:
