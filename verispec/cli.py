@@ -117,6 +117,46 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def comma_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def comma_ints(text: str) -> list[int]:
+    try:
+        return [int(item) for item in comma_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from verispec.bench.report import compare
+    from verispec.bench.runner import BenchConfig, run_bench
+
+    if args.compare:
+        loaded = []
+        for path in args.compare:
+            try:
+                loaded.append(json.loads(Path(path).read_text()))
+            except (OSError, ValueError) as error:
+                raise VerispecError(f"cannot read results file {path}: {error}") from error
+        print(compare(*loaded))
+        return 0
+    config = BenchConfig(model=args.model, out=Path(args.out), methods=args.methods, ks=args.k,
+                         draft=args.draft, exit_layer=args.exit_layer,
+                         questions=Path(args.questions) if args.questions else None, tasks=args.tasks,
+                         limit_per_task=args.limit_per_task, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, seed=args.seed, warmup=args.warmup,
+                         dtype=args.dtype, device=args.device)
+    results = run_bench(config)
+    print((Path(args.out) / "report.md").read_text() if results["runs"] else "no runs finished")
+    if results["config"]["interrupted"]:
+        print(f"verispec: interrupted; results so far are in {args.out}", file=sys.stderr)
+        return 130
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verispec", description="Lossless speculative decoding for Hugging Face causal LMs.")
@@ -147,6 +187,30 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=96, help="default: 96")
     demo.add_argument("--color", default="auto", choices=["auto", "always", "never"])
     demo.set_defaults(func=cmd_demo)
+
+    bench = commands.add_parser(
+        "bench", help="measure every method against Hugging Face generate() (Spec-Bench style)",
+        description="Runs Hugging Face generate() baselines and verispec methods interleaved on the "
+        "same questions; writes results.json, report.md and PNG plots to --out.")
+    add_model_arguments(bench)
+    bench.add_argument("--methods", type=comma_list,
+                       help="comma-separated; default: every method available for the model. "
+                       "hf and ar baselines always run. Also: hf-pld, hf-assisted, hf-early-exit")
+    bench.add_argument("--draft", help="draft model for draft / hf-assisted")
+    bench.add_argument("--k", type=comma_ints, help="draft lengths to sweep, e.g. 4,8,16")
+    bench.add_argument("--exit-layer", type=int, help="early exit layers (default: half the target's)")
+    bench.add_argument("--questions", help="Spec-Bench-format .jsonl (default: built-in prompts)")
+    bench.add_argument("--tasks", type=comma_list, help="only these tasks, e.g. qa,rag")
+    bench.add_argument("--limit-per-task", type=int, help="first N questions of each task")
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
+    bench.add_argument("--temperature", type=float, default=0.0,
+                       help="0 (default): greedy, exactness checked")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--warmup", type=int, default=1, help="untimed runs of each method first")
+    bench.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
+    bench.add_argument("--compare", nargs=2, metavar="RESULTS",
+                       help="print the change between two results.json files instead of running")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

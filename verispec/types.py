@@ -94,8 +94,9 @@ class GenerationStats:
 
     new_tokens: int = 0
     target_forwards: int = 0
-    drafted_by_position: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)  # steps drafting position i
+    accepted_by_position: list[int] = field(default_factory=list)  # ... where i was accepted
+    reached_by_position: list[int] = field(default_factory=list)  # ... where 0..i-1 were accepted
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -103,8 +104,10 @@ class GenerationStats:
     def add(self, step: Step) -> None:
         self.new_tokens += len(step.tokens)
         self.target_forwards += 1
+        reached = min(step.num_drafted, step.num_accepted + 1)
         for counts, n in ((self.drafted_by_position, step.num_drafted),
-                          (self.accepted_by_position, step.num_accepted)):
+                          (self.accepted_by_position, step.num_accepted),
+                          (self.reached_by_position, reached)):
             if len(counts) < n:
                 counts.extend([0] * (n - len(counts)))
             for i in range(n):
@@ -120,7 +123,8 @@ class GenerationStats:
             total.new_tokens += s.new_tokens
             total.target_forwards += s.target_forwards
             for mine, theirs in ((total.drafted_by_position, s.drafted_by_position),
-                                 (total.accepted_by_position, s.accepted_by_position)):
+                                 (total.accepted_by_position, s.accepted_by_position),
+                                 (total.reached_by_position, s.reached_by_position)):
                 mine.extend([0] * (len(theirs) - len(mine)))
                 for i, count in enumerate(theirs):
                     mine[i] += count
@@ -136,7 +140,8 @@ class GenerationStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        return [a / d for a, d in zip(self.accepted_by_position, self.drafted_by_position) if d]
+        """Per draft position i: P(accepted | drafted and positions 0..i-1 accepted)."""
+        return [a / r for a, r in zip(self.accepted_by_position, self.reached_by_position) if r]
 
     @property
     def tokens_per_second(self) -> float:

@@ -1,0 +1,89 @@
+"""`verispec bench` end to end on a tiny model and two questions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verispec.bench.runner import BenchConfig, run_bench
+from verispec.cli import main
+from verispec.errors import VerispecError
+from verispec.verifiers import greedy
+
+RUN_FIELDS = {"method", "task", "question_id", "k", "new_tokens", "seconds", "target_forwards",
+              "mean_accepted_tokens", "identical_to_baseline"}
+SUMMARY_FIELDS = {"speedup_vs_hf", "speedup_vs_ar", "mean_accepted_tokens", "tokens_per_second",
+                  "identical"}
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory):
+    path = tmp_path_factory.mktemp("questions") / "questions.jsonl"
+    rows = [{"question_id": 1, "category": "writing", "turns": ["w10 w11 w12 w10 w11 w12 w10", "w5"]},
+            {"question_id": 2, "category": "qa", "turns": ["w20 w21 w22 w20 w21"]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def config(tiny_dir, questions, out, **kwargs):
+    return BenchConfig(model=str(tiny_dir), out=out, questions=questions, max_new_tokens=12,
+                       warmup=0, exit_layer=1, **kwargs)
+
+
+def test_bench_writes_every_field_report_and_plots(tiny_dir, questions, tmp_path):
+    out = tmp_path / "bench"
+    results = run_bench(config(tiny_dir, questions, out, ks=[2, 4]), progress=False)
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["summary"] == json.loads(json.dumps(results["summary"]))
+    assert {"config", "machine", "runs", "summary"} <= set(on_disk)
+    labels = {r["label"] for r in on_disk["runs"]}
+    assert {"hf", "ar", "hf-pld", "hf-early-exit", "pld k=2", "pld k=4", "early-exit k=2"} <= labels
+    for run in on_disk["runs"]:
+        assert RUN_FIELDS <= set(run)
+        assert run["new_tokens"] == 12 and run["seconds"] > 0
+    assert {r["task"] for r in on_disk["runs"]} == {"mt_bench", "qa"}
+    for label, tasks in on_disk["summary"].items():
+        assert {"mt_bench", "qa", "overall"} <= set(tasks), label
+        assert SUMMARY_FIELDS <= set(tasks["overall"])
+    # Lossless methods are identical to ar on every question.
+    assert on_disk["summary"]["pld k=4"]["overall"]["identical"] == "2/2"
+    assert on_disk["summary"]["hf"]["overall"]["identical"] == "2/2"
+    report = (out / "report.md").read_text()
+    assert "pld k=4" in report and "hf-pld" in report
+    for png in ("speedup_by_task.png", "acceptance_by_position.png", "k_sweep.png"):
+        assert (out / png).stat().st_size > 1000
+
+
+def test_exactness_check_catches_a_wrong_method(tiny_dir, questions, tmp_path, monkeypatch):
+    """A verifier made to accept every draft: the bench must report the difference and its gap."""
+
+    def accept_everything(draft_tokens, target_logits):
+        return draft_tokens.shape[0], int(target_logits[-1].argmax())
+
+    monkeypatch.setattr(greedy, "greedy_accept", accept_everything)
+    out = tmp_path / "broken"
+    results = run_bench(config(tiny_dir, questions, out, methods=["early-exit"], ks=[4]), progress=False)
+    broken = [r for r in results["runs"] if r["label"] == "early-exit"]
+    assert any(r["identical_to_baseline"] is False for r in broken)
+    difference = next(r["first_difference"] for r in broken if r["identical_to_baseline"] is False)
+    assert difference["logit_gap"] > 0  # the baseline token scores higher: not a tie, a bug
+    assert results["summary"]["early-exit"]["overall"]["identical"] != "2/2"
+    assert "early-exit" in (out / "report.md").read_text()
+
+
+def test_bench_validates_before_running(tiny_dir, questions, tmp_path):
+    with pytest.raises(VerispecError, match="unknown method"):
+        run_bench(config(tiny_dir, questions, tmp_path / "a", methods=["warp-drive"]), progress=False)
+    with pytest.raises(VerispecError, match="need a draft model"):
+        run_bench(config(tiny_dir, questions, tmp_path / "b", methods=["draft"]), progress=False)
+    with pytest.raises(VerispecError, match="does not exist"):
+        run_bench(config(tiny_dir, tmp_path / "none.jsonl", tmp_path / "c"), progress=False)
+    assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_compare_prints_the_change(tiny_dir, questions, tmp_path, capsys):
+    out = tmp_path / "one"
+    run_bench(config(tiny_dir, questions, out, methods=["pld"]), progress=False)
+    assert main(["bench", "--compare", str(out / "results.json"), str(out / "results.json")]) == 0
+    assert "pld" in capsys.readouterr().out

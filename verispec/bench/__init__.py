@@ -1,0 +1,1 @@
+"""Spec-Bench-style benchmark: runner, questions, report and plots."""

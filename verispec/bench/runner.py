@@ -1,0 +1,311 @@
+"""`verispec bench`: every method against Hugging Face `generate()` on the same prompts, one run.
+
+Methods run interleaved question by question (the order rotates), so machine drift hits all of
+them alike. Hugging Face baselines: `hf` (plain generate), `hf-pld` (prompt_lookup_num_tokens),
+`hf-assisted` (the same draft model as `draft`), `hf-early-exit` (assistant_early_exit).
+Under greedy decoding every output is compared token for token with verispec's `ar` output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from verispec.api import encode_prompt
+from verispec.bench.questions import Question, load_questions
+from verispec.bench.report import summarize, theory, write_report
+from verispec.cached_model import CachedModel
+from verispec.drafters import METHODS, DraftOptions, build_engine
+from verispec.engine import context_length
+from verispec.errors import VerispecError
+from verispec.models import LoadedModel, load_model
+from verispec.stopping import StoppingRules
+from verispec.types import GenerationStats, SamplingParams
+
+BASELINES = ("hf", "ar")
+HF_METHODS = ("hf", "hf-pld", "hf-assisted", "hf-early-exit")
+NEEDS_DRAFT = ("draft", "hf-assisted")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str
+    out: Path
+    methods: list[str] | None = None  # None: baselines + every method available for the model
+    ks: list[int] | None = None  # None: each method's default
+    draft: str | None = None
+    exit_layer: int | None = None
+    questions: Path | None = None  # None: the built-in prompts
+    tasks: list[str] | None = None
+    limit_per_task: int | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    warmup: int = 1
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass
+class Outcome:
+    tokens: list[int]
+    seconds: float
+    target_forwards: int | None
+    stats: GenerationStats | None = None
+
+
+@dataclass(frozen=True)
+class Contender:
+    label: str
+    method: str
+    k: int | None
+    generate: Callable[[list[int]], Outcome] = field(compare=False)
+
+
+def choose_methods(config: BenchConfig) -> list[str]:
+    """Baselines first, then the requested (or every available) method, validated."""
+    known = set(METHODS) | set(HF_METHODS)
+    if config.methods is None:
+        methods = ["hf-pld", "pld", "hf-early-exit", "early-exit"]
+        if config.draft:
+            methods += ["hf-assisted", "draft"]
+    else:
+        unknown = [m for m in config.methods if m not in known]
+        if unknown:
+            raise VerispecError(f"unknown method(s) {', '.join(unknown)}; choose from "
+                                f"{', '.join(sorted(known))}")
+        methods = list(config.methods)
+    missing_draft = [m for m in methods if m in NEEDS_DRAFT and not config.draft]
+    if missing_draft:
+        raise VerispecError(f"{', '.join(missing_draft)} need a draft model: pass --draft PATH")
+    return list(BASELINES) + [m for m in dict.fromkeys(methods) if m not in BASELINES]
+
+
+def hf_contender(method: str, target: LoadedModel, draft: LoadedModel | None, config: BenchConfig,
+                 sampling: SamplingParams, eos: list[int]) -> Contender:
+    """Hugging Face generate() with the speculative mode that matches `method`, HF defaults otherwise."""
+    extra: dict = {}
+    if method == "hf-pld":
+        extra = {"prompt_lookup_num_tokens": 10}
+    elif method == "hf-assisted":
+        extra = {"assistant_model": draft.model}
+    elif method == "hf-early-exit":
+        extra = {"assistant_early_exit": exit_layer(target, config)}
+    k = extra.get("prompt_lookup_num_tokens")
+    model = target.model
+    generation = transformers.GenerationConfig(
+        max_new_tokens=config.max_new_tokens, do_sample=not sampling.greedy,
+        temperature=sampling.temperature if not sampling.greedy else None, top_k=0, top_p=1.0,
+        eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
+
+    def generate(prompt_ids: list[int]) -> Outcome:
+        calls = [0]
+        # Counting target forwards is exact except in early exit, where the drafter is the target.
+        hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        inputs = torch.tensor([prompt_ids], device=model.device)
+        torch.manual_seed(config.seed)
+        try:
+            started = time.perf_counter()
+            output = model.generate(inputs, generation_config=generation, **extra)
+            tokens = output[0, len(prompt_ids):].tolist()
+            seconds = time.perf_counter() - started
+        finally:
+            hook.remove()
+        return Outcome(tokens, seconds, None if method == "hf-early-exit" else calls[0])
+
+    return Contender(method, method, k, generate)
+
+
+def exit_layer(target: LoadedModel, config: BenchConfig) -> int:
+    layers = target.model.config.get_text_config(decoder=True).num_hidden_layers
+    return config.exit_layer if config.exit_layer is not None else layers // 2
+
+
+def verispec_contender(method: str, k: int | None, label: str, target: LoadedModel,
+                       draft: LoadedModel | None, config: BenchConfig, sampling: SamplingParams,
+                       stopping: StoppingRules) -> Contender:
+    options = DraftOptions(k=k, draft=draft, exit_layer=exit_layer(target, config))
+    engine = build_engine(target, method, options)
+
+    def generate(prompt_ids: list[int]) -> Outcome:
+        started = time.perf_counter()
+        result = engine.generate(prompt_ids, stopping, sampling, config.seed)
+        seconds = time.perf_counter() - started
+        return Outcome(result.token_ids, seconds, result.stats.target_forwards, result.stats)
+
+    return Contender(label, method, k if method != "ar" else None, generate)
+
+
+def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
+                     sampling: SamplingParams, stopping: StoppingRules) -> list[Contender]:
+    eos = sorted(target.eos_token_ids)
+    contenders = []
+    for method in choose_methods(config):
+        if method in HF_METHODS:
+            contenders.append(hf_contender(method, target, draft, config, sampling, eos))
+            continue
+        ks = [None] if method == "ar" else (config.ks or [METHODS[method].default_k])
+        for k in ks:
+            label = method if len(ks) == 1 else f"{method} k={k}"
+            contenders.append(verispec_contender(method, k, label, target, draft, config, sampling,
+                                                 stopping))
+    return contenders
+
+
+def measure_forward(target: LoadedModel, context: list[int], sizes=(1, 2, 4, 8, 16),
+                    repeats: int = 7) -> dict:
+    """Median time of one target forward over n new tokens with the context cached."""
+    lm = CachedModel(target.model)
+    lm.forward(torch.tensor(context, device=lm.device))
+    by_tokens = {}
+    generator = torch.Generator().manual_seed(0)
+    for n in sizes:
+        times = []
+        for _ in range(repeats):
+            tokens = torch.randint(0, target.vocab_size, (n,), generator=generator).to(lm.device)
+            started = time.perf_counter()
+            lm.forward(tokens)
+            times.append(time.perf_counter() - started)
+            lm.rewind(len(context))
+        by_tokens[str(n)] = statistics.median(times)
+    return {"context_tokens": len(context), "bare_forward_seconds": by_tokens["1"],
+            "by_tokens": by_tokens}
+
+
+def first_difference(target: LoadedModel, prompt_ids: list[int], ours: list[int],
+                     baseline: list[int]) -> dict | None:
+    """Where two outputs part, and the target's logit gap between the two tokens there."""
+    position = next((i for i, (a, b) in enumerate(zip(ours, baseline)) if a != b), None)
+    if position is None:
+        if len(ours) == len(baseline):
+            return None
+        position = min(len(ours), len(baseline))
+        return {"position": position, "ours": ours[position] if position < len(ours) else None,
+                "baseline": baseline[position] if position < len(baseline) else None,
+                "logit_gap": None}
+    with torch.inference_mode():
+        ids = torch.tensor([prompt_ids + baseline[:position]], device=target.model.device)
+        logits = target.model(input_ids=ids).logits[0, -1].float()
+    gap = float(logits[baseline[position]] - logits[ours[position]])
+    return {"position": position, "ours": ours[position], "baseline": baseline[position],
+            "logit_gap": gap}
+
+
+def machine_info(device: str) -> dict:
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def run_record(contender: Contender, question: Question, outcome: Outcome) -> dict:
+    stats = outcome.stats
+    forwards = outcome.target_forwards
+    return {
+        "method": contender.method, "label": contender.label, "task": question.task,
+        "question_id": question.question_id, "k": contender.k,
+        "new_tokens": len(outcome.tokens), "seconds": outcome.seconds,
+        "target_forwards": forwards,
+        "mean_accepted_tokens": len(outcome.tokens) / forwards if forwards else None,
+        "drafted_by_position": stats.drafted_by_position if stats else [],
+        "accepted_by_position": stats.accepted_by_position if stats else [],
+        "reached_by_position": stats.reached_by_position if stats else [],
+        "draft_seconds": stats.draft_seconds if stats else None,
+        "verify_seconds": stats.verify_seconds if stats else None,
+        "identical_to_baseline": None, "first_difference": None,
+    }
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Atomic write: a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def run_bench(config: BenchConfig, progress: bool = True) -> dict:
+    """Run the benchmark; results.json is rewritten after every question, the report at the end.
+
+    Ctrl-C stops early: what was measured so far is written, with config["interrupted"] = True.
+    """
+    sampling = SamplingParams(do_sample=config.temperature > 0, temperature=config.temperature)
+    questions = load_questions(config.questions, config.tasks, config.limit_per_task)
+    methods = choose_methods(config)
+    if any(k < 0 for k in config.ks or []):
+        raise VerispecError(f"--k values must be >= 0, got {config.ks}")
+    if config.warmup < 0:
+        raise VerispecError(f"--warmup must be >= 0, got {config.warmup}")
+    target = load_model(config.model, config.dtype, config.device)
+    if target.tokenizer is None:
+        raise VerispecError(f"{config.model} has no tokenizer: the benchmark needs text prompts")
+    draft = load_model(config.draft, config.dtype, config.device) if config.draft else None
+    stopping = StoppingRules.build(config.max_new_tokens, target.eos_token_ids)
+    contenders = build_contenders(config, target, draft, sampling, stopping)
+    prompts = {q: encode_prompt(target, q.prompt, chat=bool(getattr(target.tokenizer, "chat_template",
+                                                                   None)))
+               for q in questions}
+    for q, ids in prompts.items():
+        if len(ids) + config.max_new_tokens > context_length(target.model):
+            raise VerispecError(f"question {q.question_id} is too long for the model's context")
+
+    config.out.mkdir(parents=True, exist_ok=True)
+    results = {"config": {**{k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+                          "methods": methods, "labels": [c.label for c in contenders],
+                          "questions": str(config.questions or "built-in"),
+                          "num_questions": len(questions), "interrupted": False},
+               "machine": machine_info(config.device), "forward": {}, "runs": [],
+               "summary": {}, "theory": {}}
+    first_prompt = prompts[questions[0]]
+    results["forward"] = measure_forward(target, (first_prompt * (300 // len(first_prompt) + 1))[:300])
+    bar = tqdm(total=len(questions) * len(contenders) + config.warmup * len(contenders),
+               desc="bench", unit="run", disable=not progress)
+    try:
+        for _ in range(config.warmup):
+            for contender in contenders:
+                bar.set_postfix_str(f"warm-up {contender.label}")
+                contender.generate(first_prompt)
+                bar.update()
+        for index, question in enumerate(questions):
+            prompt_ids = prompts[question]
+            order = contenders[index % len(contenders):] + contenders[:index % len(contenders)]
+            outputs = {}
+            for contender in order:
+                bar.set_postfix_str(f"{question.task} #{question.question_id} {contender.label}")
+                outputs[contender] = contender.generate(prompt_ids)
+                bar.update()
+            baseline = next((o.tokens for c, o in outputs.items() if c.label == "ar"), None)
+            for contender in contenders:  # records in a stable order
+                record = run_record(contender, question, outputs[contender])
+                if sampling.greedy and baseline is not None and contender.label != "ar":
+                    tokens = outputs[contender].tokens
+                    record["identical_to_baseline"] = tokens == baseline
+                    record["first_difference"] = first_difference(target, prompt_ids, tokens, baseline)
+                results["runs"].append(record)
+            finish(results, config.out, report=False)
+    except KeyboardInterrupt:
+        results["config"]["interrupted"] = True
+    finally:
+        bar.close()
+    finish(results, config.out, report=True)
+    return results
+
+
+def finish(results: dict, out: Path, report: bool) -> None:
+    results["summary"] = summarize(results["runs"])
+    results["theory"] = theory(results["runs"], results["forward"])
+    write_json(out / "results.json", results)
+    if report and results["runs"]:
+        write_report(results, out)
