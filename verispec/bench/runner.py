@@ -103,10 +103,10 @@ def hf_contender(method: str, target: LoadedModel, draft: LoadedModel | None, co
         extra = {"assistant_early_exit": exit_layer(target, config)}
     k = extra.get("prompt_lookup_num_tokens")
     model = target.model
-    generation = transformers.GenerationConfig(
-        max_new_tokens=config.max_new_tokens, do_sample=not sampling.greedy,
-        temperature=sampling.temperature if not sampling.greedy else None, top_k=0, top_p=1.0,
-        eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
+    settings = {"max_new_tokens": config.max_new_tokens, "do_sample": not sampling.greedy,
+                "eos_token_id": eos, "pad_token_id": eos[0] if eos else 0, **extra}
+    if not sampling.greedy:  # the same warps as verispec: temperature only, no top-k / top-p
+        settings |= {"temperature": sampling.temperature, "top_k": 0, "top_p": 1.0}
 
     def generate(prompt_ids: list[int]) -> Outcome:
         calls = [0]
@@ -116,7 +116,7 @@ def hf_contender(method: str, target: LoadedModel, draft: LoadedModel | None, co
         torch.manual_seed(config.seed)
         try:
             started = time.perf_counter()
-            output = model.generate(inputs, generation_config=generation, **extra)
+            output = model.generate(inputs, **settings)
             tokens = output[0, len(prompt_ids):].tolist()
             seconds = time.perf_counter() - started
         finally:
@@ -261,6 +261,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         if len(ids) + config.max_new_tokens > context_length(target.model):
             raise VerispecError(f"question {q.question_id} is too long for the model's context")
 
+    # Hugging Face's early-exit mode warns about its own internal arguments on every call.
+    transformers.utils.logging.set_verbosity_error()
     config.out.mkdir(parents=True, exist_ok=True)
     results = {"config": {**{k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
                           "methods": methods, "labels": [c.label for c in contenders],
