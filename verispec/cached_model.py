@@ -12,9 +12,19 @@ from transformers import DynamicCache, PreTrainedModel
 class CachedModel:
     """Feeds tokens through `model`, keeping their keys and values; `rewind` drops the newest."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, pad_to_multiple: int | None = None) -> None:
+        """pad_to_multiple: feed multi-token blocks padded to a multiple of this many tokens.
+
+        On CPU, matrix products over 2, 3, 7 or 11 rows take up to twice as long as over 4, 8 or
+        12 (measured here: the LM head takes 15 ms for 2 rows, 12.5 ms for 4), so by default a
+        block of n > 1 tokens on CPU is padded to a multiple of 4 and the padding is dropped from
+        the cache and the logits. Padding comes after the real tokens, which cannot attend to it.
+        """
         self.model = model
         self.cache = DynamicCache(config=model.config)
+        if pad_to_multiple is None:
+            pad_to_multiple = 4 if model.device.type == "cpu" else 1
+        self.pad_to_multiple = pad_to_multiple
 
     @property
     def length(self) -> int:
@@ -31,8 +41,14 @@ class CachedModel:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append tokens [n] to the cache; return logits [n, vocab] (float32)."""
+        n = tokens.shape[0]
+        padding = -n % self.pad_to_multiple if n > 1 else 0
+        if padding:
+            tokens = torch.cat([tokens, tokens[-1:].expand(padding)])
         out = self.model(input_ids=tokens.unsqueeze(0), past_key_values=self.cache, use_cache=True)
-        return out.logits[0].float()
+        if padding:
+            self.cache.crop(-padding)
+        return out.logits[0, :n].float()
 
     def rewind(self, length: int) -> None:
         """Keep only the first `length` cached tokens."""

@@ -1,0 +1,23 @@
+"""CachedModel: padding multi-token blocks changes neither the cache length nor the logits."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.cached_model import CachedModel
+
+
+def test_padding_is_invisible(target):
+    context = torch.arange(5, 25)
+    plain, padded = CachedModel(target, pad_to_multiple=1), CachedModel(target, pad_to_multiple=4)
+    for lm in (plain, padded):
+        lm.forward(context)
+    for n in (1, 2, 3, 5, 7):
+        block = torch.arange(30, 30 + n)
+        expected, got = plain.forward(block), padded.forward(block)
+        assert got.shape == expected.shape == (n, target.config.vocab_size)
+        assert padded.length == plain.length == len(context) + n
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        plain.rewind(len(context))
+        padded.rewind(len(context))
+        assert padded.length == len(context)
