@@ -94,6 +94,8 @@ def test_empty_prompt_and_unknown_model_are_refused(tiny_dir, tmp_path):
         verispec.generate(str(tiny_dir), "   ")
     with pytest.raises(verispec.VerispecError, match="empty"):
         verispec.generate(str(tiny_dir), [])
+    with pytest.raises(verispec.VerispecError, match="outside the vocabulary"):
+        verispec.generate(str(tiny_dir), [1, 5, 640])
     with pytest.raises(verispec.VerispecError, match="unknown model"):
         verispec.generate(str(tmp_path / "nowhere"), "w5")
 

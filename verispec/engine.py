@@ -38,10 +38,15 @@ class SpeculativeEngine:
         self.drafter = drafter
         self.policy = policy or ConstantK(0 if drafter is None else 5)
         self.max_length = context_length(target)
+        self.vocab_size = target.get_input_embeddings().num_embeddings
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if not prompt_ids:
             raise VerispecError("the prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise VerispecError(
+                f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
         if len(prompt_ids) + max_new_tokens > self.max_length:
             raise VerispecError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "

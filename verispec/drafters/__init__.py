@@ -28,7 +28,7 @@ class DraftOptions:
     draft: str | LoadedModel | None = None  # draft model: name, directory, GGUF or loaded model
     exit_layer: int | None = None  # early exit: layers kept (default: half the target's)
     max_ngram: int = 3  # prompt lookup: longest n-gram matched
-    min_ngram: int = 1  # prompt lookup: shortest n-gram matched
+    min_ngram: int = 2  # prompt lookup: shortest n-gram matched (1 drafts too often to pay on CPU)
 
 
 def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
@@ -69,7 +69,7 @@ class Method:
 METHODS: dict[str, Method] = {m.name: m for m in [
     Method("ar", "plain autoregressive decoding (no speculation)", 0, None),
     Method("draft", "independent draft model with the target's tokenizer (SpS)", 5, _draft_model),
-    Method("pld", "prompt lookup: n-gram matches in the prompt and output", 10, _prompt_lookup),
+    Method("pld", "prompt lookup: n-gram matches in the prompt and output", 8, _prompt_lookup),
     Method("early-exit", "the target's first layers draft (LayerSkip-style)", 5, _early_exit),
 ]}
 
