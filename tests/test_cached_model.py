@@ -21,3 +21,12 @@ def test_padding_is_invisible(target):
         plain.rewind(len(context))
         padded.rewind(len(context))
         assert padded.length == len(context)
+
+
+def test_transposed_head_gives_the_models_own_logits(target):
+    lm = CachedModel(target)
+    assert lm.head_t is not None  # a Llama on CPU takes the fast path
+    tokens = torch.arange(3, 40)
+    with torch.inference_mode():
+        expected = target(input_ids=tokens.unsqueeze(0)).logits[0]
+    torch.testing.assert_close(lm.forward(tokens), expected, rtol=1e-5, atol=1e-5)

@@ -8,6 +8,25 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+# Classes whose logits are exactly lm_head(last hidden state): no soft-capping or logit scaling.
+PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                "Qwen3ForCausalLM"})
+
+
+def transposed_head(model: PreTrainedModel) -> torch.Tensor | None:
+    """The LM head weight as a contiguous [hidden, vocab] matrix, for models that allow it on CPU.
+
+    Measured here (SmolLM2-135M, float32): one token's logits take 4.1 ms as hidden @ W^T with
+    W^T stored contiguously, 7.2 ms through nn.Linear, out of a 42 ms step. Costs one copy of
+    the head (113 MB for SmolLM2); None where it does not apply (GPU, other architectures).
+    """
+    if model.device.type != "cpu" or type(model).__name__ not in PLAIN_HEAD_CLASSES:
+        return None
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        return None
+    return head.weight.detach().t().contiguous()
+
 
 class CachedModel:
     """Feeds tokens through `model`, keeping their keys and values; `rewind` drops the newest."""
@@ -25,6 +44,7 @@ class CachedModel:
         if pad_to_multiple is None:
             pad_to_multiple = 4 if model.device.type == "cpu" else 1
         self.pad_to_multiple = pad_to_multiple
+        self.head_t = transposed_head(model)  # [hidden, vocab] or None: use the model's own head
 
     @property
     def length(self) -> int:
@@ -45,10 +65,16 @@ class CachedModel:
         padding = -n % self.pad_to_multiple if n > 1 else 0
         if padding:
             tokens = torch.cat([tokens, tokens[-1:].expand(padding)])
-        out = self.model(input_ids=tokens.unsqueeze(0), past_key_values=self.cache, use_cache=True)
+        if self.head_t is None:
+            out = self.model(input_ids=tokens.unsqueeze(0), past_key_values=self.cache, use_cache=True)
+            logits = out.logits[0, :n]
+        else:
+            out = self.model.model(input_ids=tokens.unsqueeze(0), past_key_values=self.cache,
+                                   use_cache=True)
+            logits = out.last_hidden_state[0, :n] @ self.head_t
         if padding:
             self.cache.crop(-padding)
-        return out.logits[0, :n].float()
+        return logits.float()
 
     def rewind(self, length: int) -> None:
         """Keep only the first `length` cached tokens."""

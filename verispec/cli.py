@@ -15,10 +15,18 @@ from verispec.models import BUILTIN_MODELS, DEFAULT_MODEL, DTYPES, load_model
 from verispec.policies import SCHEDULES
 from verispec.types import GenerationStats, SamplingParams
 
+# Prompts whose answers reuse the prompt's words: where prompt lookup, the best drafter that needs
+# no training, pays off.
 DEMO_PROMPTS = [
-    "Write a short poem about the sea.",
-    "Explain in three sentences why the sky is blue.",
-    "Repeat this list, adding a number before each item: apples, pears, plums, figs, cherries.",
+    "Fix the typo in this Python function and return the whole corrected function:\n\n"
+    "def average(values):\n    total = 0\n    for value in values:\n        total += value\n"
+    "    return total / len(valuse)",
+    "Use the passage to answer the question.\n\nPassage: The Karsten Bridge opened in 1931 and "
+    "carries a two-lane road over the Vell river. It was designed by the engineer Marta Lind, who "
+    "also designed the town's water tower. Its steel cables were replaced in 2015.\n\n"
+    "Question: Who designed the Karsten Bridge, and what else did she design?",
+    "Put this list in alphabetical order, one item per line: pears, apples, plums, figs, cherries, "
+    "dates, bananas.",
 ]
 DEMO_METHOD = "pld"
 
