@@ -27,7 +27,7 @@ class DraftOptions:
     confidence_threshold: float | None = None  # model drafters stop below this confidence
     draft: str | LoadedModel | None = None  # draft model: name, directory, GGUF or loaded model
     exit_layer: int | None = None  # early exit: layers kept (default: half the target's)
-    max_ngram: int = 3  # prompt lookup: longest n-gram matched
+    max_ngram: int = 4  # prompt lookup: longest n-gram matched (tried first: the surest drafts)
     min_ngram: int = 2  # prompt lookup: shortest n-gram matched (1 drafts too often to pay on CPU)
 
 
