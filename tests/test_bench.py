@@ -87,3 +87,26 @@ def test_compare_prints_the_change(tiny_dir, questions, tmp_path, capsys):
     run_bench(config(tiny_dir, questions, out, methods=["pld"]), progress=False)
     assert main(["bench", "--compare", str(out / "results.json"), str(out / "results.json")]) == 0
     assert "pld" in capsys.readouterr().out
+
+
+def test_ctrl_c_keeps_what_was_measured(tiny_dir, questions, tmp_path, monkeypatch):
+    """An interrupt during the second question leaves the first question's runs written."""
+    from verispec.bench import runner
+
+    real = runner.run_record
+    calls = {"n": 0}
+
+    def record_then_interrupt(contender, question, outcome):
+        if question.question_id == 2:
+            raise KeyboardInterrupt
+        calls["n"] += 1
+        return real(contender, question, outcome)
+
+    monkeypatch.setattr(runner, "run_record", record_then_interrupt)
+    out = tmp_path / "interrupted"
+    results = run_bench(config(tiny_dir, questions, out, methods=["pld"]), progress=False)
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["config"]["interrupted"] is True
+    assert len(on_disk["runs"]) == calls["n"] > 0
+    assert {r["question_id"] for r in on_disk["runs"]} == {1}
+    assert (out / "report.md").is_file() and results["runs"]
