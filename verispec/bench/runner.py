@@ -271,7 +271,6 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
                "machine": machine_info(config.device), "forward": {}, "runs": [],
                "summary": {}, "theory": {}}
     first_prompt = prompts[questions[0]]
-    results["forward"] = measure_forward(target, (first_prompt * (300 // len(first_prompt) + 1))[:300])
     bar = tqdm(total=len(questions) * len(contenders) + config.warmup * len(contenders),
                desc="bench", unit="run", disable=not progress)
     try:
@@ -280,6 +279,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
                 bar.set_postfix_str(f"warm-up {contender.label}")
                 contender.generate(first_prompt)
                 bar.update()
+        # Timed after the warm-up: the first forwards after loading are slow.
+        results["forward"] = measure_forward(target, (first_prompt * (300 // len(first_prompt) + 1))[:300])
         for index, question in enumerate(questions):
             prompt_ids = prompts[question]
             order = contenders[index % len(contenders):] + contenders[:index % len(contenders)]
