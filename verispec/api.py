@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from transformers import PreTrainedModel
@@ -17,17 +16,11 @@ from transformers import PreTrainedModel
 from verispec.drafters import DraftOptions, build_engine
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
-from verispec.models import LoadedModel, load_model
+from verispec.models import LoadedModel, load
 from verispec.stopping import StoppingRules
 from verispec.types import GenerationResult, SamplingParams, Step
 
 ModelLike = str | LoadedModel | PreTrainedModel
-
-
-@lru_cache(maxsize=2)
-def load(model: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load a model by name or path, keeping the last two in memory for repeated calls."""
-    return load_model(model, dtype, device)
 
 
 def _as_loaded(model: ModelLike, tokenizer=None) -> LoadedModel:

@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -150,3 +151,9 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu") -> Loaded
     except (ValueError, OSError, TypeError):
         tokenizer = None
     return LoadedModel(model.to(device).eval(), tokenizer, spec)
+
+
+@lru_cache(maxsize=2)
+def load(spec: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """load_model, keeping the last two models in memory so repeated calls do not reload."""
+    return load_model(spec, dtype, device)

@@ -14,7 +14,7 @@ from verispec.drafters.model import ModelDrafter, check_same_vocabulary
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
-from verispec.models import LoadedModel, load_model
+from verispec.models import LoadedModel, load
 from verispec.policies import SCHEDULES
 
 
@@ -36,7 +36,7 @@ def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
         raise VerispecError("method 'draft' needs a draft model (--draft PATH / assistant_model=)")
     draft = options.draft
     if not isinstance(draft, LoadedModel):
-        draft = load_model(draft, dtype=_dtype_name(target), device=str(target.model.device))
+        draft = load(draft, dtype=_dtype_name(target), device=str(target.model.device))
     if draft.tokenizer is None and target.tokenizer is not None:
         raise VerispecError(f"draft model {draft.name} has no tokenizer to check against the target's")
     check_same_vocabulary(target.tokenizer, draft.tokenizer)
