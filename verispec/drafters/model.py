@@ -72,6 +72,7 @@ class ModelDrafter:
                 token = sample(q, request.generator)
                 probs.append(q)
             drafted.append(token)
+            # The threshold check reads one float per draft token (a host sync), only when set.
             if (self.confidence_threshold is not None
                     and float(logits.softmax(-1)[token]) < self.confidence_threshold):
                 break
