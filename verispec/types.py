@@ -88,6 +88,13 @@ class Step:
     finished: bool
 
 
+def _add_counts(counts: list[int], more: list[int]) -> None:
+    """counts[i] += more[i], growing counts as needed."""
+    counts.extend([0] * (len(more) - len(counts)))
+    for i, count in enumerate(more):
+        counts[i] += count
+
+
 @dataclass
 class GenerationStats:
     """Counters accumulated over a generation; see GenerationResult.stats()."""
@@ -105,13 +112,9 @@ class GenerationStats:
         self.new_tokens += len(step.tokens)
         self.target_forwards += 1
         reached = min(step.num_drafted, step.num_accepted + 1)
-        for counts, n in ((self.drafted_by_position, step.num_drafted),
-                          (self.accepted_by_position, step.num_accepted),
-                          (self.reached_by_position, reached)):
-            if len(counts) < n:
-                counts.extend([0] * (n - len(counts)))
-            for i in range(n):
-                counts[i] += 1
+        _add_counts(self.drafted_by_position, [1] * step.num_drafted)
+        _add_counts(self.accepted_by_position, [1] * step.num_accepted)
+        _add_counts(self.reached_by_position, [1] * reached)
         self.draft_seconds += step.draft_seconds
         self.verify_seconds += step.verify_seconds
 
@@ -122,12 +125,9 @@ class GenerationStats:
         for s in all_stats:
             total.new_tokens += s.new_tokens
             total.target_forwards += s.target_forwards
-            for mine, theirs in ((total.drafted_by_position, s.drafted_by_position),
-                                 (total.accepted_by_position, s.accepted_by_position),
-                                 (total.reached_by_position, s.reached_by_position)):
-                mine.extend([0] * (len(theirs) - len(mine)))
-                for i, count in enumerate(theirs):
-                    mine[i] += count
+            _add_counts(total.drafted_by_position, s.drafted_by_position)
+            _add_counts(total.accepted_by_position, s.accepted_by_position)
+            _add_counts(total.reached_by_position, s.reached_by_position)
             total.draft_seconds += s.draft_seconds
             total.verify_seconds += s.verify_seconds
             total.total_seconds += s.total_seconds

@@ -26,6 +26,7 @@ from verispec.bench.questions import Question, load_questions
 from verispec.bench.report import summarize, theory, write_report
 from verispec.cached_model import CachedModel
 from verispec.drafters import METHODS, DraftOptions, build_engine
+from verispec.drafters.early_exit import default_exit_layer
 from verispec.engine import context_length
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel, load_model
@@ -127,8 +128,8 @@ def hf_contender(method: str, target: LoadedModel, draft: LoadedModel | None, co
 
 
 def exit_layer(target: LoadedModel, config: BenchConfig) -> int:
-    layers = target.model.config.get_text_config(decoder=True).num_hidden_layers
-    return config.exit_layer if config.exit_layer is not None else layers // 2
+    """The layer both early-exit methods use, so verispec and HF are compared like for like."""
+    return default_exit_layer(target.model) if config.exit_layer is None else config.exit_layer
 
 
 def verispec_contender(method: str, k: int | None, label: str, target: LoadedModel,

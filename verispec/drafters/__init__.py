@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from verispec.drafters.base import Drafter, DraftRequest
-from verispec.drafters.early_exit import early_exit_drafter
+from verispec.drafters.early_exit import default_exit_layer, early_exit_drafter
 from verispec.drafters.model import ModelDrafter, check_same_vocabulary
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine
@@ -44,9 +44,7 @@ def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
 
 
 def _early_exit(target: LoadedModel, options: DraftOptions) -> Drafter:
-    layers = options.exit_layer
-    if layers is None:
-        layers = target.model.config.get_text_config(decoder=True).num_hidden_layers // 2
+    layers = default_exit_layer(target.model) if options.exit_layer is None else options.exit_layer
     return early_exit_drafter(target.model, layers, target.vocab_size, options.confidence_threshold)
 
 

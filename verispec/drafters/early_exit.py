@@ -24,6 +24,11 @@ def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
     return layers
 
 
+def default_exit_layer(target: PreTrainedModel) -> int:
+    """Half the target's depth: the one place this default is defined."""
+    return len(decoder_layers(target)) // 2
+
+
 def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     """A model of the same class whose forward runs only the target's first num_layers layers."""
     layers = decoder_layers(target)

@@ -1,0 +1,35 @@
+"""Per-position acceptance counters and their totals over several generations."""
+
+from __future__ import annotations
+
+from verispec.types import Fate, GenerationStats, Step
+
+
+def step(drafted: int, accepted: int) -> Step:
+    tokens = list(range(accepted + 1))
+    return Step(tokens, [Fate.ACCEPTED] * accepted + [Fate.RECOVERED], [], drafted, accepted, 0.1, 0.2,
+                False)
+
+
+def test_acceptance_is_conditional_on_reaching_the_position():
+    stats = GenerationStats()
+    for drafted, accepted in [(4, 0), (4, 2), (4, 4), (2, 1)]:
+        stats.add(step(drafted, accepted))
+    assert stats.drafted_by_position == [4, 4, 3, 3]
+    assert stats.reached_by_position == [4, 3, 2, 1]
+    assert stats.accepted_by_position == [3, 2, 1, 1]
+    assert stats.acceptance_by_position == [3 / 4, 2 / 3, 1 / 2, 1.0]
+    assert stats.new_tokens == 1 + 3 + 5 + 2 and stats.target_forwards == 4
+    assert stats.mean_accepted_tokens == 11 / 4
+
+
+def test_total_sums_counters_of_different_lengths():
+    a, b = GenerationStats(), GenerationStats()
+    a.add(step(2, 2))
+    b.add(step(4, 1))
+    total = GenerationStats.total([a, b])
+    assert total.drafted_by_position == [2, 2, 1, 1]
+    assert total.accepted_by_position == [2, 1]
+    assert total.reached_by_position == [2, 2]
+    assert total.new_tokens == 5 and total.target_forwards == 2
+    assert abs(total.verify_seconds - 0.4) < 1e-12
