@@ -30,3 +30,16 @@ def test_transposed_head_gives_the_models_own_logits(target):
     with torch.inference_mode():
         expected = target(input_ids=tokens.unsqueeze(0)).logits[0]
     torch.testing.assert_close(lm.forward(tokens), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_transposed_head_is_shared_and_follows_weight_changes():
+    from tests.tiny import tiny_llama
+
+    model = tiny_llama(seed=5)
+    first, second = CachedModel(model), CachedModel(model)
+    assert first.head_t is second.head_t  # one copy per weight, not per engine
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)  # an in-place update must not leave a stale copy
+    third = CachedModel(model)
+    assert third.head_t is not first.head_t
+    torch.testing.assert_close(third.head_t, model.lm_head.weight.t())
