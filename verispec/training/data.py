@@ -1,0 +1,126 @@
+"""Self-distillation data: the target's own answers to training prompts, with its hidden states.
+
+Each shard file holds one generation batch: for every sequence the token ids (prompt + answer),
+the prompt length, the target's final hidden state at every position (what EAGLE and Medusa
+drafters read) and the hidden state after the early-exit layer (what a trained exit reads).
+Logits are not stored: they are `final_hidden @ lm_head.T`, recomputed when a loss needs them.
+Shards already written are kept, so an interrupted build resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from verispec.drafters.early_exit import decoder_layers, default_exit_layer
+from verispec.errors import VerispecError
+from verispec.models import LoadedModel
+from verispec.training.prompts import make_prompts
+
+
+@dataclass(frozen=True)
+class Sequence:
+    tokens: torch.Tensor  # [T] int64: prompt + answer
+    prompt_len: int
+    hidden: torch.Tensor  # [T, hidden] float16: final (normed) hidden state per position
+    exit_hidden: torch.Tensor  # [T, hidden] float16: hidden state after the first exit_layer layers
+
+
+def _encode(target: LoadedModel, prompt: str) -> list[int]:
+    tok = target.tokenizer
+    if getattr(tok, "chat_template", None):
+        return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True,
+                                            return_dict=False))
+    return tok(prompt)["input_ids"]
+
+
+@torch.inference_mode()
+def answer(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The target's greedy answers (prompt + answer ids, cut after the first EOS), batched."""
+    model, pad = target.model, 0
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):  # left padding: every answer starts at the same column
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                         eos_token_id=sorted(target.eos_token_ids))
+    eos = target.eos_token_ids
+    sequences = []
+    for p, row in zip(prompts, out[:, width:].tolist()):
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        sequences.append(p + row[:cut])
+    return sequences
+
+
+@torch.inference_mode()
+def features(target: LoadedModel, sequences: list[list[int]], exit_layer: int) -> list[Sequence]:
+    """Final and exit-layer hidden states of each sequence, from one right-padded forward."""
+    model = target.model
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, s in enumerate(sequences):
+        ids[row, : len(s)] = torch.tensor(s)
+        mask[row, : len(s)] = 1
+    out = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                      output_hidden_states=True)
+    final, early = out.last_hidden_state, out.hidden_states[exit_layer]
+    return [Sequence(torch.tensor(s), 0, final[row, : len(s)].half().cpu(),
+                     early[row, : len(s)].half().cpu()) for row, s in enumerate(sequences)]
+
+
+def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 2000,
+                  max_new_tokens: int = 160, batch_size: int = 48, seed: int = 0,
+                  exit_layer: int | None = None) -> Path:
+    """Write shards of self-distillation data for `target` into out_dir (resumable)."""
+    if target.tokenizer is None:
+        raise VerispecError(f"{target.name} has no tokenizer: training prompts are text")
+    exit_layer = default_exit_layer(target.model) if exit_layer is None else exit_layer
+    if not 1 <= exit_layer < len(decoder_layers(target.model)):
+        raise VerispecError(f"exit layer {exit_layer} is outside the target's layers")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"target": target.name, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
+            "seed": seed, "exit_layer": exit_layer, "hidden_size": target.model.config.hidden_size}
+    meta_file = out / "meta.json"
+    if meta_file.exists() and json.loads(meta_file.read_text()) != meta:
+        raise VerispecError(f"{out} holds data built with other settings ({meta_file}); "
+                            "use another directory")
+    meta_file.write_text(json.dumps(meta, indent=1))
+    prompts = [_encode(target, p) for p in make_prompts(num_prompts, seed)]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding per batch
+    batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+    for index, batch in enumerate(tqdm(batches, desc="self-distillation data", unit="batch")):
+        shard = out / f"shard-{index:05d}.pt"
+        if shard.exists():
+            continue
+        chosen = [prompts[i] for i in batch]
+        sequences = answer(target, chosen, max_new_tokens)
+        records = features(target, sequences, exit_layer)
+        payload = [{"tokens": r.tokens.to(torch.int32), "prompt_len": len(p), "hidden": r.hidden,
+                    "exit_hidden": r.exit_hidden} for r, p in zip(records, chosen)]
+        tmp = shard.with_suffix(f".tmp{os.getpid()}")
+        torch.save(payload, tmp)
+        os.replace(tmp, shard)
+    return out
+
+
+def load_dataset(data_dir: str | Path) -> tuple[dict, list[Sequence]]:
+    """The metadata and every sequence of a dataset directory."""
+    data = Path(data_dir)
+    shards = sorted(data.glob("shard-*.pt"))
+    if not (data / "meta.json").is_file() or not shards:
+        raise VerispecError(f"{data} holds no training data (build it with `verispec train ... "
+                            "--data DIR`, which writes it first)")
+    sequences = [Sequence(r["tokens"].long(), r["prompt_len"], r["hidden"], r["exit_hidden"])
+                 for shard in shards for r in torch.load(shard)]
+    return json.loads((data / "meta.json").read_text()), sequences
