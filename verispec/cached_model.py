@@ -74,20 +74,28 @@ class CachedModel:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append tokens [n] to the cache; return logits [n, vocab] (float32)."""
+        return self.forward_hidden(tokens)[0]
+
+    @torch.inference_mode()
+    def forward_hidden(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append tokens [n] to the cache; return logits [n, vocab] (float32) and the final
+        (normed) hidden states [n, hidden] that the logits were read from."""
         n = tokens.shape[0]
         padding = -n % self.pad_to_multiple if n > 1 else 0
         if padding:
             tokens = torch.cat([tokens, tokens[-1:].expand(padding)])
         if self.head_t is None:
-            out = self.model(input_ids=tokens.unsqueeze(0), past_key_values=self.cache, use_cache=True)
-            logits = out.logits[0, :n]
+            out = self.model(input_ids=tokens.unsqueeze(0), past_key_values=self.cache, use_cache=True,
+                             output_hidden_states=True)
+            logits, hidden = out.logits[0, :n], out.hidden_states[-1][0, :n]
         else:
             out = self.model.model(input_ids=tokens.unsqueeze(0), past_key_values=self.cache,
                                    use_cache=True)
-            logits = out.last_hidden_state[0, :n] @ self.head_t
+            hidden = out.last_hidden_state[0, :n]
+            logits = hidden @ self.head_t
         if padding:
             self.cache.crop(-padding)
-        return logits.float()
+        return logits.float(), hidden
 
     def rewind(self, length: int) -> None:
         """Keep only the first `length` cached tokens."""

@@ -1,4 +1,4 @@
-"""The `verispec` command: generate, demo."""
+"""The `verispec` command: generate, demo, bench, train."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -> None:
     parser.add_argument("--method", default=default, choices=list(METHODS),
                         help="; ".join(f"{m.name}: {m.description}" for m in METHODS.values()))
-    parser.add_argument("--draft", help="draft model for --method draft (name, directory or .gguf)")
+    parser.add_argument("--draft", help="draft model for --method draft (name, directory or .gguf); "
+                        "for eagle, medusa, early-exit: a trained drafter directory (default: the "
+                        "one shipped for the model)")
     parser.add_argument("--k", type=int, help="tokens drafted per step (0: no drafting; default: "
                         + ", ".join(f"{m.name} {m.default_k}" for m in METHODS.values() if m.build)
                         + "); clamped to what fits")
@@ -165,6 +167,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from verispec.training.data import build_dataset, is_complete
+    from verispec.training.recipes import RecipeOptions, train_drafter
+    from verispec.training.trainer import TrainConfig
+
+    if args.steps < 1 or args.batch_size < 1 or args.lr <= 0:
+        raise VerispecError("--steps and --batch-size must be >= 1 and --lr > 0")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise VerispecError(f"--out {out} exists and is not a directory")
+    target = load_model(args.target, args.dtype, args.device)
+    data = Path(args.data) if args.data else out / "data"
+    if is_complete(data):
+        print(f"verispec: training on the existing data in {data}", file=sys.stderr)
+    else:  # builds it, or resumes an interrupted build
+        build_dataset(target, data, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                      exit_layer=args.exit_layer)
+    config = TrainConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size,
+                         seed=args.seed)
+    options = RecipeOptions(loss=args.loss, vocab=args.vocab, medusa_heads=args.heads,
+                            unroll=args.unroll, exit_layer=args.exit_layer)
+    saved = train_drafter(args.kind, target, data, out, config, options)
+    print(f"verispec: {args.kind} drafter written to {saved} (loss curve: {saved / 'run' / 'loss.png'}); "
+          f"use it with --method {args.kind} --draft {saved}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verispec", description="Lossless speculative decoding for Hugging Face causal LMs.")
@@ -219,6 +250,39 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compare", nargs=2, metavar="RESULTS",
                        help="print the change between two results.json files instead of running")
     bench.set_defaults(func=cmd_bench)
+
+    from verispec.training.losses import LOSSES
+    from verispec.training.recipes import KINDS, RecipeOptions
+    from verispec.training.trainer import TrainConfig
+
+    train = commands.add_parser(
+        "train", help="train a drafter for a target (self-distillation)",
+        description="Builds self-distillation data (the target's own answers to generated "
+        "prompts, with its hidden states; resumable) and trains a drafter on it. Writes "
+        "drafter.json + weights.safetensors to --out, plus run/ (checkpoint, loss.png).")
+    train.add_argument("kind", choices=KINDS)
+    train.add_argument("--target", default=DEFAULT_MODEL, help="the model to draft for")
+    train.add_argument("--out", required=True, help="output directory")
+    train.add_argument("--data", help="data directory, shared between kinds; reused as it is once "
+                       "complete (default: OUT/data)")
+    train.add_argument("--prompts", type=int, default=2000, help="training prompts (default: 2000)")
+    train.add_argument("--max-new-tokens", type=int, default=160,
+                       help="answer length in the data (default: 160)")
+    train.add_argument("--steps", type=int, default=TrainConfig.steps)
+    train.add_argument("--lr", type=float, default=TrainConfig.lr)
+    train.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    train.add_argument("--seed", type=int, default=TrainConfig.seed)
+    train.add_argument("--loss", choices=LOSSES, default=RecipeOptions.loss,
+                       help="distillation loss: forward KL, reverse KL or total variation")
+    train.add_argument("--vocab", type=int, default=RecipeOptions.vocab,
+                       help="reduced draft vocabulary size (most frequent tokens)")
+    train.add_argument("--heads", type=int, default=RecipeOptions.medusa_heads, help="Medusa heads")
+    train.add_argument("--unroll", type=int, default=RecipeOptions.unroll,
+                       help="EAGLE: train on its own predictions this many steps deep")
+    train.add_argument("--exit-layer", type=int, help="early exit layer (default: half the target's)")
+    train.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    train.add_argument("--device", default="cpu")
+    train.set_defaults(func=cmd_train)
     return parser
 
 

@@ -39,6 +39,7 @@ class SpeculativeEngine:
         self.policy = policy or ConstantK(0 if drafter is None else 5)
         self.max_length = context_length(target)
         self.vocab_size = target.get_input_embeddings().num_embeddings
+        self.hidden_size = int(target.config.get_text_config(decoder=True).hidden_size)
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if not prompt_ids:
@@ -72,23 +73,34 @@ class SpeculativeEngine:
         self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
+        # The target's hidden state per committed position, for drafters that read it.
+        hidden = None
+        if getattr(self.drafter, "needs_hidden", False):
+            hidden = torch.empty(buffer.shape[0], self.hidden_size, device=device,
+                                 dtype=self.target.model.dtype)  # [prompt + new, hidden]
         if length > 1:
-            self.target.forward(buffer[: length - 1])
+            _, prefill_hidden = self.target.forward_hidden(buffer[: length - 1])
+            if hidden is not None:
+                hidden[: length - 1] = prefill_hidden
         while True:
             remaining = stopping.max_new_tokens - len(generated)
             # Never draft past the budget: the step always adds one target token after the draft.
             k = min(self.policy.next_k(), remaining - 1) if self.drafter is not None else 0
             started = time.perf_counter()
             if k > 0:
-                proposal = self.drafter.propose(
-                    DraftRequest(buffer[:length], k, sampling, generator))
+                proposal = self.drafter.propose(DraftRequest(
+                    buffer[:length], k, sampling, generator,
+                    None if hidden is None else hidden[: length - 1]))
             else:
                 proposal = Proposal(buffer[:0])
             drafted = time.perf_counter()
             num_drafted = len(proposal)
-            logits = self.target.forward(torch.cat([buffer[length - 1: length], proposal.tokens]))
+            logits, block_hidden = self.target.forward_hidden(
+                torch.cat([buffer[length - 1: length], proposal.tokens]))
             verdict = verifier.verify(proposal, logits, sampling, generator)
             accepted = verdict.num_accepted
+            if hidden is not None:
+                hidden[length - 1: length + accepted] = block_hidden[: accepted + 1]
             self.target.rewind(length + accepted)
             if num_drafted:
                 self.drafter.commit(accepted)

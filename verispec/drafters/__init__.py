@@ -8,10 +8,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pathlib import Path
+
 from verispec.drafters.base import Drafter, DraftRequest
+from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.early_exit import default_exit_layer, early_exit_drafter
+from verispec.drafters.learned import is_drafter_dir, shipped_drafter
+from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.model import ModelDrafter, check_same_vocabulary
 from verispec.drafters.ngram import PromptLookupDrafter
+from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel, load
@@ -25,8 +31,10 @@ class DraftOptions:
     k: int | None = None
     schedule: str = "constant"  # or "heuristic": +2 after a full accept, -1 otherwise
     confidence_threshold: float | None = None  # model drafters stop below this confidence
-    draft: str | LoadedModel | None = None  # draft model: name, directory, GGUF or loaded model
-    exit_layer: int | None = None  # early exit: layers kept (default: half the target's)
+    # draft model: name, directory, GGUF or loaded model; for eagle / medusa / early-exit, a
+    # trained drafter directory (default: the one shipped for the target, if any)
+    draft: str | LoadedModel | None = None
+    exit_layer: int | None = None  # early exit: layers kept (default: the trained exit's, or half)
     max_ngram: int = 4  # prompt lookup: longest n-gram matched (tried first: the surest drafts)
     min_ngram: int = 2  # prompt lookup: shortest n-gram matched (1 drafts too often to pay on CPU)
 
@@ -43,7 +51,40 @@ def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
     return ModelDrafter(draft.model, target.vocab_size, options.confidence_threshold)
 
 
+def _trained(target: LoadedModel, options: DraftOptions, kind: str) -> Path | None:
+    """The trained drafter directory to use: --draft if given, else the one shipped for target."""
+    if options.draft is None:
+        return shipped_drafter(target.model, kind)
+    if isinstance(options.draft, LoadedModel) or not is_drafter_dir(options.draft):
+        raise VerispecError(f"method {kind!r} takes a trained drafter directory as --draft "
+                            f"(made by `verispec train {kind}`), got {options.draft}")
+    return Path(options.draft)
+
+
+def _learned(kind: str) -> Callable[[LoadedModel, DraftOptions], Drafter]:
+    def build(target: LoadedModel, options: DraftOptions) -> Drafter:
+        path = _trained(target, options, kind)
+        if path is None:
+            raise VerispecError(
+                f"no trained {kind} drafter ships for {target.name}: train one with "
+                f"`verispec train {kind} --target {target.name} --out DIR` and pass --draft DIR")
+        if kind == "eagle":
+            return EagleDrafter.load(path, target.model, options.confidence_threshold)
+        return MedusaDrafter.load(path, target.model)
+    return build
+
+
 def _early_exit(target: LoadedModel, options: DraftOptions) -> Drafter:
+    """The trained exit when one is given or shipped (and the layer agrees), else the plain one."""
+    trained = _trained(target, options, "early-exit")
+    if trained is not None:
+        drafter = trained_exit_drafter(trained, target.model, target.vocab_size,
+                                       options.confidence_threshold)
+        if options.exit_layer is None or options.exit_layer == drafter.exit_layer:
+            return drafter
+        if options.draft is not None:
+            raise VerispecError(f"the trained exit in {trained} is at layer {drafter.exit_layer}, "
+                                f"not {options.exit_layer}")
     layers = default_exit_layer(target.model) if options.exit_layer is None else options.exit_layer
     return early_exit_drafter(target.model, layers, target.vocab_size, options.confidence_threshold)
 
@@ -70,7 +111,11 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     # k = 7: a step then scores 8 tokens, a multiple of the 4-row blocks CPU matrix products like
     # (CachedModel); measured on Spec-Bench dev questions, k = 7 beat 3, 8 and 15.
     Method("pld", "prompt lookup: n-gram matches in the prompt and output", 7, _prompt_lookup),
-    Method("early-exit", "the target's first layers draft (LayerSkip-style)", 5, _early_exit),
+    Method("early-exit", "the target's first layers draft, through a trained exit when one "
+           "exists (LayerSkip-style)", 5, _early_exit),
+    Method("eagle", "EAGLE-style feature drafter: one layer predicts the target's next hidden "
+           "state", 5, _learned("eagle")),
+    Method("medusa", "Medusa-1 heads on the target's last hidden state", 3, _learned("medusa")),
 ]}
 
 
@@ -91,5 +136,5 @@ def build_engine(target: LoadedModel, method: str = "ar",
     return SpeculativeEngine(target.model, spec.build(target, options), SCHEDULES[options.schedule](k))
 
 
-__all__ = ["Drafter", "DraftRequest", "DraftOptions", "METHODS", "Method", "ModelDrafter",
-           "PromptLookupDrafter", "build_engine", "early_exit_drafter"]
+__all__ = ["Drafter", "DraftRequest", "DraftOptions", "EagleDrafter", "METHODS", "MedusaDrafter",
+           "Method", "ModelDrafter", "PromptLookupDrafter", "build_engine", "early_exit_drafter"]

@@ -18,10 +18,17 @@ class DraftRequest:
     k: int  # most tokens to propose (>= 1); a drafter may propose fewer, or none
     sampling: SamplingParams
     generator: torch.Generator | None
+    # The target's final hidden state at every committed position but the last, for drafters
+    # that declare `needs_hidden` (EAGLE, Medusa); None for the others.
+    target_hidden: torch.Tensor | None = None  # [context_len - 1, hidden]
 
 
 class Drafter(Protocol):
-    """A drafter owns its state (a KV cache, say) and keeps it in step with the committed text."""
+    """A drafter owns its state (a KV cache, say) and keeps it in step with the committed text.
+
+    A drafter may set a class attribute `needs_hidden = True` to receive the target's hidden
+    states in DraftRequest.target_hidden.
+    """
 
     def reset(self) -> None:
         """Forget everything: a new sequence starts."""

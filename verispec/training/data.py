@@ -23,6 +23,9 @@ from verispec.models import LoadedModel
 from verispec.training.prompts import make_prompts
 
 
+COMPLETE = "complete"  # marker file written after the last shard
+
+
 @dataclass(frozen=True)
 class Sequence:
     tokens: torch.Tensor  # [T] int64: prompt + answer
@@ -111,7 +114,13 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 2
         tmp = shard.with_suffix(f".tmp{os.getpid()}")
         torch.save(payload, tmp)
         os.replace(tmp, shard)
+    (out / COMPLETE).touch()
     return out
+
+
+def is_complete(data_dir: str | Path) -> bool:
+    """True once build_dataset has written every shard of the directory."""
+    return (Path(data_dir) / COMPLETE).is_file()
 
 
 def load_dataset(data_dir: str | Path) -> tuple[dict, list[Sequence]]:

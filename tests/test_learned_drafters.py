@@ -1,0 +1,211 @@
+"""Trained drafters (EAGLE, Medusa, trained early exit): training, loading, target check, exactness.
+
+Everything runs on a tiny random target the tests build themselves: a few training steps must
+lower the loss, every drafter (trained or freshly initialised) must reproduce plain greedy
+decoding token for token, and a drafter made for another target must be refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.tiny import VOCAB, plain_greedy, save_tiny, tiny_llama
+from verispec.cli import main
+from verispec.drafters import DraftOptions, EagleDrafter, MedusaDrafter, build_engine
+from verispec.drafters.base import DraftRequest
+from verispec.drafters.eagle import EagleNet, eagle_settings
+from verispec.drafters.learned import ReducedHead, load_drafter
+from verispec.drafters.medusa import MedusaNet, medusa_settings
+from verispec.drafters.trained_exit import trained_exit_drafter
+from verispec.engine import SpeculativeEngine
+from verispec.errors import VerispecError
+from verispec.models import load_model
+from verispec.policies import ConstantK
+from verispec.stopping import StoppingRules
+from verispec.training.data import build_dataset, load_dataset
+from verispec.training.recipes import KINDS, Recipe, RecipeOptions, train_drafter
+from verispec.training.trainer import TrainConfig
+from verispec.types import Proposal, SamplingParams
+
+NEW = 40
+PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5], [1, 60, 7]]
+OPTIONS = RecipeOptions(vocab=48, medusa_heads=3, exit_layer=1)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return load_model(str(save_tiny(tmp_path_factory.mktemp("target"), seed=0)))
+
+
+@pytest.fixture(scope="module")
+def data(loaded, tmp_path_factory):
+    return build_dataset(loaded, tmp_path_factory.mktemp("data"), num_prompts=12,
+                         max_new_tokens=16, batch_size=4, exit_layer=1)
+
+
+@pytest.fixture(scope="module")
+def trained(loaded, data, tmp_path_factory):
+    config = TrainConfig(steps=4, warmup=1, batch_size=4, eval_every=2, checkpoint_every=2)
+    return {kind: train_drafter(kind, loaded, data, tmp_path_factory.mktemp(kind), config, OPTIONS)
+            for kind in KINDS}
+
+
+def test_dataset_holds_answers_and_hidden_states(loaded, data):
+    meta, sequences = load_dataset(data)
+    assert meta["exit_layer"] == 1 and len(sequences) == 12
+    s = sequences[0]
+    assert s.prompt_len < len(s.tokens) and s.hidden.shape == (len(s.tokens), 32)
+    with torch.no_grad():
+        out = loaded.model.model(input_ids=s.tokens[None], output_hidden_states=True)
+    torch.testing.assert_close(s.hidden.float(), out.last_hidden_state[0], atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(s.exit_hidden.float(), out.hidden_states[1][0], atol=1e-2, rtol=1e-2)
+    # The answer is the target's own greedy continuation of the prompt. (The prompt holds pad ids,
+    # the tiny tokenizer's unknown word, which HF generate() would mask without a mask given.)
+    prompt = s.tokens[: s.prompt_len].tolist()
+    answer = s.tokens[s.prompt_len:].tolist()
+    plain = SpeculativeEngine(loaded.model).generate(prompt, StoppingRules.build(len(answer)))
+    assert answer == plain.token_ids
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_steps_reduce_the_loss(loaded, data, kind):
+    meta, sequences = load_dataset(data)
+    torch.manual_seed(0)
+    recipe = Recipe(kind, loaded, meta, sequences, OPTIONS)
+    optimizer = torch.optim.AdamW(recipe.module.parameters(), lr=3e-3)
+    before = float(recipe.loss(sequences, 64)[0])
+    for _ in range(25):
+        loss = recipe.loss(sequences, 64)[0]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    after = float(recipe.loss(sequences, 64)[0])
+    assert after < 0.8 * before, f"{kind}: loss {before:.4f} -> {after:.4f}"
+
+
+def test_trained_drafters_are_written_with_their_run(trained):
+    for kind, path in trained.items():
+        config = json.loads((path / "drafter.json").read_text())
+        assert config["kind"] == kind
+        assert config["training"]["sequences"] == 12
+        assert (path / "weights.safetensors").is_file()
+        assert (path / "run" / "loss.png").is_file() and (path / "run" / "checkpoint.pt").is_file()
+
+
+def _drafters(loaded, trained):
+    model = loaded.model
+    torch.manual_seed(3)
+    vocab_ids = torch.arange(3, VOCAB - 5)  # some tokens can never be drafted
+    random_eagle = EagleNet(**eagle_settings(model))
+    for p in random_eagle.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    random_medusa = MedusaNet(**medusa_settings(model, 3))
+    torch.nn.init.normal_(random_medusa.weight, std=0.3)
+    return {
+        "eagle": EagleDrafter.load(trained["eagle"], model),
+        "medusa": MedusaDrafter.load(trained["medusa"], model),
+        "early-exit": trained_exit_drafter(trained["early-exit"], model, VOCAB),
+        "random-eagle": EagleDrafter(model, random_eagle, ReducedHead(model, vocab_ids)),
+        "random-medusa": MedusaDrafter(model, random_medusa, ReducedHead(model, vocab_ids)),
+    }
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8, 12, 16])
+def test_learned_drafters_match_plain_decoding(loaded, trained, k):
+    for prompt in PROMPTS:
+        truth = plain_greedy(loaded.model, prompt, NEW)
+        for name, drafter in _drafters(loaded, trained).items():
+            engine = SpeculativeEngine(loaded.model, drafter, ConstantK(k))
+            result = engine.generate(prompt, StoppingRules.build(NEW))
+            assert result.token_ids == truth, f"{name} with k={k} diverged from plain decoding"
+
+
+def test_engine_hands_drafters_the_targets_hidden_states(loaded):
+    seen: list[DraftRequest] = []
+
+    class Recorder:
+        needs_hidden = True
+
+        def reset(self):
+            pass
+
+        def propose(self, request):
+            seen.append(request)
+            return Proposal(request.tokens[-2:])  # often wrong: exercises rejections
+
+        def commit(self, num_accepted):
+            pass
+
+    engine = SpeculativeEngine(loaded.model, Recorder(), ConstantK(2))
+    engine.generate(PROMPTS[0], StoppingRules.build(20))
+    assert len(seen) > 3
+    for request in seen:
+        with torch.no_grad():
+            full = loaded.model.model(input_ids=request.tokens[None]).last_hidden_state[0]
+        assert request.target_hidden.shape == (len(request.tokens) - 1, 32)
+        torch.testing.assert_close(request.target_hidden, full[:-1], atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_drafts_report_their_q(loaded, trained):
+    sampling = SamplingParams(do_sample=True, temperature=0.8)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.tensor(PROMPTS[0])
+    with torch.no_grad():
+        hidden = loaded.model.model(input_ids=tokens[None]).last_hidden_state[0, :-1]
+    for name, drafter in _drafters(loaded, trained).items():
+        if name == "early-exit":
+            continue
+        drafter.reset()
+        proposal = drafter.propose(DraftRequest(tokens, 3, sampling, generator, hidden))
+        q = proposal.draft_probs
+        assert q is not None and q.shape == (len(proposal), VOCAB)
+        torch.testing.assert_close(q.sum(-1), torch.ones(len(proposal)))
+        assert (q.gather(-1, proposal.tokens[:, None]) > 0).all(), f"{name}: drafted a q=0 token"
+    outside = torch.cat([torch.arange(3), torch.arange(VOCAB - 5, VOCAB)])
+    assert (_drafters(loaded, trained)["random-eagle"].propose(
+        DraftRequest(tokens, 3, sampling, generator, hidden)).draft_probs[:, outside] == 0).all()
+
+
+def test_seeded_sampling_repeats_exactly(loaded, trained):
+    engine = build_engine(loaded, "eagle", DraftOptions(k=4, draft=str(trained["eagle"])))
+    sampling = SamplingParams(do_sample=True, temperature=1.0)
+    runs = [engine.generate(PROMPTS[0], StoppingRules.build(NEW), sampling, seed=5).token_ids
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_drafter_for_another_target_is_refused(trained):
+    other = tiny_llama(seed=1)
+    for kind, path in trained.items():
+        with pytest.raises(VerispecError, match="trained for another target"):
+            load_drafter(path, other)
+
+
+def test_wrong_kind_and_missing_drafter_are_clear_errors(loaded, trained, tmp_path):
+    with pytest.raises(VerispecError, match="holds a 'medusa' drafter, not 'eagle'"):
+        EagleDrafter.load(trained["medusa"], loaded.model)
+    with pytest.raises(VerispecError, match="not a trained verispec drafter"):
+        EagleDrafter.load(tmp_path, loaded.model)
+    with pytest.raises(VerispecError, match="no trained eagle drafter ships"):
+        build_engine(loaded, "eagle")
+
+
+def test_cli_trains_and_generates_with_the_result(loaded, data, tmp_path, capsys):
+    target = str(loaded.name)
+    out = tmp_path / "medusa"
+    code = main(["train", "medusa", "--target", target, "--out", str(out), "--data", str(data),
+                 "--steps", "2", "--heads", "2", "--exit-layer", "1", "--vocab", "40"])
+    assert code == 0 and (out / "drafter.json").is_file()
+    capsys.readouterr()
+    code = main(["generate", "--model", target, "--prompt", "w7 w9", "--raw", "--method", "medusa",
+                 "--draft", str(out), "--max-new-tokens", "12", "--json"])
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["new_tokens"] == 12
+
+
+def test_cli_train_rejects_bad_settings(tmp_path, capsys):
+    assert main(["train", "eagle", "--out", str(tmp_path / "x"), "--steps", "0"]) == 2
+    assert "--steps" in capsys.readouterr().err

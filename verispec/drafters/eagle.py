@@ -1,0 +1,110 @@
+"""EAGLE-style feature drafter (Li et al. 2024): predict the target's next hidden state, read it out.
+
+One decoder layer takes, at position i, the target's hidden state h_i fused with the embedding of
+the token x_{i+1} that followed it, and predicts h_{i+1}; the target's LM head (restricted to a
+frequency-ranked vocabulary, see ReducedHead) turns that into a draft of x_{i+2}. Drafting goes on
+autoregressively from predicted features. After verification the drafter keeps only positions
+built from the target's real hidden states: the engine hands those over at the next proposal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from verispec.drafters.base import DraftRequest
+from verispec.drafters.learned import ReducedHead, load_drafter
+from verispec.drafters.nn import DecoderLayer, KVCache
+from verispec.errors import VerispecError
+from verispec.sampling import sample, warp_probs
+from verispec.types import Proposal
+
+
+class EagleNet(nn.Module):
+    """[embedding of x_{i+1} ; h_i] -> predicted h_{i+1}. Shapes: [batch, T, hidden]."""
+
+    def __init__(self, hidden: int, heads: int, intermediate: int) -> None:
+        super().__init__()
+        self.fuse = nn.Linear(2 * hidden, hidden)
+        self.layer = DecoderLayer(hidden, heads, intermediate)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        # embeds, hidden: [batch, T, hidden]; positions: [T]
+        return self.layer(self.fuse(torch.cat([embeds, hidden], dim=-1)), positions, cache)
+
+
+def eagle_settings(target: PreTrainedModel) -> dict:
+    """Default architecture for a target: one layer as wide as the target's."""
+    config = target.config.get_text_config(decoder=True)
+    return {"hidden": int(config.hidden_size), "heads": int(config.num_attention_heads),
+            "intermediate": int(config.intermediate_size)}
+
+
+class EagleDrafter:
+    """Drafts a chain from predicted features; stops early below `confidence_threshold`."""
+
+    needs_hidden = True
+
+    def __init__(self, target: PreTrainedModel, net: EagleNet, head: ReducedHead,
+                 confidence_threshold: float | None = None) -> None:
+        self.net = net.to(device=target.device, dtype=target.dtype).eval()
+        self.embed = target.get_input_embeddings()
+        self.head = head
+        self.confidence_threshold = confidence_threshold
+        self.cache = KVCache()
+        self.real = 0  # positions in the cache built from the target's own hidden states
+
+    @classmethod
+    def load(cls, path: str | Path, target: PreTrainedModel,
+             confidence_threshold: float | None = None) -> EagleDrafter:
+        config, weights = load_drafter(path, target, "eagle")
+        net = EagleNet(**config["settings"])
+        net.load_state_dict({k.removeprefix("net."): v for k, v in weights.items()
+                             if k.startswith("net.")})
+        head = ReducedHead(target, weights["vocab_ids"].long())
+        return cls(target, net, head, confidence_threshold)
+
+    def reset(self) -> None:
+        self.cache = KVCache()
+        self.real = 0
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> Proposal:
+        hidden = request.target_hidden  # [context_len - 1, hidden]
+        if hidden is None:
+            raise VerispecError("the EAGLE drafter needs the target's hidden states")
+        tokens, sampling, n = request.tokens, request.sampling, hidden.shape[0]
+        if n == 0:
+            return Proposal(tokens[:0])
+        device = tokens.device
+        # Pairs (h_i, x_{i+1}) for every position not yet in the cache.
+        positions = torch.arange(self.real, n, device=device)
+        feature = self.net(self.embed(tokens[self.real + 1: n + 1])[None], hidden[self.real: n][None],
+                           positions, self.cache)[0, -1]
+        self.real = n
+        drafted, probs = [], []
+        for i in range(request.k):
+            logits = self.head.logits(feature).float()  # [reduced]
+            if sampling.greedy:
+                index = logits.argmax(-1)
+                token = self.head.vocab_ids[index]
+            else:
+                q = warp_probs(self.head.full(logits), sampling)  # [vocab]
+                token = sample(q, request.generator)
+                probs.append(q)
+            drafted.append(token)
+            if (self.confidence_threshold is not None
+                    and float(logits.softmax(-1).max()) < self.confidence_threshold):
+                break
+            if i < request.k - 1:
+                feature = self.net(self.embed(token.view(1, 1)), feature.view(1, 1, -1),
+                                   torch.tensor([n + i], device=device), self.cache)[0, -1]
+        return Proposal(torch.stack(drafted), torch.stack(probs) if probs else None)
+
+    def commit(self, num_accepted: int) -> None:
+        # Entries built from predicted features are replaced by real ones at the next proposal.
+        self.cache.rewind(self.real)

@@ -1,0 +1,129 @@
+"""What every trained drafter shares: its directory format, the target check, a reduced LM head.
+
+A trained drafter is a directory with `drafter.json` (kind, hyper-parameters, the identity of
+the target it was trained for) and `weights.safetensors` (its own weights only: the target's
+embedding and LM head are borrowed at load time, never copied). Loading checks the target's
+fingerprint, so a drafter trained for another model is refused instead of silently drafting
+nonsense.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
+
+from verispec.errors import VerispecError
+
+CONFIG_FILE = "drafter.json"
+WEIGHTS_FILE = "weights.safetensors"
+# Drafters trained by verispec for its built-in target ship here, one directory per kind
+# (see the README for the commands that reproduce them).
+SHIPPED = Path(__file__).parent / "trained"
+
+
+def target_identity(target: PreTrainedModel) -> dict:
+    """Architecture sizes plus a hash of a sample of the input embedding.
+
+    The hash is taken over bfloat16-rounded values, so the same model loaded in float32 or
+    bfloat16 has the same identity.
+    """
+    config = target.config.get_text_config(decoder=True)
+    embedding = target.get_input_embeddings().weight.detach()
+    rows = embedding[:: max(1, embedding.shape[0] // 256), :64]
+    sample = rows.to(device="cpu", dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+    return {"architecture": type(target).__name__, "vocab_size": int(embedding.shape[0]),
+            "hidden_size": int(config.hidden_size),
+            "num_layers": int(config.num_hidden_layers),
+            "fingerprint": hashlib.sha1(sample).hexdigest()[:16]}
+
+
+def shipped_drafter(target: PreTrainedModel, kind: str) -> Path | None:
+    """The shipped drafter of `kind` trained for this target, if there is one."""
+    identity = None
+    for config_file in sorted(SHIPPED.glob(f"*/*/{CONFIG_FILE}")):
+        config = json.loads(config_file.read_text())
+        if config.get("kind") != kind:
+            continue
+        identity = identity or target_identity(target)
+        if config.get("target") == identity:
+            return config_file.parent
+    return None
+
+
+def is_drafter_dir(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def save_drafter(out_dir: str | Path, kind: str, target: PreTrainedModel, settings: dict,
+                 weights: dict[str, torch.Tensor], extra: dict | None = None) -> Path:
+    """Write drafter.json and float16 weights (integer tensors kept as they are)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: (t.detach().to("cpu", torch.float16) if t.is_floating_point()
+                      else t.detach().cpu()).contiguous() for name, t in weights.items()}
+    save_file(tensors, out / WEIGHTS_FILE)
+    config = {"kind": kind, "target": target_identity(target), "settings": settings, **(extra or {})}
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
+    return out
+
+
+def load_drafter(path: str | Path, target: PreTrainedModel,
+                 kind: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """drafter.json and weights of a trained drafter, after checking it was made for `target`."""
+    directory = Path(path)
+    if not is_drafter_dir(directory):
+        raise VerispecError(f"{directory} is not a trained verispec drafter (no {CONFIG_FILE})")
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    if kind is not None and config.get("kind") != kind:
+        raise VerispecError(f"{directory} holds a {config.get('kind')!r} drafter, not {kind!r}")
+    expected, found = config.get("target", {}), target_identity(target)
+    if expected != found:
+        differing = [k for k in found if expected.get(k) != found[k]]
+        raise VerispecError(
+            f"the drafter in {directory} was trained for another target "
+            f"({', '.join(f'{k}: {expected.get(k)} there, {found[k]} here' for k in differing)})")
+    weights = load_file(directory / WEIGHTS_FILE)
+    return config, weights
+
+
+class ReducedHead:
+    """The target's LM head restricted to a fixed set of token ids (a frequency-ranked vocabulary).
+
+    A drafter scores only these tokens: on CPU the full SmolLM2 head costs ~4 ms a token, a
+    quarter of it ~1 ms. Tokens outside the set are never drafted, which costs acceptance, never
+    exactness (greedy verification keeps only the target's tokens; under sampling, q is exactly
+    the distribution the draft was drawn from, zero outside the set).
+    """
+
+    def __init__(self, target: PreTrainedModel, vocab_ids: torch.Tensor) -> None:
+        # vocab_ids: [reduced] int64, ids into the target's vocabulary
+        head = target.get_output_embeddings().weight.detach()  # [vocab, hidden]
+        self.vocab_size = int(head.shape[0])
+        self.vocab_ids = vocab_ids.to(head.device)
+        self.weight_t = head[self.vocab_ids].t().contiguous()  # [hidden, reduced]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> reduced logits [..., reduced]."""
+        return hidden @ self.weight_t
+
+    def full(self, reduced_logits: torch.Tensor) -> torch.Tensor:
+        """[..., reduced] -> [..., vocab] with -inf outside the reduced set."""
+        out = reduced_logits.new_full((*reduced_logits.shape[:-1], self.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.vocab_ids, reduced_logits)
+
+
+def frequent_tokens(sequences: list[torch.Tensor], vocab_size: int, count: int,
+                    always: set[int] = frozenset()) -> torch.Tensor:
+    """The `count` most frequent ids in sequences (each [T]), plus `always`; sorted [count] int64."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for tokens in sequences:
+        counts += torch.bincount(tokens, minlength=vocab_size)[:vocab_size]
+    for t in always:
+        counts[t] = counts.max() + 1
+    count = min(count, vocab_size)
+    return counts.topk(count).indices.sort().values

@@ -1,0 +1,104 @@
+"""Small neural building blocks for trained drafters (our own code, no forked modeling files)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., size]
+        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x.float() * scale).to(x.dtype) * self.weight
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), with W and b starting at zero: the block starts as the identity."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(size, size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., size]
+        return x + nn.functional.silu(self.linear(x))
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding. x: [batch, heads, T, head_dim]; positions: [T] int64."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.to(torch.float32)[:, None] * freqs[None, :]  # [T, half]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class KVCache:
+    """Keys and values of one attention layer for a single sequence; rewound by slicing."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None  # [1, heads, length, head_dim]
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[2])
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=2)
+            self.values = torch.cat([self.values, values], dim=2)
+        return self.keys, self.values
+
+    def rewind(self, length: int) -> None:
+        if self.keys is not None and length < self.length:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm transformer layer (attention + SwiGLU MLP), as in Llama."""
+
+    def __init__(self, size: int, heads: int, intermediate: int) -> None:
+        super().__init__()
+        if size % heads:
+            raise ValueError(f"hidden size {size} is not a multiple of {heads} heads")
+        self.heads, self.head_dim = heads, size // heads
+        self.attn_norm = RMSNorm(size)
+        self.qkv = nn.Linear(size, 3 * size, bias=False)
+        self.out = nn.Linear(size, size, bias=False)
+        self.mlp_norm = RMSNorm(size)
+        self.gate_up = nn.Linear(size, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """x: [batch, T, size]; positions: [T]. With a cache (batch 1) x follows the cached tokens."""
+        batch, length, size = x.shape
+        q, k, v = (self.qkv(self.attn_norm(x)).view(batch, length, 3, self.heads, self.head_dim)
+                   .permute(2, 0, 3, 1, 4))  # each [batch, heads, T, head_dim]
+        q, k = rotary(q, positions), rotary(k, positions)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(k, v)
+        if past == 0:
+            attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=length > 1)
+        elif length == 1:
+            attended = nn.functional.scaled_dot_product_attention(q, k, v)
+        else:  # query i sees the cache and new tokens 0..i
+            mask = torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(past)
+            attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.out(attended.transpose(1, 2).reshape(batch, length, size))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(nn.functional.silu(gate) * up)

@@ -1,0 +1,56 @@
+"""Distillation losses: pure functions of logits, averaged over positions where mask is true.
+
+Vocabulary: teacher = the target's distribution p, student = the drafter's q.
+  forward KL  KL(p || q) = sum p (log p - log q)   mass-covering: q spreads over p's support
+  reverse KL  KL(q || p) = sum q (log q - log p)   mode-seeking: q concentrates on p's mode
+  TVD         0.5 sum |p - q|                     what acceptance depends on: alpha = 1 - TVD
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return values.mean()
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1)
+
+
+def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str = "fkl",
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """student_logits, teacher_logits: [..., vocab]; mask: [...] bool. Returns a scalar.
+
+    >>> p = torch.tensor([[2.0, 0.0]]); distill_loss(p, p, "tvd").item()
+    0.0
+    """
+    log_q = F.log_softmax(student_logits.float(), -1)
+    log_p = F.log_softmax(teacher_logits.float(), -1)
+    if kind == "fkl":
+        per_position = (log_p.exp() * (log_p - log_q)).sum(-1)
+    elif kind == "rkl":
+        per_position = (log_q.exp() * (log_q - log_p)).sum(-1)
+    elif kind == "tvd":
+        per_position = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    else:
+        raise ValueError(f"unknown distillation loss {kind!r}; choose fkl, rkl or tvd")
+    return _masked_mean(per_position, mask)
+
+
+LOSSES = ("fkl", "rkl", "tvd")
+
+
+def feature_loss(predicted: torch.Tensor, actual: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Smooth L1 between predicted and actual hidden states [..., hidden], as EAGLE trains."""
+    per_position = F.smooth_l1_loss(predicted.float(), actual.float(), reduction="none").mean(-1)
+    return _masked_mean(per_position, mask)
+
+
+def top1_agreement(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                   mask: torch.Tensor | None = None) -> float:
+    """Fraction of positions where both argmaxes agree: the greedy acceptance rate."""
+    same = (student_logits.argmax(-1) == teacher_logits.argmax(-1)).float()
+    return float(_masked_mean(same, mask))

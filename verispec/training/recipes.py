@@ -1,0 +1,171 @@
+"""What `verispec train KIND` trains: for each drafter kind, its module, its loss, its export.
+
+All kinds learn from the same self-distillation data (verispec.training.data): the target's own
+answers, its final hidden states h (its logits are h @ lm_head.T) and its exit-layer states.
+Teacher distributions are the target's logits restricted to the drafter's reduced vocabulary.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from verispec.drafters.eagle import EagleNet, eagle_settings
+from verispec.drafters.learned import ReducedHead, frequent_tokens, save_drafter
+from verispec.drafters.medusa import MedusaNet, medusa_settings
+from verispec.drafters.trained_exit import exit_settings, new_adapter
+from verispec.errors import VerispecError
+from verispec.models import LoadedModel
+from verispec.training.data import Sequence, load_dataset
+from verispec.training.losses import distill_loss, feature_loss, top1_agreement
+from verispec.training.trainer import TrainConfig, train
+
+KINDS = ("eagle", "medusa", "early-exit")
+
+
+@dataclass(frozen=True)
+class Batch:
+    tokens: torch.Tensor  # [B, T] int64
+    hidden: torch.Tensor  # [B, T, hidden] float32: the target's final hidden states
+    exit_hidden: torch.Tensor  # [B, T, hidden] float32
+    mask: torch.Tensor  # [B, T] bool: real (not padding) positions
+
+
+def collate(items: list[Sequence], max_len: int) -> Batch:
+    """Right-pad sequences (each cut to its last max_len tokens) into one batch."""
+    items = [Sequence(s.tokens[-max_len:], 0, s.hidden[-max_len:], s.exit_hidden[-max_len:])
+             for s in items]
+    width = max(len(s.tokens) for s in items)
+    size = items[0].hidden.shape[-1]
+    tokens = torch.zeros(len(items), width, dtype=torch.int64)
+    hidden = torch.zeros(len(items), width, size)
+    exit_hidden = torch.zeros(len(items), width, size)
+    mask = torch.zeros(len(items), width, dtype=torch.bool)
+    for row, s in enumerate(items):
+        n = len(s.tokens)
+        tokens[row, :n], mask[row, :n] = s.tokens, True
+        hidden[row, :n], exit_hidden[row, :n] = s.hidden.float(), s.exit_hidden.float()
+    return Batch(tokens, hidden, exit_hidden, mask)
+
+
+@dataclass(frozen=True)
+class RecipeOptions:
+    loss: str = "fkl"  # distillation loss: fkl, rkl or tvd
+    vocab: int = 8192  # reduced draft vocabulary (most frequent answer tokens)
+    medusa_heads: int = 4
+    unroll: int = 2  # EAGLE: also train on its own predicted features, this many steps deep
+    feature_weight: float = 1.0  # EAGLE: feature regression weight (token loss weight is 0.1)
+    exit_layer: int | None = None  # early exit: default from the data
+
+
+class Recipe:
+    """Binds a drafter kind to the target and data: module, loss function, export."""
+
+    def __init__(self, kind: str, target: LoadedModel, meta: dict, sequences: list[Sequence],
+                 options: RecipeOptions) -> None:
+        if kind not in KINDS:
+            raise VerispecError(f"unknown drafter kind {kind!r}; choose from {', '.join(KINDS)}")
+        model: PreTrainedModel = target.model
+        self.kind, self.target, self.options = kind, model, options
+        answers = [s.tokens[s.prompt_len:] for s in sequences]
+        self.vocab_ids = frequent_tokens(answers, target.vocab_size, options.vocab,
+                                         set(target.eos_token_ids))
+        self.head = ReducedHead(model, self.vocab_ids)
+        self.head_t = self.head.weight_t.float()  # [hidden, reduced]
+        self.embed = model.get_input_embeddings().weight.detach().float()  # [vocab, hidden]
+        if kind == "eagle":
+            self.settings = eagle_settings(model)
+            self.module = EagleNet(**self.settings)
+        elif kind == "medusa":
+            self.settings = medusa_settings(model, options.medusa_heads)
+            self.module = MedusaNet(**self.settings)
+        else:
+            layer = meta["exit_layer"] if options.exit_layer is None else options.exit_layer
+            if layer != meta["exit_layer"]:
+                raise VerispecError(f"the data holds layer {meta['exit_layer']} states, not layer "
+                                    f"{layer}: rebuild it with that exit layer")
+            self.settings = exit_settings(model, layer)
+            self.module = new_adapter(model, self.settings)
+
+    def teacher(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's logits over the reduced vocabulary. hidden [..., hidden] -> [..., reduced]."""
+        return hidden @ self.head_t
+
+    def loss(self, items: list[Sequence], max_len: int) -> tuple[torch.Tensor, dict]:
+        batch = collate(items, max_len)
+        return {"eagle": self._eagle, "medusa": self._medusa,
+                "early-exit": self._exit}[self.kind](batch)
+
+    def _eagle(self, b: Batch) -> tuple[torch.Tensor, dict]:
+        # Position i: (h_i, x_{i+1}) -> h_{i+1}. Unrolled step s feeds back the step s-1 predictions.
+        mask = b.mask[:, 1:]
+        actual = b.hidden[:, 1:]
+        features = b.hidden[:, :-1]
+        total, metrics = 0.0, {}
+        for step in range(self.options.unroll):
+            width = features.shape[1]
+            embeds = self.embed[b.tokens[:, step + 1: step + 1 + width]]
+            predicted = self.module(embeds, features, torch.arange(width))
+            target_h = actual[:, step: step + width]
+            m = mask[:, step: step + width]
+            student, teacher = self.teacher(predicted), self.teacher(target_h)
+            loss = (self.options.feature_weight * feature_loss(predicted, target_h, m)
+                    + 0.1 * distill_loss(student, teacher, self.options.loss, m))
+            total = total + loss
+            metrics[f"top1_step{step + 1}"] = top1_agreement(student, teacher, m)
+            features = predicted[:, :-1]  # predicted h_{i+1}, paired next with x_{i+2}
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+    def _medusa(self, b: Batch) -> tuple[torch.Tensor, dict]:
+        # Head k on h_i predicts x_{i+1+k}: its teacher is the target's distribution at i + k.
+        features = self.module(b.hidden)  # [B, T, heads, hidden]
+        total, metrics = 0.0, {}
+        for k in range(1, self.module.num_heads + 1):
+            student = self.teacher(features[:, :-k, k - 1])
+            teacher = self.teacher(b.hidden[:, k:])
+            m = b.mask[:, k:]
+            total = total + distill_loss(student, teacher, self.options.loss, m)
+            metrics[f"top1_head{k}"] = top1_agreement(student, teacher, m)
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+    def _exit(self, b: Batch) -> tuple[torch.Tensor, dict]:
+        student = self.teacher(self.module(b.exit_hidden))
+        teacher = self.teacher(b.hidden)
+        loss = distill_loss(student, teacher, self.options.loss, b.mask)
+        return loss, {"loss": float(loss.detach()), "top1": top1_agreement(student, teacher, b.mask)}
+
+    def export(self, out_dir: Path, extra: dict) -> Path:
+        prefix = "adapter." if self.kind == "early-exit" else "net."
+        weights = {prefix + k: v for k, v in self.module.state_dict().items()}
+        if self.kind != "early-exit":
+            weights["vocab_ids"] = self.vocab_ids
+        return save_drafter(out_dir, self.kind, self.target,
+                            {k: v for k, v in self.settings.items()}, weights, extra)
+
+
+def train_drafter(kind: str, target: LoadedModel, data_dir: Path, out_dir: Path,
+                  config: TrainConfig, options: RecipeOptions = RecipeOptions(),
+                  eval_fraction: float = 0.05) -> Path:
+    """Train a drafter of `kind` on the data in data_dir; write it (and its run files) to out_dir."""
+    meta, sequences = load_dataset(data_dir)
+    if meta.get("hidden_size") != target.model.config.get_text_config(decoder=True).hidden_size:
+        raise VerispecError(f"the data in {data_dir} was made for another target")
+    torch.manual_seed(config.seed)
+    recipe = Recipe(kind, target, meta, sequences, options)
+    order = list(range(len(sequences)))
+    random.Random(config.seed).shuffle(order)
+    held = max(1, int(len(order) * eval_fraction)) if len(order) > 1 else 0
+    eval_items = [sequences[i] for i in order[:held]]
+    train_items = [sequences[i] for i in order[held:]] or eval_items
+    history = train(recipe.module, lambda batch: recipe.loss(batch, config.max_len), train_items,
+                    eval_items, config, out_dir / "run", desc=f"train {kind}")
+    final_eval = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
+    return recipe.export(out_dir, {"training": {
+        "data": meta, "sequences": len(sequences), "config": asdict(config),
+        "options": asdict(options), "final_eval": final_eval}})

@@ -1,0 +1,145 @@
+"""One generic training loop for every drafter: AdamW, warm-up + cosine schedule, resumable.
+
+A recipe supplies the module and a loss function of a batch; the loop owns the rest: progress
+bar, a checkpoint every few steps (the run resumes from it after an interruption), a held-out
+evaluation, and the loss curve as a PNG beside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1500
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.0
+    batch_size: int = 8
+    max_len: int = 384
+    checkpoint_every: int = 100
+    eval_every: int = 250
+    seed: int = 0
+    bf16: bool = True  # bfloat16 autocast for the matrix products (1.7x faster on this CPU)
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor, dict]],
+          train_items: list, eval_items: list, config: TrainConfig, work_dir: Path,
+          desc: str = "training") -> list[dict]:
+    """Minimise loss_fn(batch) over random batches of train_items; returns the history.
+
+    loss_fn returns (loss to minimise, metrics to log). Resumes from work_dir/checkpoint.pt.
+    """
+    work_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = work_dir / "checkpoint.pt"
+    params = [p for p in module.parameters() if p.requires_grad]
+    device_type = params[0].device.type
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    history: list[dict] = []
+    step = 0
+    if checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["config"] != asdict(config):
+            raise ValueError(f"{checkpoint} was made with other settings; remove it to start over")
+        module.load_state_dict(state["module"])
+        optimizer.load_state_dict(state["optimizer"])
+        history, step = state["history"], state["step"]
+    rng = random.Random(config.seed * 1_000_003 + step)
+    torch.manual_seed(config.seed * 1_000_003 + step)
+
+    def save() -> None:
+        tmp = checkpoint.with_suffix(f".tmp{os.getpid()}")
+        torch.save({"module": module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "history": history, "step": step, "config": asdict(config)}, tmp)
+        os.replace(tmp, checkpoint)
+
+    def evaluate() -> dict:
+        module.eval()
+        totals: dict[str, float] = {}
+        batches = [eval_items[i: i + config.batch_size]
+                   for i in range(0, len(eval_items), config.batch_size)]
+        with torch.no_grad():
+            for batch in batches:
+                with torch.autocast(device_type, torch.bfloat16, enabled=config.bf16):
+                    metrics = loss_fn(batch)[1]
+                for name, value in metrics.items():
+                    totals[name] = totals.get(name, 0.0) + value / len(batches)
+        module.train()
+        return {f"eval_{name}": value for name, value in totals.items()}
+
+    module.train()
+    bar = tqdm(total=config.steps, initial=step, desc=desc, unit="step")
+    while step < config.steps:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, config)
+        with torch.autocast(device_type, torch.bfloat16, enabled=config.bf16):
+            loss, metrics = loss_fn(rng.sample(train_items, min(config.batch_size, len(train_items))))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        record = {"step": step, "lr": learning_rate(step - 1, config), **metrics}
+        if eval_items and (step % config.eval_every == 0 or step == config.steps):
+            record.update(evaluate())
+        history.append(record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            save()
+            plot_history(history, work_dir / "loss.png", desc)
+    bar.close()
+    (work_dir / "history.json").write_text(json.dumps(history))
+    return history
+
+
+def plot_history(history: list[dict], path: Path, title: str) -> None:
+    """Training loss (smoothed) and held-out metrics against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    losses = [h["loss"] for h in history]
+    window = max(1, len(losses) // 50)
+    smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
+              for i in range(len(losses))]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(steps, losses, color="0.8", label="loss per step")
+    left.plot(steps, smooth, color="C0", label=f"mean of {window} steps")
+    left.set_xlabel("step")
+    left.set_ylabel("training loss")
+    left.set_yscale("log")
+    left.legend()
+    evals = [h for h in history if any(k.startswith("eval_") for k in h)]
+    for name in sorted({k for h in evals for k in h if k.startswith("eval_top1")}):
+        right.plot([h["step"] for h in evals], [h[name] for h in evals], marker="o",
+                   label=name.removeprefix("eval_"))
+    right.set_xlabel("step")
+    right.set_ylabel("held-out top-1 agreement with the target")
+    right.set_ylim(0, 1)
+    if evals:
+        right.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
