@@ -179,7 +179,7 @@ def test_seeded_sampling_repeats_exactly(loaded, trained):
 
 def test_drafter_for_another_target_is_refused(trained):
     other = tiny_llama(seed=1)
-    for kind, path in trained.items():
+    for path in trained.values():
         with pytest.raises(VerispecError, match="trained for another target"):
             load_drafter(path, other)
 

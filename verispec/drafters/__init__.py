@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
 from pathlib import Path
 
 from verispec.drafters.base import Drafter, DraftRequest

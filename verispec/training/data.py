@@ -22,7 +22,6 @@ from verispec.errors import VerispecError
 from verispec.models import LoadedModel
 from verispec.training.prompts import make_prompts
 
-
 COMPLETE = "complete"  # marker file written after the last shard
 
 
