@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.tiny import VOCAB, plain_greedy, save_tiny, tiny_llama
+from verispec.bench.runner import BenchConfig, run_bench
 from verispec.cli import main
 from verispec.drafters import DraftOptions, EagleDrafter, MedusaDrafter, build_engine
 from verispec.drafters.base import DraftRequest
@@ -209,3 +210,16 @@ def test_cli_trains_and_generates_with_the_result(loaded, data, tmp_path, capsys
 def test_cli_train_rejects_bad_settings(tmp_path, capsys):
     assert main(["train", "eagle", "--out", str(tmp_path / "x"), "--steps", "0"]) == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def test_bench_runs_trained_drafters_by_default(loaded, trained, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["w9 w8 w7"]}) + "\n")
+    config = BenchConfig(model=loaded.name, out=tmp_path / "bench", questions=questions,
+                         max_new_tokens=10, warmup=0, exit_layer=1,
+                         trained=[str(trained["eagle"]), str(trained["medusa"])])
+    results = run_bench(config, progress=False)
+    for label in ("eagle", "medusa", "early-exit"):
+        assert results["summary"][label]["overall"]["identical"] == "1/1", label
+    with pytest.raises(VerispecError, match="not a trained verispec drafter"):
+        run_bench(BenchConfig(model=loaded.name, out=tmp_path / "x", trained=[str(tmp_path)]))

@@ -9,7 +9,7 @@ import sys
 
 from verispec.api import make_job, run
 from verispec.display import LEGEND, acceptance_line, render_steps, stats_table
-from verispec.drafters import METHODS, DraftOptions
+from verispec.drafters import METHODS, DraftOptions, build_engine
 from verispec.errors import VerispecError
 from verispec.models import BUILTIN_MODELS, DEFAULT_MODEL, DTYPES, load_model
 from verispec.policies import SCHEDULES
@@ -28,7 +28,9 @@ DEMO_PROMPTS = [
     "Put this list in alphabetical order, one item per line: pears, apples, plums, figs, cherries, "
     "dates, bananas.",
 ]
-DEMO_METHOD = "pld"
+# The demo speculates with the first of these that the model has (trained drafters ship for the
+# built-in model; prompt lookup needs no training).
+DEMO_METHODS = ("eagle", "pld")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,9 +42,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
 
 
-def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -> None:
+def add_method_arguments(parser: argparse.ArgumentParser, default: str | None = "ar") -> None:
     parser.add_argument("--method", default=default, choices=list(METHODS),
-                        help="; ".join(f"{m.name}: {m.description}" for m in METHODS.values()))
+                        help="; ".join(f"{m.name}: {m.description}" for m in METHODS.values())
+                        + (f" (default: {default})" if default else
+                           f" (default: the first of {', '.join(DEMO_METHODS)} the model has)"))
     parser.add_argument("--draft", help="draft model for --method draft (name, directory or .gguf); "
                         "for eagle, medusa, early-exit: a trained drafter directory (default: the "
                         "one shipped for the model)")
@@ -97,8 +101,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def demo_method(target) -> str:
+    for method in DEMO_METHODS:
+        try:
+            build_engine(target, method)
+            return method
+        except VerispecError:
+            continue
+    return "ar"
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     target = load_model(args.model, args.dtype, args.device)
+    args.method = args.method or demo_method(target)
     colour = use_colour(args.color)
     totals: dict[str, list] = {"ar": [], args.method: []}
     for method in totals:  # warm-up: the first forward passes are slow; keep them out of timings
@@ -154,7 +169,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(compare(*loaded))
         return 0
     config = BenchConfig(model=args.model, out=Path(args.out), methods=args.methods, ks=args.k,
-                         draft=args.draft, exit_layer=args.exit_layer,
+                         draft=args.draft, trained=args.trained, exit_layer=args.exit_layer,
                          questions=Path(args.questions) if args.questions else None, tasks=args.tasks,
                          limit_per_task=args.limit_per_task, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, seed=args.seed, warmup=args.warmup,
@@ -222,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                                description="A few built-in prompts, decoded plainly and with "
                                "speculation, side by side: coloured output, speedup and tau.")
     add_model_arguments(demo)
-    add_method_arguments(demo, default=DEMO_METHOD)
+    add_method_arguments(demo, default=None)
     demo.add_argument("--max-new-tokens", type=int, default=96, help="default: 96")
     demo.add_argument("--color", default="auto", choices=["auto", "always", "never"])
     demo.set_defaults(func=cmd_demo)
@@ -236,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated; default: every method available for the model. "
                        "hf and ar baselines always run. Also: hf-pld, hf-assisted, hf-early-exit")
     bench.add_argument("--draft", help="draft model for draft / hf-assisted")
+    bench.add_argument("--trained", type=comma_list,
+                       help="trained drafter directories (from verispec train), comma-separated; "
+                       "default: those shipped for the model")
     bench.add_argument("--k", type=comma_ints, help="draft lengths to sweep, e.g. 4,8,16")
     bench.add_argument("--exit-layer", type=int, help="early exit layers (default: half the target's)")
     bench.add_argument("--questions", help="Spec-Bench-format .jsonl (default: built-in prompts)")

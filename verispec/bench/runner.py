@@ -27,6 +27,7 @@ from verispec.bench.report import summarize, theory, write_report
 from verispec.cached_model import CachedModel
 from verispec.drafters import METHODS, DraftOptions, build_engine
 from verispec.drafters.early_exit import default_exit_layer
+from verispec.drafters.learned import CONFIG_FILE, is_drafter_dir, shipped_drafter
 from verispec.engine import context_length
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel, load_model
@@ -36,6 +37,7 @@ from verispec.types import GenerationStats, SamplingParams
 BASELINES = ("hf", "ar")
 HF_METHODS = ("hf", "hf-pld", "hf-assisted", "hf-early-exit")
 NEEDS_DRAFT = ("draft", "hf-assisted")
+LEARNED = ("eagle", "medusa")  # early-exit runs by default anyway, with its trained exit if any
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class BenchConfig:
     methods: list[str] | None = None  # None: baselines + every method available for the model
     ks: list[int] | None = None  # None: each method's default
     draft: str | None = None
+    trained: list[str] | None = None  # trained drafter directories (eagle, medusa, early-exit)
     exit_layer: int | None = None
     questions: Path | None = None  # None: the built-in prompts
     tasks: list[str] | None = None
@@ -73,11 +76,27 @@ class Contender:
     generate: Callable[[list[int]], Outcome] = field(compare=False)
 
 
-def choose_methods(config: BenchConfig) -> list[str]:
-    """Baselines first, then the requested (or every available) method, validated."""
+def trained_drafters(config: BenchConfig) -> dict[str, str]:
+    """--trained directories by drafter kind."""
+    found: dict[str, str] = {}
+    for path in config.trained or []:
+        if not is_drafter_dir(path):
+            raise VerispecError(f"--trained {path} is not a trained verispec drafter directory")
+        kind = json.loads((Path(path) / CONFIG_FILE).read_text())["kind"]
+        if kind in found:
+            raise VerispecError(f"--trained names two {kind} drafters: {found[kind]} and {path}")
+        found[kind] = path
+    return found
+
+
+def choose_methods(config: BenchConfig, learned: list[str] = ()) -> list[str]:
+    """Baselines first, then the requested (or every available) method, validated.
+
+    learned: the trained-drafter methods available for the model (shipped or --trained).
+    """
     known = set(METHODS) | set(HF_METHODS)
     if config.methods is None:
-        methods = ["hf-pld", "pld", "hf-early-exit", "early-exit"]
+        methods = ["hf-pld", "pld", "hf-early-exit", "early-exit", *learned]
         if config.draft:
             methods += ["hf-assisted", "draft"]
     else:
@@ -135,7 +154,9 @@ def exit_layer(target: LoadedModel, config: BenchConfig) -> int:
 def verispec_contender(method: str, k: int | None, label: str, target: LoadedModel,
                        draft: LoadedModel | None, config: BenchConfig, sampling: SamplingParams,
                        stopping: StoppingRules) -> Contender:
-    options = DraftOptions(k=k, draft=draft, exit_layer=exit_layer(target, config))
+    trained = trained_drafters(config).get(method)
+    options = DraftOptions(k=k, draft=draft if method == "draft" else trained,
+                           exit_layer=exit_layer(target, config))
     engine = build_engine(target, method, options)
 
     def generate(prompt_ids: list[int]) -> Outcome:
@@ -151,7 +172,10 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
                      sampling: SamplingParams, stopping: StoppingRules) -> list[Contender]:
     eos = sorted(target.eos_token_ids)
     contenders = []
-    for method in choose_methods(config):
+    given = trained_drafters(config)
+    learned = [kind for kind in LEARNED
+               if kind in given or shipped_drafter(target.model, kind) is not None]
+    for method in choose_methods(config, learned):
         if method in HF_METHODS:
             contenders.append(hf_contender(method, target, draft, config, sampling, eos))
             continue
@@ -244,7 +268,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     """
     sampling = SamplingParams(do_sample=config.temperature > 0, temperature=config.temperature)
     questions = load_questions(config.questions, config.tasks, config.limit_per_task)
-    methods = choose_methods(config)
+    choose_methods(config)  # validate before loading anything
+    trained_drafters(config)
     if any(k < 0 for k in config.ks or []):
         raise VerispecError(f"--k values must be >= 0, got {config.ks}")
     if config.warmup < 0:
@@ -266,7 +291,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     transformers.utils.logging.set_verbosity_error()
     config.out.mkdir(parents=True, exist_ok=True)
     results = {"config": {**{k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
-                          "methods": methods, "labels": [c.label for c in contenders],
+                          "methods": list(dict.fromkeys(c.method for c in contenders)),
+                          "labels": [c.label for c in contenders],
                           "questions": str(config.questions or "built-in"),
                           "num_questions": len(questions), "interrupted": False},
                "machine": machine_info(config.device), "forward": {}, "runs": [],
