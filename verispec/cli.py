@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True, help="output directory")
     train.add_argument("--data", help="data directory, shared between kinds; reused as it is once "
                        "complete (default: OUT/data)")
-    train.add_argument("--prompts", type=int, default=2000, help="training prompts (default: 2000)")
+    train.add_argument("--prompts", type=int, default=1000, help="training prompts (default: 1000)")
     train.add_argument("--max-new-tokens", type=int, default=160,
                        help="answer length in the data (default: 160)")
     train.add_argument("--steps", type=int, default=TrainConfig.steps)

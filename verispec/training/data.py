@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,8 +81,8 @@ def features(target: LoadedModel, sequences: list[list[int]], exit_layer: int) -
                      early[row, : len(s)].half().cpu()) for row, s in enumerate(sequences)]
 
 
-def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 2000,
-                  max_new_tokens: int = 160, batch_size: int = 48, seed: int = 0,
+def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1000,
+                  max_new_tokens: int = 160, batch_size: int = 64, seed: int = 0,
                   exit_layer: int | None = None) -> Path:
     """Write shards of self-distillation data for `target` into out_dir (resumable)."""
     if target.tokenizer is None:
@@ -101,6 +102,9 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 2
     prompts = [_encode(target, p) for p in make_prompts(num_prompts, seed)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding per batch
     batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+    # Shards are written in random order, so a partly built dataset already mixes every kind of
+    # prompt (sorted, the long passage prompts would all come last).
+    random.Random(seed).shuffle(batches)
     for index, batch in enumerate(tqdm(batches, desc="self-distillation data", unit="batch")):
         shard = out / f"shard-{index:05d}.pt"
         if shard.exists():
