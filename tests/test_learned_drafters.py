@@ -17,6 +17,7 @@ from verispec.bench.runner import BenchConfig, run_bench
 from verispec.cli import main
 from verispec.drafters import DraftOptions, EagleDrafter, MedusaDrafter, build_engine
 from verispec.drafters.base import DraftRequest
+from verispec.drafters.distilled import distilled_drafter
 from verispec.drafters.eagle import EagleNet, eagle_settings
 from verispec.drafters.learned import ReducedHead, load_drafter
 from verispec.drafters.medusa import MedusaNet, medusa_settings
@@ -33,7 +34,7 @@ from verispec.types import Proposal, SamplingParams
 
 NEW = 40
 PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5], [1, 60, 7]]
-OPTIONS = RecipeOptions(vocab=48, medusa_heads=3, exit_layer=1)
+OPTIONS = RecipeOptions(vocab=48, medusa_heads=3, exit_layer=1, draft_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +78,13 @@ def test_training_steps_reduce_the_loss(loaded, data, kind):
     torch.manual_seed(0)
     recipe = Recipe(kind, loaded, meta, sequences, OPTIONS)
     optimizer = torch.optim.AdamW(recipe.module.parameters(), lr=3e-3)
-    before = float(recipe.loss(sequences, 64)[0])
+    before = recipe.loss(sequences, 64)[0].item()
     for _ in range(25):
         loss = recipe.loss(sequences, 64)[0]
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    after = float(recipe.loss(sequences, 64)[0])
+    after = recipe.loss(sequences, 64)[0].item()
     assert after < 0.8 * before, f"{kind}: loss {before:.4f} -> {after:.4f}"
 
 
@@ -109,6 +110,7 @@ def _drafters(loaded, trained):
         "eagle": EagleDrafter.load(trained["eagle"], model),
         "medusa": MedusaDrafter.load(trained["medusa"], model),
         "early-exit": trained_exit_drafter(trained["early-exit"], model, VOCAB),
+        "draft": distilled_drafter(trained["draft"], model, VOCAB),
         "random-eagle": EagleDrafter(model, random_eagle, ReducedHead(model, vocab_ids)),
         "random-medusa": MedusaDrafter(model, random_medusa, ReducedHead(model, vocab_ids)),
     }
@@ -157,7 +159,7 @@ def test_sampled_drafts_report_their_q(loaded, trained):
     with torch.no_grad():
         hidden = loaded.model.model(input_ids=tokens[None]).last_hidden_state[0, :-1]
     for name, drafter in _drafters(loaded, trained).items():
-        if name == "early-exit":
+        if name in ("early-exit", "draft"):
             continue
         drafter.reset()
         proposal = drafter.propose(DraftRequest(tokens, 3, sampling, generator, hidden))
@@ -217,9 +219,9 @@ def test_bench_runs_trained_drafters_by_default(loaded, trained, tmp_path):
     questions.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["w9 w8 w7"]}) + "\n")
     config = BenchConfig(model=loaded.name, out=tmp_path / "bench", questions=questions,
                          max_new_tokens=10, warmup=0, exit_layer=1,
-                         trained=[str(trained["eagle"]), str(trained["medusa"])])
+                         trained=[str(trained[k]) for k in ("eagle", "medusa", "draft")])
     results = run_bench(config, progress=False)
-    for label in ("eagle", "medusa", "early-exit"):
+    for label in ("eagle", "medusa", "early-exit", "draft"):
         assert results["summary"][label]["overall"]["identical"] == "1/1", label
     with pytest.raises(VerispecError, match="not a trained verispec drafter"):
         run_bench(BenchConfig(model=loaded.name, out=tmp_path / "x", trained=[str(tmp_path)]))

@@ -204,7 +204,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = TrainConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                          seed=args.seed)
     options = RecipeOptions(loss=args.loss, vocab=args.vocab, medusa_heads=args.heads,
-                            unroll=args.unroll, exit_layer=args.exit_layer)
+                            unroll=args.unroll, exit_layer=args.exit_layer,
+                            draft_layers=args.layers)
     saved = train_drafter(args.kind, target, data, out, config, options)
     print(f"verispec: {args.kind} drafter written to {saved} (loss curve: {saved / 'run' / 'loss.png'}); "
           f"use it with --method {args.kind} --draft {saved}")
@@ -295,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--vocab", type=int, default=RecipeOptions.vocab,
                        help="reduced draft vocabulary size (most frequent tokens)")
     train.add_argument("--heads", type=int, default=RecipeOptions.medusa_heads, help="Medusa heads")
+    train.add_argument("--layers", type=int, default=RecipeOptions.draft_layers,
+                       help="distilled draft model: its own decoder layers")
     train.add_argument("--unroll", type=int, default=RecipeOptions.unroll,
                        help="EAGLE: train on its own predictions this many steps deep")
     train.add_argument("--exit-layer", type=int, help="early exit layer (default: half the target's)")

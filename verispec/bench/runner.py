@@ -37,7 +37,9 @@ from verispec.types import GenerationStats, SamplingParams
 BASELINES = ("hf", "ar")
 HF_METHODS = ("hf", "hf-pld", "hf-assisted", "hf-early-exit")
 NEEDS_DRAFT = ("draft", "hf-assisted")
-LEARNED = ("eagle", "medusa")  # early-exit runs by default anyway, with its trained exit if any
+# Trained kinds run by default when the model has one; early-exit runs by default anyway (with its
+# trained exit if there is one).
+LEARNED = ("eagle", "medusa", "draft")
 
 
 @dataclass(frozen=True)
@@ -99,13 +101,15 @@ def choose_methods(config: BenchConfig, learned: list[str] = ()) -> list[str]:
         methods = ["hf-pld", "pld", "hf-early-exit", "early-exit", *learned]
         if config.draft:
             methods += ["hf-assisted", "draft"]
+        methods = list(dict.fromkeys(methods))
     else:
         unknown = [m for m in config.methods if m not in known]
         if unknown:
             raise VerispecError(f"unknown method(s) {', '.join(unknown)}; choose from "
                                 f"{', '.join(sorted(known))}")
         methods = list(config.methods)
-    missing_draft = [m for m in methods if m in NEEDS_DRAFT and not config.draft]
+    missing_draft = [m for m in methods if m in NEEDS_DRAFT and not config.draft
+                     and not (m == "draft" and "draft" in learned)]
     if missing_draft:
         raise VerispecError(f"{', '.join(missing_draft)} need a draft model: pass --draft PATH")
     return list(BASELINES) + [m for m in dict.fromkeys(methods) if m not in BASELINES]
@@ -155,7 +159,7 @@ def verispec_contender(method: str, k: int | None, label: str, target: LoadedMod
                        draft: LoadedModel | None, config: BenchConfig, sampling: SamplingParams,
                        stopping: StoppingRules) -> Contender:
     trained = trained_drafters(config).get(method)
-    options = DraftOptions(k=k, draft=draft if method == "draft" else trained,
+    options = DraftOptions(k=k, draft=draft if method == "draft" and draft is not None else trained,
                            exit_layer=exit_layer(target, config))
     engine = build_engine(target, method, options)
 
@@ -268,7 +272,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     """
     sampling = SamplingParams(do_sample=config.temperature > 0, temperature=config.temperature)
     questions = load_questions(config.questions, config.tasks, config.limit_per_task)
-    choose_methods(config)  # validate before loading anything
+    choose_methods(config, LEARNED)  # validate names before loading anything
     trained_drafters(config)
     if any(k < 0 for k in config.ks or []):
         raise VerispecError(f"--k values must be >= 0, got {config.ks}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verispec.drafters.base import Drafter, DraftRequest
+from verispec.drafters.distilled import distilled_drafter
 from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.early_exit import default_exit_layer, early_exit_drafter
 from verispec.drafters.learned import is_drafter_dir, shipped_drafter
@@ -39,9 +40,14 @@ class DraftOptions:
 
 
 def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
-    if options.draft is None:
-        raise VerispecError("method 'draft' needs a draft model (--draft PATH / assistant_model=)")
+    """A distilled student (given as --draft DIR, or shipped for the target), else any causal LM."""
     draft = options.draft
+    if draft is None or (not isinstance(draft, LoadedModel) and is_drafter_dir(draft)):
+        trained = _trained(target, options, "draft")
+        if trained is None:
+            raise VerispecError("method 'draft' needs a draft model (--draft PATH / assistant_model=)")
+        return distilled_drafter(trained, target.model, target.vocab_size,
+                                 options.confidence_threshold)
     if not isinstance(draft, LoadedModel):
         draft = load(draft, dtype=_dtype_name(target), device=str(target.model.device))
     if draft.tokenizer is None and target.tokenizer is not None:
@@ -106,7 +112,8 @@ class Method:
 
 METHODS: dict[str, Method] = {m.name: m for m in [
     Method("ar", "plain autoregressive decoding (no speculation)", 0, None),
-    Method("draft", "independent draft model with the target's tokenizer (SpS)", 5, _draft_model),
+    Method("draft", "independent draft model with the target's tokenizer (SpS), or a student "
+           "distilled by verispec train draft", 5, _draft_model),
     # k = 7: a step then scores 8 tokens, a multiple of the 4-row blocks CPU matrix products like
     # (CachedModel); measured on Spec-Bench dev questions, k = 7 beat 3, 8 and 15.
     Method("pld", "prompt lookup: n-gram matches in the prompt and output", 7, _prompt_lookup),

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from verispec.drafters.distilled import DraftStudent, draft_settings
 from verispec.drafters.eagle import EagleNet, eagle_settings
 from verispec.drafters.learned import ReducedHead, frequent_tokens, save_drafter
 from verispec.drafters.medusa import MedusaNet, medusa_settings
@@ -24,7 +25,7 @@ from verispec.training.data import Sequence, load_dataset
 from verispec.training.losses import distill_loss, feature_loss, top1_agreement
 from verispec.training.trainer import TrainConfig, train
 
-KINDS = ("eagle", "medusa", "early-exit")
+KINDS = ("eagle", "medusa", "early-exit", "draft")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class RecipeOptions:
     unroll: int = 2  # EAGLE: also train on its own predicted features, this many steps deep
     feature_weight: float = 1.0  # EAGLE: feature regression weight (token loss weight is 0.1)
     exit_layer: int | None = None  # early exit: default from the data
+    draft_layers: int = 2  # distilled draft model: its own layers
 
 
 class Recipe:
@@ -80,6 +82,9 @@ class Recipe:
         if kind == "eagle":
             self.settings = eagle_settings(model)
             self.module = EagleNet(**self.settings)
+        elif kind == "draft":
+            self.settings = draft_settings(options.draft_layers)
+            self.module = DraftStudent(model, options.draft_layers).float()
         elif kind == "medusa":
             self.settings = medusa_settings(model, options.medusa_heads)
             self.module = MedusaNet(**self.settings)
@@ -97,8 +102,8 @@ class Recipe:
 
     def loss(self, items: list[Sequence], max_len: int) -> tuple[torch.Tensor, dict]:
         batch = collate(items, max_len)
-        return {"eagle": self._eagle, "medusa": self._medusa,
-                "early-exit": self._exit}[self.kind](batch)
+        return {"eagle": self._eagle, "medusa": self._medusa, "early-exit": self._exit,
+                "draft": self._draft}[self.kind](batch)
 
     def _eagle(self, b: Batch) -> tuple[torch.Tensor, dict]:
         # Position i: (h_i, x_{i+1}) -> h_{i+1}. Unrolled step s feeds back the step s-1 predictions.
@@ -140,10 +145,16 @@ class Recipe:
         loss = distill_loss(student, teacher, self.options.loss, b.mask)
         return loss, {"loss": float(loss.detach()), "top1": top1_agreement(student, teacher, b.mask)}
 
+    def _draft(self, b: Batch) -> tuple[torch.Tensor, dict]:
+        student = self.teacher(self.module(b.tokens))
+        teacher = self.teacher(b.hidden)
+        loss = distill_loss(student, teacher, self.options.loss, b.mask)
+        return loss, {"loss": float(loss.detach()), "top1": top1_agreement(student, teacher, b.mask)}
+
     def export(self, out_dir: Path, extra: dict) -> Path:
-        prefix = "adapter." if self.kind == "early-exit" else "net."
+        prefix = {"early-exit": "adapter.", "draft": "student."}.get(self.kind, "net.")
         weights = {prefix + k: v for k, v in self.module.state_dict().items()}
-        if self.kind != "early-exit":
+        if self.kind in ("eagle", "medusa"):
             weights["vocab_ids"] = self.vocab_ids
         return save_drafter(out_dir, self.kind, self.target,
                             {k: v for k, v in self.settings.items()}, weights, extra)

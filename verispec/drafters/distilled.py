@@ -1,0 +1,57 @@
+"""A distilled draft model: a few layers of the target's own architecture, trained to match it.
+
+The student has its own first `num_layers` decoder layers (initialised as copies of the
+target's) and its own final norm; it borrows the target's embedding and LM head, frozen and
+never copied. It drafts like any independent draft model (ModelDrafter), with the target's
+tokenizer by construction.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from verispec.drafters.early_exit import early_exit_model
+from verispec.drafters.learned import load_drafter
+from verispec.drafters.model import ModelDrafter
+
+
+class DraftStudent(nn.Module):
+    """The student's own weights (layers + norm); `lm` is the runnable model that uses them.
+
+    lm shares the target's embedding and head, which are kept out of this module's parameters
+    so that training and saving touch only the student's own weights.
+    """
+
+    def __init__(self, target: PreTrainedModel, num_layers: int) -> None:
+        super().__init__()
+        shallow = early_exit_model(target, num_layers)
+        self.layers = copy.deepcopy(shallow.model.layers)
+        self.norm = copy.deepcopy(shallow.model.norm)
+        shallow.model.layers, shallow.model.norm = self.layers, self.norm
+        self._lm = [shallow]  # a list: not registered as a submodule
+
+    @property
+    def lm(self) -> PreTrainedModel:
+        return self._lm[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, T] -> final hidden states [batch, T, hidden] (right padding is harmless)."""
+        return self.lm.model(input_ids=tokens, use_cache=False).last_hidden_state
+
+
+def draft_settings(num_layers: int = 2) -> dict:
+    return {"num_layers": num_layers}
+
+
+def distilled_drafter(path: str | Path, target: PreTrainedModel, vocab_size: int,
+                      confidence_threshold: float | None = None) -> ModelDrafter:
+    config, weights = load_drafter(path, target, "draft")
+    student = DraftStudent(target, config["settings"]["num_layers"])
+    student.load_state_dict({k.removeprefix("student."): v for k, v in weights.items()})
+    student.to(device=target.device, dtype=target.dtype).eval()
+    return ModelDrafter(student.lm, vocab_size, confidence_threshold)
