@@ -200,7 +200,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"verispec: training on the existing data in {data}", file=sys.stderr)
     else:  # builds it, or resumes an interrupted build
         build_dataset(target, data, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                      exit_layer=args.exit_layer)
+                      exit_layer=args.exit_layer, max_batches=args.data_batches)
     config = TrainConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                          seed=args.seed)
     options = RecipeOptions(loss=args.loss, vocab=args.vocab, medusa_heads=args.heads,
@@ -285,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", help="data directory, shared between kinds; reused as it is once "
                        "complete (default: OUT/data)")
     train.add_argument("--prompts", type=int, default=1000, help="training prompts (default: 1000)")
+    train.add_argument("--data-batches", type=int,
+                       help="build only this many of the data's batches of 64 prompts (a "
+                       "representative subset: batches come in a fixed random order)")
     train.add_argument("--max-new-tokens", type=int, default=160,
                        help="answer length in the data (default: 160)")
     train.add_argument("--steps", type=int, default=TrainConfig.steps)

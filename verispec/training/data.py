@@ -83,8 +83,12 @@ def features(target: LoadedModel, sequences: list[list[int]], exit_layer: int) -
 
 def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1000,
                   max_new_tokens: int = 160, batch_size: int = 64, seed: int = 0,
-                  exit_layer: int | None = None) -> Path:
-    """Write shards of self-distillation data for `target` into out_dir (resumable)."""
+                  exit_layer: int | None = None, max_batches: int | None = None) -> Path:
+    """Write shards of self-distillation data for `target` into out_dir (resumable).
+
+    max_batches: stop after this many shards (of num_prompts / batch_size, in their fixed random
+    order) and call the data complete: a smaller dataset that is still a mix of every prompt kind.
+    """
     if target.tokenizer is None:
         raise VerispecError(f"{target.name} has no tokenizer: training prompts are text")
     exit_layer = default_exit_layer(target.model) if exit_layer is None else exit_layer
@@ -105,6 +109,8 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1
     # Shards are written in random order, so a partly built dataset already mixes every kind of
     # prompt (sorted, the long passage prompts would all come last).
     random.Random(seed).shuffle(batches)
+    if max_batches is not None:
+        batches = batches[:max_batches]
     for index, batch in enumerate(tqdm(batches, desc="self-distillation data", unit="batch")):
         shard = out / f"shard-{index:05d}.pt"
         if shard.exists():
