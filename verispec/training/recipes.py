@@ -129,10 +129,11 @@ class Recipe:
     def _medusa(self, b: Batch) -> tuple[torch.Tensor, dict]:
         # Head k on h_i predicts x_{i+1+k}: its teacher is the target's distribution at i + k.
         features = self.module(b.hidden)  # [B, T, heads, hidden]
+        teacher_all = self.teacher(b.hidden)  # [B, T, reduced], computed once for every head
         total, metrics = 0.0, {}
         for k in range(1, self.module.num_heads + 1):
             student = self.teacher(features[:, :-k, k - 1])
-            teacher = self.teacher(b.hidden[:, k:])
+            teacher = teacher_all[:, k:]
             m = b.mask[:, k:]
             total = total + distill_loss(student, teacher, self.options.loss, m)
             metrics[f"top1_head{k}"] = top1_agreement(student, teacher, m)
