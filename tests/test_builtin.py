@@ -7,7 +7,10 @@ import torch
 
 import verispec
 from verispec.cli import main
+from verispec.drafters import build_engine
+from verispec.drafters.learned import shipped_drafter
 from verispec.models import cache_root
+from verispec.stopping import StoppingRules
 
 NEW = 24
 
@@ -48,3 +51,13 @@ def test_demo_runs(capsys):
 def test_cache_respects_xdg_cache_home(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache_root() == tmp_path / "verispec" / "models"
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa", "early-exit", "draft"])
+def test_shipped_drafters_load_and_are_exact(smollm, prompt_ids, method):
+    assert shipped_drafter(smollm.model, method) is not None, f"no {method} drafter ships"
+    reference = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW).token_ids
+    engine = build_engine(smollm, method)
+    result = engine.generate(prompt_ids, StoppingRules.build(NEW, smollm.eos_token_ids))
+    assert result.token_ids == reference
+    assert result.stats.mean_accepted_tokens > 1.2  # a trained drafter gets some drafts accepted

@@ -19,7 +19,7 @@ from verispec.drafters import DraftOptions, EagleDrafter, MedusaDrafter, build_e
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.distilled import distilled_drafter
 from verispec.drafters.eagle import EagleNet, eagle_settings
-from verispec.drafters.learned import ReducedHead, load_drafter
+from verispec.drafters.learned import ReducedHead, load_drafter, target_identity
 from verispec.drafters.medusa import MedusaNet, medusa_settings
 from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.engine import SpeculativeEngine
@@ -225,3 +225,10 @@ def test_bench_runs_trained_drafters_by_default(loaded, trained, tmp_path):
         assert results["summary"][label]["overall"]["identical"] == "1/1", label
     with pytest.raises(VerispecError, match="not a trained verispec drafter"):
         run_bench(BenchConfig(model=loaded.name, out=tmp_path / "x", trained=[str(tmp_path)]))
+
+
+def test_target_identity_survives_a_bfloat16_load():
+    float32 = tiny_llama(seed=0)
+    bf16 = tiny_llama(seed=0).to(torch.bfloat16)
+    assert target_identity(float32) == target_identity(bf16)
+    assert target_identity(float32) != target_identity(tiny_llama(seed=1))
