@@ -120,7 +120,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("early-exit", "the target's first layers draft, through a trained exit when one "
            "exists (LayerSkip-style)", 5, _early_exit),
     Method("eagle", "EAGLE-style feature drafter: one layer predicts the target's next hidden "
-           "state", 5, _learned("eagle")),
+           "state", 3, _learned("eagle")),
     Method("medusa", "Medusa-1 heads on the target's last hidden state", 3, _learned("medusa")),
 ]}
 
