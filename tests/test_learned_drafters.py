@@ -232,3 +232,10 @@ def test_target_identity_survives_a_bfloat16_load():
     bf16 = tiny_llama(seed=0).to(torch.bfloat16)
     assert target_identity(float32) == target_identity(bf16)
     assert target_identity(float32) != target_identity(tiny_llama(seed=1))
+
+
+def test_trained_exit_at_another_layer_is_refused(loaded, trained):
+    with pytest.raises(VerispecError, match="is at layer 1, not 2"):
+        build_engine(loaded, "early-exit", DraftOptions(draft=str(trained["early-exit"]), exit_layer=2))
+    engine = build_engine(loaded, "early-exit", DraftOptions(draft=str(trained["early-exit"])))
+    assert engine.drafter.exit_layer == 1

@@ -27,7 +27,7 @@ from verispec.bench.report import summarize, theory, write_report
 from verispec.cached_model import CachedModel
 from verispec.drafters import METHODS, DraftOptions, build_engine
 from verispec.drafters.early_exit import default_exit_layer
-from verispec.drafters.learned import CONFIG_FILE, is_drafter_dir, shipped_drafter
+from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
 from verispec.engine import context_length
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel, load_model
@@ -84,7 +84,7 @@ def trained_drafters(config: BenchConfig) -> dict[str, str]:
     for path in config.trained or []:
         if not is_drafter_dir(path):
             raise VerispecError(f"--trained {path} is not a trained verispec drafter directory")
-        kind = json.loads((Path(path) / CONFIG_FILE).read_text())["kind"]
+        kind = drafter_config(path)["kind"]
         if kind in found:
             raise VerispecError(f"--trained names two {kind} drafters: {found[kind]} and {path}")
         found[kind] = path

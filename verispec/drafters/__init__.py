@@ -13,7 +13,7 @@ from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.distilled import distilled_drafter
 from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.early_exit import default_exit_layer, early_exit_drafter
-from verispec.drafters.learned import is_drafter_dir, shipped_drafter
+from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.model import ModelDrafter, check_same_vocabulary
 from verispec.drafters.ngram import PromptLookupDrafter
@@ -66,16 +66,16 @@ def _trained(target: LoadedModel, options: DraftOptions, kind: str) -> Path | No
     return Path(options.draft)
 
 
-def _learned(kind: str) -> Callable[[LoadedModel, DraftOptions], Drafter]:
+def _learned(kind: str, load_drafter: Callable[[Path, LoadedModel, DraftOptions], Drafter]
+             ) -> Callable[[LoadedModel, DraftOptions], Drafter]:
+    """A builder for a method that only exists as a trained drafter of `kind`."""
     def build(target: LoadedModel, options: DraftOptions) -> Drafter:
         path = _trained(target, options, kind)
         if path is None:
             raise VerispecError(
                 f"no trained {kind} drafter ships for {target.name}: train one with "
                 f"`verispec train {kind} --target {target.name} --out DIR` and pass --draft DIR")
-        if kind == "eagle":
-            return EagleDrafter.load(path, target.model, options.confidence_threshold)
-        return MedusaDrafter.load(path, target.model)
+        return load_drafter(path, target, options)
     return build
 
 
@@ -83,12 +83,12 @@ def _early_exit(target: LoadedModel, options: DraftOptions) -> Drafter:
     """The trained exit when one is given or shipped (and the layer agrees), else the plain one."""
     trained = _trained(target, options, "early-exit")
     if trained is not None:
-        drafter = trained_exit_drafter(trained, target.model, target.vocab_size,
-                                       options.confidence_threshold)
-        if options.exit_layer is None or options.exit_layer == drafter.exit_layer:
-            return drafter
+        layer = drafter_config(trained)["settings"]["exit_layer"]
+        if options.exit_layer is None or options.exit_layer == layer:
+            return trained_exit_drafter(trained, target.model, target.vocab_size,
+                                        options.confidence_threshold)
         if options.draft is not None:
-            raise VerispecError(f"the trained exit in {trained} is at layer {drafter.exit_layer}, "
+            raise VerispecError(f"the trained exit in {trained} is at layer {layer}, "
                                 f"not {options.exit_layer}")
     layers = default_exit_layer(target.model) if options.exit_layer is None else options.exit_layer
     return early_exit_drafter(target.model, layers, target.vocab_size, options.confidence_threshold)
@@ -120,8 +120,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("early-exit", "the target's first layers draft, through a trained exit when one "
            "exists (LayerSkip-style)", 5, _early_exit),
     Method("eagle", "EAGLE-style feature drafter: one layer predicts the target's next hidden "
-           "state", 3, _learned("eagle")),
-    Method("medusa", "Medusa-1 heads on the target's last hidden state", 3, _learned("medusa")),
+           "state", 3, _learned("eagle", lambda path, target, options: EagleDrafter.load(
+               path, target.model, options.confidence_threshold))),
+    Method("medusa", "Medusa-1 heads on the target's last hidden state", 3, _learned(
+        "medusa", lambda path, target, options: MedusaDrafter.load(path, target.model))),
 ]}
 
 

@@ -46,7 +46,7 @@ def shipped_drafter(target: PreTrainedModel, kind: str) -> Path | None:
     """The shipped drafter of `kind` trained for this target, if there is one."""
     identity = None
     for config_file in sorted(SHIPPED.glob(f"*/*/{CONFIG_FILE}")):
-        config = json.loads(config_file.read_text())
+        config = drafter_config(config_file.parent)
         if config.get("kind") != kind:
             continue
         identity = identity or target_identity(target)
@@ -72,13 +72,18 @@ def save_drafter(out_dir: str | Path, kind: str, target: PreTrainedModel, settin
     return out
 
 
+def drafter_config(path: str | Path) -> dict:
+    """drafter.json of a trained drafter directory (no weights read, no target check)."""
+    return json.loads((Path(path) / CONFIG_FILE).read_text())
+
+
 def load_drafter(path: str | Path, target: PreTrainedModel,
                  kind: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """drafter.json and weights of a trained drafter, after checking it was made for `target`."""
     directory = Path(path)
     if not is_drafter_dir(directory):
         raise VerispecError(f"{directory} is not a trained verispec drafter (no {CONFIG_FILE})")
-    config = json.loads((directory / CONFIG_FILE).read_text())
+    config = drafter_config(directory)
     if kind is not None and config.get("kind") != kind:
         raise VerispecError(f"{directory} holds a {config.get('kind')!r} drafter, not {kind!r}")
     expected, found = config.get("target", {}), target_identity(target)
