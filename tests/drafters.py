@@ -51,3 +51,47 @@ class OracleDrafter:
 
     def commit(self, num_accepted: int) -> None:
         pass
+
+
+class TreeOracleDrafter:
+    """OracleDrafter's continuation as one branch of a random tree of decoys.
+
+    Depth k: at every level the true token sits at a random place among `width` siblings (the
+    others random tokens, some with random children of their own), so greedy tree verification
+    must find the branch, and the errors set where it breaks off, as for OracleDrafter.
+    """
+
+    def __init__(self, prompt_length: int, truth: list[int], errors: set[int], vocab: int,
+                 width: int = 3, seed: int = 0) -> None:
+        self.chain = OracleDrafter(prompt_length, truth, errors, vocab)
+        self.vocab = vocab
+        self.width = width
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def reset(self) -> None:
+        self.chain.reset()
+
+    def _random(self, n: int) -> list[int]:
+        return torch.randint(0, self.vocab, (n,), generator=self.generator).tolist()
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        main = self.chain.propose(request).tokens.tolist()
+        tokens: list[int] = []
+        parents: list[int] = []
+        parent = -1
+        for token in main:
+            slot = int(torch.randint(0, self.width, (1,), generator=self.generator))
+            siblings = self._random(self.width)
+            siblings[slot] = token
+            first = len(tokens)
+            for i, sibling in enumerate(siblings):
+                tokens.append(sibling)
+                parents.append(parent)
+                if i != slot and i % 2 == 0:  # a decoy branch one level deeper
+                    tokens.append(self._random(1)[0])
+                    parents.append(len(tokens) - 2)
+            parent = first + slot + sum(1 for i in range(slot) if i % 2 == 0)
+        return Proposal(torch.tensor(tokens), parents=torch.tensor(parents))
+
+    def commit(self, num_accepted: int) -> None:
+        pass

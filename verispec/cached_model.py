@@ -10,6 +10,8 @@ import weakref
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from verispec.tree import attention_mask, is_chain, position_ids
+
 # Classes whose logits are exactly lm_head(last hidden state): no soft-capping or logit scaling.
 PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                 "Qwen3ForCausalLM"})
@@ -77,20 +79,29 @@ class CachedModel:
         return self.forward_hidden(tokens)[0]
 
     @torch.inference_mode()
-    def forward_hidden(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_hidden(self, tokens: torch.Tensor,
+                       parents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Append tokens [n] to the cache; return logits [n, vocab] (float32) and the final
-        (normed) hidden states [n, hidden] that the logits were read from."""
+        (normed) hidden states [n, hidden] that the logits were read from.
+
+        parents: [n - 1], the tree of tokens[1:] under tokens[0] (see verispec.tree); None or a
+        chain is plain causal attention. A tree goes through the model's own attention as a 4D
+        mask with position ids = context + depth; `keep` then compacts the cache.
+        """
         n = tokens.shape[0]
         padding = -n % self.pad_to_multiple if n > 1 else 0
         if padding:
             tokens = torch.cat([tokens, tokens[-1:].expand(padding)])
+        inputs = {"input_ids": tokens.unsqueeze(0), "past_key_values": self.cache, "use_cache": True}
+        if not is_chain(parents):
+            past = self.length
+            inputs["attention_mask"] = attention_mask(parents, past, padding)
+            inputs["position_ids"] = position_ids(parents, past, padding).unsqueeze(0)
         if self.head_t is None:
-            out = self.model(input_ids=tokens.unsqueeze(0), past_key_values=self.cache, use_cache=True,
-                             output_hidden_states=True)
+            out = self.model(**inputs, output_hidden_states=True)
             logits, hidden = out.logits[0, :n], out.hidden_states[-1][0, :n]
         else:
-            out = self.model.model(input_ids=tokens.unsqueeze(0), past_key_values=self.cache,
-                                   use_cache=True)
+            out = self.model.model(**inputs)
             hidden = out.last_hidden_state[0, :n]
             logits = hidden @ self.head_t
         if padding:
@@ -102,3 +113,15 @@ class CachedModel:
         drop = self.length - length
         if drop > 0:
             self.cache.crop(-drop)
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Keep the first `start` cached tokens, then only the block rows `rows` after them (in
+        that order): compacts the accepted path of a tree into place and drops the rest."""
+        if rows == list(range(len(rows))):
+            self.rewind(start + len(rows))
+            return
+        index = torch.tensor(rows, device=self.device) + start
+        index = torch.cat([torch.arange(start, device=self.device), index])
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)

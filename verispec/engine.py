@@ -19,7 +19,7 @@ from verispec.drafters.base import Drafter, DraftRequest
 from verispec.errors import VerispecError
 from verispec.policies import ConstantK, DraftLengthPolicy
 from verispec.stopping import StoppingRules
-from verispec.types import Fate, GenerationResult, GenerationStats, Proposal, SamplingParams, Step
+from verispec.types import DraftTree, Fate, GenerationResult, GenerationStats, Proposal, SamplingParams, Step
 from verispec.verifiers import verifier_for
 
 
@@ -33,7 +33,11 @@ class SpeculativeEngine:
     """Generates from `target`, optionally speculating with `drafter` (None: plain decoding)."""
 
     def __init__(self, target: PreTrainedModel, drafter: Drafter | None = None,
-                 policy: DraftLengthPolicy | None = None) -> None:
+                 policy: DraftLengthPolicy | None = None, acceptance: str = "exact") -> None:
+        """acceptance: "exact" (lossless) or "typical" (Medusa's typical acceptance, LOSSY under
+        sampling; see verispec.verifiers.typical)."""
+        verifier_for(SamplingParams(), acceptance)  # reject an unknown rule before any work
+        self.acceptance = acceptance
         self.target = CachedModel(target)
         self.drafter = drafter
         self.policy = policy or ConstantK(0 if drafter is None else 5)
@@ -64,7 +68,7 @@ class SpeculativeEngine:
             generator.seed()
         else:
             generator.manual_seed(seed)
-        verifier = verifier_for(sampling)
+        verifier = verifier_for(sampling, self.acceptance)
         tokens = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
         buffer = torch.cat([tokens, tokens.new_zeros(stopping.max_new_tokens)])  # [prompt + new]
         length = len(prompt_ids)
@@ -95,27 +99,33 @@ class SpeculativeEngine:
                 proposal = Proposal(buffer[:0])
             drafted = time.perf_counter()
             num_drafted = len(proposal)
+            tree = None if proposal.parents is None else proposal.parents
             logits, block_hidden = self.target.forward_hidden(
-                torch.cat([buffer[length - 1: length], proposal.tokens]))
+                torch.cat([buffer[length - 1: length], proposal.tokens]), tree)
             verdict = verifier.verify(proposal, logits, sampling, generator)
-            accepted = verdict.num_accepted
+            path, accepted = list(verdict.path), verdict.num_accepted
+            rows = [0] + [node + 1 for node in path]  # block rows to keep: root + accepted path
             if hidden is not None:
-                hidden[length - 1: length + accepted] = block_hidden[: accepted + 1]
-            self.target.rewind(length + accepted)
+                hidden[length - 1: length + accepted] = block_hidden[rows]
+            self.target.keep(length - 1, rows)
             if num_drafted:
                 self.drafter.commit(accepted)
-                self.policy.update(num_drafted, accepted)
+                self.policy.update(proposal.depth, accepted)
             verified = time.perf_counter()
 
-            block = proposal.tokens[:accepted].tolist() + [verdict.next_token]
-            fates = [Fate.ACCEPTED] * accepted + [
-                Fate.RECOVERED if accepted < num_drafted else Fate.BONUS]
+            parents = proposal.tree_parents.tolist()
+            drafted_tokens = proposal.tokens.tolist()
+            end = path[-1] if path else -1
+            alternatives = [drafted_tokens[i] for i, parent in enumerate(parents) if parent == end]
+            block = [drafted_tokens[i] for i in path] + [verdict.next_token]
+            fates = [Fate.ACCEPTED] * accepted + [Fate.RECOVERED if alternatives else Fate.BONUS]
             keep, finished = stopping.cut(generated, block)
             buffer[length: length + keep] = torch.tensor(block[:keep])
             length += keep
             generated += block[:keep]
-            yield Step(block[:keep], fates[:keep], proposal.tokens[accepted:].tolist(),
-                       num_drafted, accepted, drafted - started, verified - drafted, finished)
+            shown = None if tree is None else DraftTree(drafted_tokens, parents, path, proposal.depth)
+            yield Step(block[:keep], fates[:keep], alternatives, num_drafted, accepted,
+                       drafted - started, verified - drafted, finished, shown)
             if finished:
                 return
 

@@ -17,6 +17,7 @@ from enum import Enum
 import torch
 
 from verispec.errors import VerispecError
+from verispec.tree import depths
 
 
 @dataclass(frozen=True)
@@ -49,21 +50,57 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Proposal:
-    """Draft tokens for one step. A deterministic drafter leaves draft_probs None (one-hot q)."""
+    """Draft tokens for one step: a chain, or a token tree (see verispec.tree).
+
+    A deterministic drafter leaves draft_probs None (one-hot q). In a tree, draft_probs[i] is the
+    distribution node i was drawn from, given its parent and the siblings drawn before it.
+    """
 
     tokens: torch.Tensor  # [num_draft] int64
     draft_probs: torch.Tensor | None = None  # [num_draft, vocab] float32, rows sum to 1
+    parents: torch.Tensor | None = None  # [num_draft] int64, -1 = child of the root; None = chain
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def tree_parents(self) -> torch.Tensor:
+        """The parents of every node, a chain's included. [num_draft] int64."""
+        if self.parents is None:
+            return torch.arange(-1, len(self) - 1, device=self.tokens.device)
+        return self.parents
+
+    @property
+    def depth(self) -> int:
+        """Tokens on the longest root-to-leaf path (len(self) for a chain)."""
+        if self.parents is None:
+            return len(self)
+        return int(depths(self.parents).max())
+
 
 @dataclass(frozen=True)
 class Verdict:
-    """What verification decided: keep the first num_accepted draft tokens, then next_token."""
+    """What verification decided: keep the draft nodes on `path` (root to leaf), then next_token.
 
-    num_accepted: int
-    next_token: int  # recovered token if num_accepted < num_draft, else the bonus token
+    For a chain the path is 0..num_accepted-1.
+    """
+
+    path: tuple[int, ...]  # accepted node indices, root-most first
+    next_token: int  # recovered token if the path stops before a leaf, else the bonus token
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A verified token tree as plain lists (see verispec.tree)."""
+
+    tokens: list[int]
+    parents: list[int]  # -1 = child of the root
+    path: list[int]  # accepted nodes, root-most first
+    depth: int
 
 
 class Fate(Enum):
@@ -86,6 +123,13 @@ class Step:
     draft_seconds: float
     verify_seconds: float
     finished: bool
+    # A tree proposal (None for a chain): its tokens, parents and accepted path, for display.
+    tree: DraftTree | None = None
+
+    @property
+    def draft_depth(self) -> int:
+        """Draft positions this step covered: the tree's depth, or the chain's length."""
+        return self.num_drafted if self.tree is None else self.tree.depth
 
 
 def _add_counts(counts: list[int], more: list[int]) -> None:
@@ -111,8 +155,8 @@ class GenerationStats:
     def add(self, step: Step) -> None:
         self.new_tokens += len(step.tokens)
         self.target_forwards += 1
-        reached = min(step.num_drafted, step.num_accepted + 1)
-        _add_counts(self.drafted_by_position, [1] * step.num_drafted)
+        reached = min(step.draft_depth, step.num_accepted + 1)
+        _add_counts(self.drafted_by_position, [1] * step.draft_depth)
         _add_counts(self.accepted_by_position, [1] * step.num_accepted)
         _add_counts(self.reached_by_position, [1] * reached)
         self.draft_seconds += step.draft_seconds

@@ -22,6 +22,7 @@ from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel, load
 from verispec.policies import SCHEDULES
+from verispec.tree import TreeSettings
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class DraftOptions:
     exit_layer: int | None = None  # early exit: layers kept (default: the trained exit's, or half)
     max_ngram: int = 4  # prompt lookup: longest n-gram matched (tried first: the surest drafts)
     min_ngram: int = 2  # prompt lookup: shortest n-gram matched (1 drafts too often to pay on CPU)
+    # Draft a token tree of depth k instead of a chain (methods in TREE_METHODS); None: a chain.
+    tree: TreeSettings | None = None
+    # "exact" (lossless) or "typical" (Medusa's typical acceptance: LOSSY under sampling)
+    acceptance: str = "exact"
 
 
 def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
@@ -121,10 +126,13 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "exists (LayerSkip-style)", 5, _early_exit),
     Method("eagle", "EAGLE-style feature drafter: one layer predicts the target's next hidden "
            "state", 3, _learned("eagle", lambda path, target, options: EagleDrafter.load(
-               path, target.model, options.confidence_threshold))),
+               path, target.model, options.confidence_threshold, options.tree))),
     Method("medusa", "Medusa-1 heads on the target's last hidden state", 3, _learned(
         "medusa", lambda path, target, options: MedusaDrafter.load(path, target.model))),
 ]}
+
+
+TREE_METHODS = ("eagle",)
 
 
 def build_engine(target: LoadedModel, method: str = "ar",
@@ -139,9 +147,12 @@ def build_engine(target: LoadedModel, method: str = "ar",
     if options.schedule not in SCHEDULES:
         raise VerispecError(
             f"unknown draft-length schedule {options.schedule!r}; choose from {', '.join(SCHEDULES)}")
+    if options.tree is not None and method not in TREE_METHODS:
+        raise VerispecError(f"method {method!r} drafts chains only; trees: {', '.join(TREE_METHODS)}")
     if spec.build is None or k == 0:
-        return SpeculativeEngine(target.model)
-    return SpeculativeEngine(target.model, spec.build(target, options), SCHEDULES[options.schedule](k))
+        return SpeculativeEngine(target.model, acceptance=options.acceptance)
+    return SpeculativeEngine(target.model, spec.build(target, options), SCHEDULES[options.schedule](k),
+                             options.acceptance)
 
 
 __all__ = ["Drafter", "DraftRequest", "DraftOptions", "EagleDrafter", "METHODS", "MedusaDrafter",

@@ -20,6 +20,7 @@ from verispec.drafters.learned import ReducedHead, load_drafter
 from verispec.drafters.nn import DecoderLayer, KVCache
 from verispec.errors import VerispecError
 from verispec.sampling import sample, warp_probs
+from verispec.tree import TreeSettings, grow_tree
 from verispec.types import Proposal
 
 
@@ -32,9 +33,9 @@ class EagleNet(nn.Module):
         self.layer = DecoderLayer(hidden, heads, intermediate)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
-        # embeds, hidden: [batch, T, hidden]; positions: [T]
-        return self.layer(self.fuse(torch.cat([embeds, hidden], dim=-1)), positions, cache)
+                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # embeds, hidden: [batch, T, hidden]; positions: [T]; mask: [T, cached + T] or None
+        return self.layer(self.fuse(torch.cat([embeds, hidden], dim=-1)), positions, cache, mask)
 
 
 def eagle_settings(target: PreTrainedModel) -> dict:
@@ -45,28 +46,31 @@ def eagle_settings(target: PreTrainedModel) -> dict:
 
 
 class EagleDrafter:
-    """Drafts a chain from predicted features; stops early below `confidence_threshold`."""
+    """Drafts a chain from predicted features (stopping early below `confidence_threshold`), or,
+    with `tree` settings, an EAGLE-2 dynamic tree of depth k (see verispec.tree.grow_tree)."""
 
     needs_hidden = True
 
     def __init__(self, target: PreTrainedModel, net: EagleNet, head: ReducedHead,
-                 confidence_threshold: float | None = None) -> None:
+                 confidence_threshold: float | None = None, tree: TreeSettings | None = None) -> None:
         self.net = net.to(device=target.device, dtype=target.dtype).eval()
         self.embed = target.get_input_embeddings()
         self.head = head
         self.confidence_threshold = confidence_threshold
+        self.tree = tree
         self.cache = KVCache()
         self.real = 0  # positions in the cache built from the target's own hidden states
 
     @classmethod
     def load(cls, path: str | Path, target: PreTrainedModel,
-             confidence_threshold: float | None = None) -> EagleDrafter:
+             confidence_threshold: float | None = None,
+             tree: TreeSettings | None = None) -> EagleDrafter:
         config, weights = load_drafter(path, target, "eagle")
         net = EagleNet(**config["settings"])
         net.load_state_dict({k.removeprefix("net."): v for k, v in weights.items()
                              if k.startswith("net.")})
         head = ReducedHead(target, weights["vocab_ids"].long())
-        return cls(target, net, head, confidence_threshold)
+        return cls(target, net, head, confidence_threshold, tree)
 
     def reset(self) -> None:
         self.cache = KVCache()
@@ -86,6 +90,8 @@ class EagleDrafter:
         feature = self.net(self.embed(tokens[self.real + 1: n + 1])[None], hidden[self.real: n][None],
                            positions, self.cache)[0, -1]
         self.real = n
+        if self.tree is not None:
+            return self._propose_tree(feature, n, request.k)
         drafted, probs = [], []
         for i in range(request.k):
             logits = self.head.logits(feature).float()  # [reduced]
@@ -104,6 +110,37 @@ class EagleDrafter:
                 feature = self.net(self.embed(token.view(1, 1)), feature.view(1, 1, -1),
                                    torch.tensor([n + i], device=device), self.cache)[0, -1]
         return Proposal(torch.stack(drafted), torch.stack(probs) if probs else None)
+
+    def _propose_tree(self, feature: torch.Tensor, n: int, depth: int) -> Proposal:
+        """A dynamic tree grown from the root's predicted feature [hidden] (position n)."""
+        device = feature.device
+        features = {-1: feature}  # node -> its predicted feature (the root's is -1)
+        slots: dict[int, int] = {}  # node -> its entry in self.cache
+
+        def expand(nodes: list[int], parents: list[int], tokens: torch.Tensor) -> torch.Tensor:
+            # tokens: [m] in the reduced vocabulary. Each node sees the real context, its
+            # expanded ancestors and itself, at position n + its depth - 1.
+            past = self.cache.length
+            mask = torch.zeros(len(nodes), past + len(nodes), dtype=torch.bool, device=device)
+            mask[:, : self.real] = True
+            positions = []
+            for row, node in enumerate(nodes):
+                mask[row, past + row] = True
+                ancestor, level = parents[node], 0
+                while ancestor != -1:
+                    mask[row, slots[ancestor]] = True
+                    ancestor, level = parents[ancestor], level + 1
+                positions.append(n + level)
+                slots[node] = past + row
+            inputs = torch.stack([features[parents[node]] for node in nodes])[None]  # [1, m, hidden]
+            out = self.net(self.embed(self.head.vocab_ids[tokens])[None], inputs,
+                           torch.tensor(positions, device=device), self.cache, mask)[0]
+            features.update(zip(nodes, out))
+            return self.head.logits(out).float().log_softmax(-1)  # [m, reduced]
+
+        root_logp = self.head.logits(feature).float().log_softmax(-1)  # [reduced]
+        tokens, parents = grow_tree(root_logp, expand, depth, self.tree)
+        return Proposal(self.head.vocab_ids[tokens], parents=parents)
 
     def commit(self, num_accepted: int) -> None:
         # Entries built from predicted features are replaced by real ones at the next proposal.

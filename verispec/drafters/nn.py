@@ -81,9 +81,13 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(size, 2 * intermediate, bias=False)
         self.down = nn.Linear(intermediate, size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
-        """x: [batch, T, size]; positions: [T]. With a cache (batch 1) x follows the cached tokens."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [batch, T, size]; positions: [T]. With a cache (batch 1) x follows the cached tokens.
+
+        mask: [T, cached + T] bool (True = attend), for tree nodes that see only their ancestors;
+        None is causal attention.
+        """
         batch, length, size = x.shape
         q, k, v = (self.qkv(self.attn_norm(x)).view(batch, length, 3, self.heads, self.head_dim)
                    .permute(2, 0, 3, 1, 4))  # each [batch, heads, T, head_dim]
@@ -92,7 +96,9 @@ class DecoderLayer(nn.Module):
         if cache is not None:
             past = cache.length
             k, v = cache.append(k, v)
-        if past == 0:
+        if mask is not None:
+            attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif past == 0:
             attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=length > 1)
         elif length == 1:
             attended = nn.functional.scaled_dot_product_attention(q, k, v)

@@ -1,10 +1,12 @@
-"""Greedy verification: keep draft tokens while they equal the target's argmax."""
+"""Greedy verification: keep draft tokens while they equal the target's argmax (chains and trees)."""
 
 from __future__ import annotations
 
 import torch
 
+from verispec.tree import is_chain
 from verispec.types import Proposal, SamplingParams, Verdict
+from verispec.verifiers.tree import greedy_tree_accept
 
 
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -32,4 +34,8 @@ class GreedyVerifier:
     def verify(self, proposal: Proposal, target_logits: torch.Tensor, sampling: SamplingParams,
                generator: torch.Generator | None) -> Verdict:
         # target_logits: [len(proposal) + 1, vocab]
-        return Verdict(*greedy_accept(proposal.tokens, target_logits))
+        if is_chain(proposal.parents):
+            num_accepted, token = greedy_accept(proposal.tokens, target_logits)
+            return Verdict(tuple(range(num_accepted)), token)
+        path, token = greedy_tree_accept(proposal.tokens, proposal.parents, target_logits)
+        return Verdict(tuple(path), token)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from verispec.sampling import sample, warp_probs
+from verispec.tree import is_chain
 from verispec.types import Proposal, SamplingParams, Verdict
+from verispec.verifiers.tree import tree_rejection_sample
 
 
 def rejection_sample(
@@ -59,8 +61,12 @@ class RejectionVerifier:
                generator: torch.Generator | None) -> Verdict:
         # target_logits: [len(proposal) + 1, vocab]
         target_probs = warp_probs(target_logits, sampling)
+        if not is_chain(proposal.parents):
+            path, token = tree_rejection_sample(proposal.tokens, proposal.parents,
+                                                proposal.draft_probs, target_probs, generator)
+            return Verdict(tuple(path), token)
         draft_probs = None if proposal.draft_probs is None else proposal.draft_probs.unsqueeze(0)
         num_accepted, next_token = rejection_sample(
             proposal.tokens.unsqueeze(0), draft_probs, target_probs.unsqueeze(0), generator)
         n, t = torch.cat([num_accepted, next_token]).tolist()
-        return Verdict(n, t)
+        return Verdict(tuple(range(n)), t)
