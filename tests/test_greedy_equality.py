@@ -11,6 +11,7 @@ from verispec.drafters import ModelDrafter, PromptLookupDrafter, early_exit_draf
 from verispec.engine import SpeculativeEngine
 from verispec.policies import ConstantK, HeuristicK
 from verispec.stopping import StoppingRules
+from verispec.tree import TreeSettings
 
 NEW = 48
 PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5], [1, 60]]
@@ -34,6 +35,7 @@ def drafters(target, prompt, truth):
         "oracle": OracleDrafter(len(prompt), truth, errors={0, 3, 4, 11, 12, 13, 30}, vocab=VOCAB),
         "draft-model": ModelDrafter(tiny_llama(seed=7, layers=1), VOCAB),
         "pld": PromptLookupDrafter(max_ngram=3),
+        "pld-tree": PromptLookupDrafter(max_ngram=3, tree=TreeSettings(topk=3, nodes=12)),
         "early-exit": early_exit_drafter(target, 1, VOCAB),
     }
 

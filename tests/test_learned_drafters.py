@@ -30,6 +30,7 @@ from verispec.stopping import StoppingRules
 from verispec.training.data import build_dataset, load_dataset
 from verispec.training.recipes import KINDS, Recipe, RecipeOptions, train_drafter
 from verispec.training.trainer import TrainConfig
+from verispec.tree import TreeSettings
 from verispec.types import Proposal, SamplingParams
 
 NEW = 40
@@ -92,6 +93,9 @@ def test_trained_drafters_are_written_with_their_run(trained):
     for kind, path in trained.items():
         config = json.loads((path / "drafter.json").read_text())
         assert config["kind"] == kind
+        if kind == "medusa":  # measured on held-out data, for the static tree
+            accuracy = torch.tensor(config["rank_accuracy"])
+            assert accuracy.shape == (3, 8) and accuracy.min() >= 0 and accuracy.sum(1).max() <= 1
         assert config["training"]["sequences"] == 12
         assert (path / "weights.safetensors").is_file()
         assert (path / "run" / "loss.png").is_file() and (path / "run" / "checkpoint.pt").is_file()
@@ -113,6 +117,12 @@ def _drafters(loaded, trained):
         "draft": distilled_drafter(trained["draft"], model, VOCAB),
         "random-eagle": EagleDrafter(model, random_eagle, ReducedHead(model, vocab_ids)),
         "random-medusa": MedusaDrafter(model, random_medusa, ReducedHead(model, vocab_ids)),
+        "eagle-tree": EagleDrafter.load(trained["eagle"], model, tree=TreeSettings(3, 10)),
+        "medusa-tree": MedusaDrafter.load(trained["medusa"], model, TreeSettings(3, 8)),
+        "random-eagle-tree": EagleDrafter(model, random_eagle, ReducedHead(model, vocab_ids),
+                                          tree=TreeSettings(4, 12)),
+        "random-medusa-tree": MedusaDrafter(model, random_medusa, ReducedHead(model, vocab_ids),
+                                            TreeSettings(4, 12), [[0.5, 0.3, 0.1, 0.1]] * 3),
     }
 
 
@@ -164,6 +174,9 @@ def test_sampled_drafts_report_their_q(loaded, trained):
         drafter.reset()
         proposal = drafter.propose(DraftRequest(tokens, 3, sampling, generator, hidden))
         q = proposal.draft_probs
+        if name.endswith("-tree"):  # trees are chosen by rank: deterministic, q one-hot
+            assert q is None and proposal.parents is not None
+            continue
         assert q is not None and q.shape == (len(proposal), VOCAB)
         torch.testing.assert_close(q.sum(-1), torch.ones(len(proposal)))
         assert (q.gather(-1, proposal.tokens[:, None]) > 0).all(), f"{name}: drafted a q=0 token"

@@ -100,7 +100,7 @@ def _early_exit(target: LoadedModel, options: DraftOptions) -> Drafter:
 
 
 def _prompt_lookup(target: LoadedModel, options: DraftOptions) -> Drafter:
-    return PromptLookupDrafter(options.max_ngram, options.min_ngram)
+    return PromptLookupDrafter(options.max_ngram, options.min_ngram, options.tree)
 
 
 def _dtype_name(target: LoadedModel) -> str:
@@ -128,11 +128,11 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "state", 3, _learned("eagle", lambda path, target, options: EagleDrafter.load(
                path, target.model, options.confidence_threshold, options.tree))),
     Method("medusa", "Medusa-1 heads on the target's last hidden state", 3, _learned(
-        "medusa", lambda path, target, options: MedusaDrafter.load(path, target.model))),
+        "medusa", lambda path, target, options: MedusaDrafter.load(path, target.model, options.tree))),
 ]}
 
 
-TREE_METHODS = ("eagle",)
+TREE_METHODS = ("eagle", "medusa", "pld")
 
 
 def build_engine(target: LoadedModel, method: str = "ar",

@@ -5,11 +5,13 @@ output is the newest committed token x_{i+1}) and predicts x_{i+1+k}, as
 softmax(W_head · (h_i + SiLU(W_k h_i + b_k))). W_k starts at zero; W_head is the target's own
 LM head, frozen and shared by every head (restricted to a frequency-ranked vocabulary, see
 ReducedHead), so each head adds only hidden² + hidden weights. The heads draft a chain (top-1
-per head); all heads run as one batched product.
+per head) or a static tree over each head's top tokens (`static_tree`); all heads run as one
+batched product.
 """
 
 from __future__ import annotations
 
+import heapq
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from verispec.drafters.base import DraftRequest
 from verispec.drafters.learned import ReducedHead, load_drafter
 from verispec.errors import VerispecError
 from verispec.sampling import sample, warp_probs
+from verispec.tree import TreeSettings
 from verispec.types import Proposal
 
 
@@ -46,22 +49,56 @@ def medusa_settings(target: PreTrainedModel, heads: int = 4) -> dict:
     return {"hidden": int(config.hidden_size), "heads": heads}
 
 
+def static_tree(rank_accuracy: list[list[float]], nodes: int) -> list[tuple[int, ...]]:
+    """Medusa's sparse tree: the `nodes` rank paths most likely to be accepted, best first.
+
+    rank_accuracy[d][r]: how often head d's r-th most probable token is the right one (measured on
+    calibration data). A path (r_1, ..., r_d) stands for head 1's r_1-th token, then head 2's r_2-th,
+    ...; its chance is taken as the product of its accuracies. Extending a path never raises that
+    product, so growing best-first keeps every chosen path's prefixes.
+
+    Example: accuracies [[0.6, 0.2], [0.5, 0.1]], 3 nodes -> [(0,), (0, 0), (1,)] (0.6, 0.3, 0.2).
+    """
+    heap = [(-acc, (rank,)) for rank, acc in enumerate(rank_accuracy[0])]
+    heapq.heapify(heap)
+    chosen: list[tuple[int, ...]] = []
+    while heap and len(chosen) < nodes:
+        score, path = heapq.heappop(heap)
+        chosen.append(path)
+        if len(path) < len(rank_accuracy):
+            for rank, acc in enumerate(rank_accuracy[len(path)]):
+                heapq.heappush(heap, (score * acc, path + (rank,)))
+    return chosen
+
+
 class MedusaDrafter:
-    """Drafts min(k, heads) tokens from the target's last hidden state in one shot."""
+    """Drafts min(k, heads) tokens from the target's last hidden state in one shot: a chain of
+    each head's top token, or with `tree` settings a static tree of `tree.nodes` nodes over each
+    head's top `tree.topk` tokens, shaped by the heads' measured rank accuracies."""
 
     needs_hidden = True
 
-    def __init__(self, target: PreTrainedModel, net: MedusaNet, head: ReducedHead) -> None:
+    def __init__(self, target: PreTrainedModel, net: MedusaNet, head: ReducedHead,
+                 tree: TreeSettings | None = None,
+                 rank_accuracy: list[list[float]] | None = None) -> None:
         self.net = net.to(device=target.device, dtype=target.dtype).eval()
         self.head = head
+        self.choices: list[tuple[int, ...]] | None = None
+        if tree is not None:
+            if rank_accuracy is None:
+                raise VerispecError("a Medusa tree needs the heads' measured rank accuracies "
+                                    "(drafter.json rank_accuracy, written by verispec train medusa)")
+            self.choices = static_tree([row[: tree.topk] for row in rank_accuracy], tree.nodes)
 
     @classmethod
-    def load(cls, path: str | Path, target: PreTrainedModel) -> MedusaDrafter:
+    def load(cls, path: str | Path, target: PreTrainedModel,
+             tree: TreeSettings | None = None) -> MedusaDrafter:
         config, weights = load_drafter(path, target, "medusa")
         net = MedusaNet(**config["settings"])
         net.load_state_dict({k.removeprefix("net."): v for k, v in weights.items()
                              if k.startswith("net.")})
-        return cls(target, net, ReducedHead(target, weights["vocab_ids"].long()))
+        return cls(target, net, ReducedHead(target, weights["vocab_ids"].long()), tree,
+                   config.get("rank_accuracy"))
 
     def reset(self) -> None:
         pass  # stateless: everything comes from the target's hidden state
@@ -76,10 +113,25 @@ class MedusaDrafter:
         k = min(request.k, self.net.num_heads)
         features = self.net(hidden[-1])[:k]  # [k, hidden]
         logits = self.head.logits(features).float()  # [k, reduced]
+        if self.choices is not None:
+            return self._tree(logits)
         if request.sampling.greedy:
             return Proposal(self.head.vocab_ids[logits.argmax(-1)])
         q = warp_probs(self.head.full(logits), request.sampling)  # [k, vocab]
         return Proposal(sample(q, request.generator), q)
+
+    def _tree(self, logits: torch.Tensor) -> Proposal:
+        """The static tree's nodes no deeper than the heads run; logits [heads run, reduced].
+
+        Deterministic under sampling too (q one-hot per node), which tree verification handles.
+        """
+        paths = sorted((p for p in self.choices if len(p) <= logits.shape[0]), key=lambda p: (len(p), p))
+        ranked = logits.topk(1 + max(max(p) for p in paths), dim=-1).indices  # [heads run, ranks]
+        index = {path: i for i, path in enumerate(paths)}
+        heads = torch.tensor([len(p) - 1 for p in paths], device=logits.device)
+        ranks = torch.tensor([p[-1] for p in paths], device=logits.device)
+        parents = torch.tensor([index.get(p[:-1], -1) for p in paths], device=logits.device)
+        return Proposal(self.head.vocab_ids[ranked[heads, ranks]], parents=parents)
 
     def commit(self, num_accepted: int) -> None:
         pass

@@ -7,6 +7,7 @@ Teacher distributions are the target's logits restricted to the drafter's reduce
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,7 +17,14 @@ from transformers import PreTrainedModel
 
 from verispec.drafters.distilled import DraftStudent, draft_settings
 from verispec.drafters.eagle import EagleNet, eagle_settings
-from verispec.drafters.learned import ReducedHead, frequent_tokens, save_drafter
+from verispec.drafters.learned import (
+    CONFIG_FILE,
+    ReducedHead,
+    drafter_config,
+    frequent_tokens,
+    load_drafter,
+    save_drafter,
+)
 from verispec.drafters.medusa import MedusaNet, medusa_settings
 from verispec.drafters.trained_exit import exit_settings, new_adapter
 from verispec.errors import VerispecError
@@ -152,6 +160,24 @@ class Recipe:
         loss = distill_loss(student, teacher, self.options.loss, b.mask)
         return loss, {"loss": float(loss.detach()), "top1": top1_agreement(student, teacher, b.mask)}
 
+    @torch.no_grad()
+    def rank_accuracy(self, items: list[Sequence], max_len: int, ranks: int = 8,
+                      chunk: int = 8) -> list[list[float]]:
+        """Medusa: [head][r], how often head k's r-th most probable token is the target's own
+        choice k positions on, over the given (held-out) sequences; shapes the static tree."""
+        hits = torch.zeros(self.module.num_heads, ranks)
+        counts = torch.zeros(self.module.num_heads)
+        for start in range(0, len(items), chunk):
+            b = collate(items[start: start + chunk], max_len)
+            features = self.module(b.hidden)  # [B, T, heads, hidden]
+            target_top = self.teacher(b.hidden).argmax(-1)  # [B, T]
+            for k in range(1, self.module.num_heads + 1):
+                ranked = self.teacher(features[:, :-k, k - 1]).topk(ranks, dim=-1).indices
+                m = b.mask[:, k:]
+                hits[k - 1] += (ranked == target_top[:, k:, None])[m].sum(0)
+                counts[k - 1] += m.sum()
+        return (hits / counts.clamp_min(1)[:, None]).tolist()
+
     def export(self, out_dir: Path, extra: dict) -> Path:
         prefix = {"early-exit": "adapter.", "draft": "student."}.get(self.kind, "net.")
         weights = {prefix + k: v for k, v in self.module.state_dict().items()}
@@ -159,6 +185,36 @@ class Recipe:
             weights["vocab_ids"] = self.vocab_ids
         return save_drafter(out_dir, self.kind, self.target,
                             {k: v for k, v in self.settings.items()}, weights, extra)
+
+
+def split(sequences: list[Sequence], seed: int,
+          eval_fraction: float) -> tuple[list[Sequence], list[Sequence]]:
+    """(training, held-out) sequences: a seeded shuffle, the first eval_fraction held out."""
+    order = list(range(len(sequences)))
+    random.Random(seed).shuffle(order)
+    held = max(1, int(len(order) * eval_fraction)) if len(order) > 1 else 0
+    eval_items = [sequences[i] for i in order[:held]]
+    return [sequences[i] for i in order[held:]] or eval_items, eval_items
+
+
+def calibrate_medusa(drafter_dir: Path, target: LoadedModel, data_dir: Path,
+                     eval_fraction: float = 0.05) -> list[list[float]]:
+    """Measure a trained Medusa drafter's rank accuracies on its training run's held-out data and
+    store them in its drafter.json (for drafters trained before verispec measured them itself)."""
+    config = drafter_config(drafter_dir)
+    _, weights = load_drafter(drafter_dir, target.model, "medusa")
+    meta, sequences = load_dataset(data_dir)
+    recipe = Recipe("medusa", target, meta, sequences,
+                    RecipeOptions(medusa_heads=config["settings"]["heads"]))
+    recipe.module.load_state_dict({k.removeprefix("net."): v.float() for k, v in weights.items()
+                                   if k.startswith("net.")})
+    recipe.head = ReducedHead(target.model, weights["vocab_ids"].long())
+    recipe.head_t = recipe.head.weight_t.float()
+    train_config = config["training"]["config"]
+    _, eval_items = split(sequences, train_config["seed"], eval_fraction)
+    config["rank_accuracy"] = recipe.rank_accuracy(eval_items, train_config["max_len"])
+    (Path(drafter_dir) / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
+    return config["rank_accuracy"]
 
 
 def train_drafter(kind: str, target: LoadedModel, data_dir: Path, out_dir: Path,
@@ -170,14 +226,12 @@ def train_drafter(kind: str, target: LoadedModel, data_dir: Path, out_dir: Path,
         raise VerispecError(f"the data in {data_dir} was made for another target")
     torch.manual_seed(config.seed)
     recipe = Recipe(kind, target, meta, sequences, options)
-    order = list(range(len(sequences)))
-    random.Random(config.seed).shuffle(order)
-    held = max(1, int(len(order) * eval_fraction)) if len(order) > 1 else 0
-    eval_items = [sequences[i] for i in order[:held]]
-    train_items = [sequences[i] for i in order[held:]] or eval_items
+    train_items, eval_items = split(sequences, config.seed, eval_fraction)
     history = train(recipe.module, lambda batch: recipe.loss(batch, config.max_len), train_items,
                     eval_items, config, out_dir / "run", desc=f"train {kind}")
     final_eval = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
-    return recipe.export(out_dir, {"training": {
-        "data": meta, "sequences": len(sequences), "config": asdict(config),
-        "options": asdict(options), "final_eval": final_eval}})
+    extra = {"training": {"data": meta, "sequences": len(sequences), "config": asdict(config),
+                          "options": asdict(options), "final_eval": final_eval}}
+    if kind == "medusa":
+        extra["rank_accuracy"] = recipe.rank_accuracy(eval_items, config.max_len)
+    return recipe.export(out_dir, extra)
