@@ -18,6 +18,7 @@ from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel, load
 from verispec.stopping import StoppingRules
+from verispec.tree import TreeSettings
 from verispec.types import GenerationResult, SamplingParams, Step
 
 ModelLike = str | LoadedModel | PreTrainedModel
@@ -100,6 +101,8 @@ def prepare(
     prompt_lookup_num_tokens: int | None = None,
     max_matching_ngram_size: int | None = None,
     assistant_early_exit: int | None = None,
+    tree: TreeSettings | None = None,
+    acceptance: str = "exact",
     eos_token_id: int | Iterable[int] | None = None,
     stop_strings: str | Iterable[str] | None = None,
     tokenizer=None,
@@ -114,7 +117,7 @@ def prepare(
     if len(chosen) > 1:
         raise VerispecError(f"choose one speculation method, got {' and '.join(chosen)}")
     common = {"schedule": num_assistant_tokens_schedule,
-              "confidence_threshold": assistant_confidence_threshold}
+              "confidence_threshold": assistant_confidence_threshold, "acceptance": acceptance, "tree": tree}
     method, options = "ar", DraftOptions(**common)
     if assistant_model is not None:
         draft = assistant_model if isinstance(assistant_model, (str, LoadedModel)) else _as_loaded(
@@ -156,7 +159,11 @@ def generate(model: ModelLike, inputs: str | list[int] | torch.Tensor, *, stream
     do_sample, temperature, top_k, top_p, seed, assistant_model, num_assistant_tokens,
     num_assistant_tokens_schedule ("constant" | "heuristic"), assistant_confidence_threshold,
     prompt_lookup_num_tokens, max_matching_ngram_size, assistant_early_exit, eos_token_id,
-    stop_strings, tokenizer. A Hugging Face-style `streamer` (put/end) receives the prompt, then
+    stop_strings, tokenizer. verispec adds tree=TreeSettings(topk, nodes) (prompt lookup then
+    drafts the trie of several matches; eagle / medusa trees through make_job) and
+    acceptance="typical" (Medusa's typical acceptance: LOSSY under sampling, the output no longer
+    follows the target's distribution; default "exact"). A Hugging Face-style `streamer`
+    (put/end) receives the prompt, then
     each committed block of tokens.
 
     Returns a GenerationResult: new token ids, text, the steps with each token's fate, and stats.

@@ -8,12 +8,14 @@ import os
 import sys
 
 from verispec.api import make_job, run
-from verispec.display import LEGEND, acceptance_line, render_steps, stats_table
-from verispec.drafters import METHODS, DraftOptions
+from verispec.display import LEGEND, acceptance_line, render_steps, render_tree, stats_table
+from verispec.drafters import METHODS, TREE_METHODS, DraftOptions
 from verispec.errors import VerispecError
 from verispec.models import BUILTIN_MODELS, DEFAULT_MODEL, DTYPES, load_model
 from verispec.policies import SCHEDULES
+from verispec.tree import TreeSettings
 from verispec.types import GenerationStats, SamplingParams
+from verispec.verifiers import ACCEPTANCE
 
 # Prompts whose answers reuse the prompt's words: where prompt lookup, the best drafter that needs
 # no training, pays off.
@@ -61,12 +63,33 @@ def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -
                         help="prompt lookup: longest n-gram to match")
     parser.add_argument("--min-ngram", type=int, default=DraftOptions.min_ngram,
                         help="prompt lookup: shortest n-gram to match")
+    parser.add_argument("--tree", type=tree_settings, metavar="TOPKxNODES",
+                      help="draft a token tree of depth k instead of a chain (TOPKxNODES, e.g. "
+                      "4x16: top-k children per expanded node, NODES draft nodes in all)")
+    parser.add_argument("--acceptance", default="exact", choices=list(ACCEPTANCE),
+                        help="exact (default, lossless) or typical: Medusa's typical acceptance, "
+                        "LOSSY under sampling (the output no longer follows the target's "
+                        "distribution; under greedy decoding it is exact)")
+
+
+def tree_settings(text: str) -> TreeSettings:
+    """'4x16' -> TreeSettings(topk=4, nodes=16)."""
+    try:
+        topk, nodes = (int(part) for part in text.lower().split("x"))
+        return TreeSettings(topk, nodes)
+    except (ValueError, VerispecError):
+        raise argparse.ArgumentTypeError(
+            f"expected a tree as TOPKxNODES with both >= 1, e.g. 4x16; got {text!r}") from None
+
+
+def tree_list(text: str) -> list[TreeSettings]:
+    return [tree_settings(item) for item in comma_list(text)]
 
 
 def draft_options(args: argparse.Namespace) -> DraftOptions:
     return DraftOptions(k=args.k, schedule=args.schedule, confidence_threshold=args.confidence_threshold,
                         draft=args.draft, exit_layer=args.exit_layer, max_ngram=args.max_ngram,
-                        min_ngram=args.min_ngram)
+                        min_ngram=args.min_ngram, tree=args.tree, acceptance=args.acceptance)
 
 
 def use_colour(choice: str) -> bool:
@@ -90,6 +113,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           "stats": result.stats.as_dict()}))
         return 0
     colour = use_colour(args.color)
+    if args.show_tree:
+        for number, step in enumerate(result.steps, 1):
+            if step.tree is not None:
+                print(f"step {number}: {len(step.tree.tokens)} draft nodes, depth {step.tree.depth}, "
+                      f"{len(step.tree.path)} accepted (marked *)")
+                print(render_tree(step.tree, target.tokenizer) + "\n")
     print(render_steps(result.steps, target.tokenizer, colour))
     print()
     if colour and args.method != "ar":
@@ -161,7 +190,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          questions=Path(args.questions) if args.questions else None, tasks=args.tasks,
                          limit_per_task=args.limit_per_task, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, seed=args.seed, warmup=args.warmup,
-                         dtype=args.dtype, device=args.device)
+                         dtype=args.dtype, device=args.device, trees=args.trees,
+                         typical=args.typical)
     results = run_bench(config)
     print((Path(args.out) / "report.md").read_text() if results["runs"] else "no runs finished")
     if results["config"]["interrupted"]:
@@ -220,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
     gen.add_argument("--color", default="auto", choices=["auto", "always", "never"])
+    gen.add_argument("--show-tree", action="store_true",
+                     help="with --tree: print every step's candidate tree, the accepted path marked")
     gen.set_defaults(func=cmd_generate)
 
     demo = commands.add_parser("demo", help="plain vs speculative decoding on the built-in model",
@@ -244,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="trained drafter directories (from verispec train), comma-separated; "
                        "default: those shipped for the model")
     bench.add_argument("--k", type=comma_ints, help="draft lengths to sweep, e.g. 4,8,16")
+    bench.add_argument("--trees", type=tree_list, metavar="TOPKxNODES,...",
+                      help="also run each tree-capable method (" + ", ".join(TREE_METHODS) + ") "
+                      "with these trees, beside its chain, e.g. 4x8,4x16,8x32")
+    bench.add_argument("--typical", action="store_true",
+                       help="with --temperature > 0: also run each method with typical acceptance "
+                       "(LOSSY; labelled so in the report)")
     bench.add_argument("--exit-layer", type=int, help="early exit layers (default: half the target's)")
     bench.add_argument("--questions", help="Spec-Bench-format .jsonl (default: built-in prompts)")
     bench.add_argument("--tasks", type=comma_list, help="only these tasks, e.g. qa,rag")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from verispec.types import Fate, GenerationStats, Step
+from verispec.tree import children
+from verispec.types import DraftTree, Fate, GenerationStats, Step
 
 GREEN, RED_STRIKE, BLUE, CYAN, RESET = "\033[32m", "\033[31;9m", "\033[34m", "\033[36m", "\033[0m"
 FATE_COLOURS = {Fate.ACCEPTED: GREEN, Fate.RECOVERED: BLUE, Fate.BONUS: CYAN}
@@ -50,3 +51,30 @@ def stats_table(rows: dict[str, GenerationStats]) -> str:
 def acceptance_line(stats: GenerationStats, limit: int = 12) -> str:
     rates = stats.acceptance_by_position[:limit]
     return "acceptance by draft position: " + (" ".join(f"{r:.2f}" for r in rates) or "(no drafts)")
+
+
+def render_tree(tree: DraftTree, tokenizer) -> str:
+    """A drafted token tree, one node per line under the root; accepted nodes marked with '*'.
+
+    >>> print(render_tree(DraftTree([5, 6, 7], [-1, 0, -1], [0], 2), None))
+    (root)
+    ├─* 5
+    │  └── 6
+    └── 7
+    """
+    kids = children(tree.parents)
+    accepted = set(tree.path)
+    lines = ["(root)"]
+
+    def show(token: int) -> str:
+        return repr(tokenizer.decode([token])) if tokenizer is not None else str(token)
+
+    def walk(row: int, indent: str) -> None:
+        for i, node in enumerate(kids[row]):
+            last = i == len(kids[row]) - 1
+            mark = "*" if node in accepted else "─"
+            lines.append(f"{indent}{'└─' if last else '├─'}{mark} {show(tree.tokens[node])}")
+            walk(node + 1, indent + ("   " if last else "│  "))
+
+    walk(0, "")
+    return "\n".join(lines)

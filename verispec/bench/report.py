@@ -263,6 +263,7 @@ def theory(runs: list[Run], forward: dict | None) -> dict:
        step that drafted anything, and "k_is_mean_drafted_length" is True.
     predicted_speedup: the paper's model; predicted_speedup_with_verify_cost also charges the
        measured cost r = by_tokens[K+1] / by_tokens[1] of verifying K+1 tokens at once.
+       Tree labels ("tree" set) get alpha (per depth) and c but no prediction: the model is for chains.
     best_k / best_k_predicted_speedup: the K in 1..32 that maximizes the paper's model (and the
        same with the verify cost, in best_k_with_verify_cost / ..._predicted_speedup).
     """
@@ -298,6 +299,10 @@ def theory(runs: list[Run], forward: dict | None) -> dict:
                  "measured_speedup_vs_ar": measured[label][OVERALL]["speedup_vs_ar"],
                  "best_k": None, "best_k_predicted_speedup": None,
                  "best_k_with_verify_cost": None, "best_k_with_verify_cost_predicted_speedup": None}
+        entry["tree"] = mine[0].get("tree")
+        if entry["tree"] is not None:  # the chain model does not describe a tree: measured only
+            out[label] = entry
+            continue
         if alpha is not None and c is not None:
             if k is not None and k > 0:
                 entry["predicted_speedup"] = leviathan_speedup(alpha, k, c)
@@ -440,9 +445,12 @@ def _theory_section(theo: dict) -> list[str]:
     if not theo:
         return []
     rows, disagree, mean_k = [], [], []
+    trees = [_name(label) for label, t in theo.items() if t.get("tree")]
     for label, t in theo.items():
         k = t["k"]
         k_text = "–" if k is None else f"{k:.1f}*" if t["k_is_mean_drafted_length"] else str(k)
+        if t.get("tree"):
+            k_text = f"{k_text} (tree {t['tree']})"
         if t["k_is_mean_drafted_length"] and k is not None:
             mean_k.append(label)
         best = "–" if t["best_k"] is None else f"{t['best_k']} ({_x(t['best_k_predicted_speedup'])})"
@@ -463,6 +471,9 @@ def _theory_section(theo: dict) -> list[str]:
              "measured: speedup vs `ar`. best K: the K in 1..32 maximizing each model.", ""]
     lines += _table(["method", "α", "c", "K", "predicted", "with verify cost", "measured vs ar",
                      "best K (model)", "best K (with verify cost)"], rows)
+    if trees:
+        lines += ["", "Tree methods (" + ", ".join(trees) + "): K is the tree depth, α the acceptance "
+                  "per depth; the chain model above does not describe a tree, so they are measured only."]
     if mean_k:
         lines += ["", "\\* runs with different K: K is the mean drafted length per drafting step ("
                   + ", ".join(_name(lb) for lb in mean_k) + ")."]

@@ -8,6 +8,7 @@ Under greedy decoding every output is compared token for token with verispec's `
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -25,13 +26,14 @@ from verispec.api import encode_prompt
 from verispec.bench.questions import Question, load_questions
 from verispec.bench.report import summarize, theory, write_report
 from verispec.cached_model import CachedModel
-from verispec.drafters import METHODS, DraftOptions, build_engine
+from verispec.drafters import METHODS, TREE_METHODS, DraftOptions, build_engine
 from verispec.drafters.early_exit import default_exit_layer
 from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
 from verispec.engine import context_length
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel, load_model
 from verispec.stopping import StoppingRules
+from verispec.tree import TreeSettings
 from verispec.types import GenerationStats, SamplingParams
 
 BASELINES = ("hf", "ar")
@@ -60,6 +62,8 @@ class BenchConfig:
     warmup: int = 1
     dtype: str = "float32"
     device: str = "cpu"
+    trees: list[TreeSettings] | None = None  # also run tree-capable methods with these trees
+    typical: bool = False  # also run each method with typical acceptance (lossy; sampling only)
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Contender:
     method: str
     k: int | None
     generate: Callable[[list[int]], Outcome] = field(compare=False)
+    tree: str | None = None  # "TOPKxNODES" for a tree drafter
 
 
 def trained_drafters(config: BenchConfig) -> dict[str, str]:
@@ -157,10 +162,11 @@ def exit_layer(target: LoadedModel, config: BenchConfig) -> int:
 
 def verispec_contender(method: str, k: int | None, label: str, target: LoadedModel,
                        draft: LoadedModel | None, config: BenchConfig, sampling: SamplingParams,
-                       stopping: StoppingRules) -> Contender:
+                       stopping: StoppingRules, tree: TreeSettings | None = None,
+                       acceptance: str = "exact") -> Contender:
     trained = trained_drafters(config).get(method)
     options = DraftOptions(k=k, draft=draft if method == "draft" and draft is not None else trained,
-                           exit_layer=exit_layer(target, config))
+                           exit_layer=exit_layer(target, config), tree=tree, acceptance=acceptance)
     engine = build_engine(target, method, options)
 
     def generate(prompt_ids: list[int]) -> Outcome:
@@ -169,7 +175,8 @@ def verispec_contender(method: str, k: int | None, label: str, target: LoadedMod
         seconds = time.perf_counter() - started
         return Outcome(result.token_ids, seconds, result.stats.target_forwards, result.stats)
 
-    return Contender(label, method, k if method != "ar" else None, generate)
+    return Contender(label, method, k if method != "ar" else None, generate,
+                     None if tree is None else f"{tree.topk}x{tree.nodes}")
 
 
 def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
@@ -184,10 +191,14 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
             contenders.append(hf_contender(method, target, draft, config, sampling, eos))
             continue
         ks = [None] if method == "ar" else (config.ks or [METHODS[method].default_k])
-        for k in ks:
-            label = method if len(ks) == 1 else f"{method} k={k}"
+        trees = [None] + (config.trees or []) if method in TREE_METHODS else [None]
+        rules = ["exact", "typical"] if config.typical and method != "ar" else ["exact"]  # typical: lossy
+        for k, tree, rule in itertools.product(ks, trees, rules):
+            label = " ".join([method] + ([f"k={k}"] if len(ks) > 1 else [])
+                             + ([f"tree={tree.topk}x{tree.nodes}"] if tree else [])
+                             + (["typical"] if rule == "typical" else []))
             contenders.append(verispec_contender(method, k, label, target, draft, config, sampling,
-                                                 stopping))
+                                                 stopping, tree, rule))
     return contenders
 
 
@@ -245,7 +256,7 @@ def run_record(contender: Contender, question: Question, outcome: Outcome) -> di
     forwards = outcome.target_forwards
     return {
         "method": contender.method, "label": contender.label, "task": question.task,
-        "question_id": question.question_id, "k": contender.k,
+        "question_id": question.question_id, "k": contender.k, "tree": contender.tree,
         "new_tokens": len(outcome.tokens), "seconds": outcome.seconds,
         "target_forwards": forwards,
         "mean_accepted_tokens": len(outcome.tokens) / forwards if forwards else None,
@@ -273,6 +284,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     sampling = SamplingParams(do_sample=config.temperature > 0, temperature=config.temperature)
     questions = load_questions(config.questions, config.tasks, config.limit_per_task)
     choose_methods(config, LEARNED)  # validate names before loading anything
+    if config.typical and config.temperature <= 0:
+        raise VerispecError("--typical compares typical acceptance under sampling: give "
+                            "--temperature > 0 (under greedy decoding it is plain greedy)")
     trained_drafters(config)
     if any(k < 0 for k in config.ks or []):
         raise VerispecError(f"--k values must be >= 0, got {config.ks}")
