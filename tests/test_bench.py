@@ -9,6 +9,7 @@ import pytest
 from verispec.bench.runner import BenchConfig, run_bench
 from verispec.cli import main
 from verispec.errors import VerispecError
+from verispec.tree import TreeSettings
 from verispec.verifiers import greedy
 
 RUN_FIELDS = {"method", "task", "question_id", "k", "new_tokens", "seconds", "target_forwards",
@@ -110,3 +111,21 @@ def test_ctrl_c_keeps_what_was_measured(tiny_dir, questions, tmp_path, monkeypat
     assert len(on_disk["runs"]) == calls["n"] > 0
     assert {r["question_id"] for r in on_disk["runs"]} == {1}
     assert (out / "report.md").is_file() and results["runs"]
+
+
+def test_bench_runs_trees_beside_chains_and_labels_typical_lossy(tiny_dir, questions, tmp_path):
+    out = tmp_path / "trees"
+    results = run_bench(config(tiny_dir, questions, out, methods=["pld"], trees=[TreeSettings(3, 8)],
+                               temperature=0.8, typical=True), progress=False)
+    labels = {r["label"]: r for r in results["runs"]}
+    assert {"pld", "pld tree=3x8", "pld typical", "pld tree=3x8 typical"} <= set(labels)
+    assert labels["pld tree=3x8"]["tree"] == "3x8" and labels["pld"]["tree"] is None
+    report = (out / "report.md").read_text()
+    assert "pld typical (lossy)" in report and "Tree methods (pld tree=3x8" in report
+    assert "## Trees against chains" in report and "| pld tree=3x8 | 3x8 | 8 |" in report
+
+
+def test_typical_without_sampling_is_refused(tiny_dir, questions, tmp_path):
+    with pytest.raises(VerispecError, match="temperature"):
+        run_bench(config(tiny_dir, questions, tmp_path / "x", methods=["pld"], typical=True),
+                  progress=False)

@@ -91,3 +91,32 @@ def test_help_on_every_command(command):
     out = subprocess.run([sys.executable, "-m", "verispec.cli", *command, "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert out.startswith("usage: verispec")
+
+
+def test_generate_shows_each_steps_tree_with_the_accepted_path(tiny_dir, capsys):
+    code = main(["generate", "--model", str(tiny_dir), "--method", "pld", "--k", "4", "--tree", "3x8",
+                 "--show-tree", "--prompt", "w5 w6 w7 w5 w6 w8 w5 w6 w9 w5 w6", "--raw",
+                 "--max-new-tokens", "12", "--color", "never"])
+    out = capsys.readouterr().out
+    assert code == 0 and "(root)" in out and "draft nodes, depth" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "pld", "--tree", "0x4"], "TOPKxNODES"),
+    (["--method", "pld", "--tree", "four"], "TOPKxNODES"),
+    (["--method", "ar", "--tree", "2x4"], "chains only"),
+    (["--method", "pld", "--acceptance", "fast"], "invalid choice"),
+])
+def test_bad_tree_or_acceptance_is_refused(tiny_dir, capsys, args, message):
+    try:
+        code = main(["generate", "--model", str(tiny_dir), "--prompt", "w5", *args])
+    except SystemExit as exit:  # argparse refuses bad values itself
+        code = exit.code
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_typical_acceptance_is_labelled_lossy_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "typical: Medusa's typical acceptance, LOSSY" in help_text

@@ -92,11 +92,27 @@ class CachedModel:
         padding = -n % self.pad_to_multiple if n > 1 else 0
         if padding:
             tokens = torch.cat([tokens, tokens[-1:].expand(padding)])
-        inputs = {"input_ids": tokens.unsqueeze(0), "past_key_values": self.cache, "use_cache": True}
+        mask = positions = None
         if not is_chain(parents):
             past = self.length
-            inputs["attention_mask"] = attention_mask(parents, past, padding)
-            inputs["position_ids"] = position_ids(parents, past, padding).unsqueeze(0)
+            mask, positions = attention_mask(parents, past, padding), position_ids(parents, past, padding)
+        return self._forward(tokens, n, mask, positions)
+
+    @torch.inference_mode()
+    def forward_masked(self, tokens: torch.Tensor, mask: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+        """Append tokens [m] that see only what mask [m, length + m] (bool) allows, at positions
+        [m]; return their logits [m, vocab]. For drafters that grow a tree level by level."""
+        return self._forward(tokens, tokens.shape[0], mask[None, None], positions)[0]
+
+    def _forward(self, tokens: torch.Tensor, n: int, mask: torch.Tensor | None,
+                 positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run tokens [n + padding] through the model; keep the first n in the outputs and cache."""
+        padding = tokens.shape[0] - n
+        inputs = {"input_ids": tokens.unsqueeze(0), "past_key_values": self.cache, "use_cache": True}
+        if mask is not None:
+            inputs["attention_mask"] = mask
+            inputs["position_ids"] = positions.unsqueeze(0)
         if self.head_t is None:
             out = self.model(**inputs, output_hidden_states=True)
             logits, hidden = out.logits[0, :n], out.hidden_states[-1][0, :n]

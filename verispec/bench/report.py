@@ -540,6 +540,51 @@ def _acceptance_section(runs: list[Run], labels: list[str]) -> list[str]:
     return ["", "## Acceptance by draft position", "", intro, ""] + _table(header, rows)
 
 
+def tree_sweep(runs: list[Run], summary: dict) -> dict[str, list[dict]]:
+    """Per method run with trees: its chain and each tree, smallest first, with τ and speedups.
+
+    {method: [{"label", "tree", "nodes", "tau", "speedup_vs_ar", "vs_chain"}, ...]}; "vs_chain" is
+    the speedup over the same method's chain label (with the same k), None without one.
+    """
+    first: dict[str, Run] = {}
+    for run in runs:
+        first.setdefault(run["label"], run)
+    out: dict[str, list[dict]] = {}
+    for method in dict.fromkeys(r["method"] for r in first.values() if r.get("tree")):
+        entries = []
+        for label, run in first.items():
+            if run["method"] != method:
+                continue
+            chain = next((lb for lb, r in first.items() if r["method"] == method and not r.get("tree")
+                          and r.get("k") == run.get("k") and is_lossy(lb) == is_lossy(label)), None)
+            cell, chain_cell = summary[label][OVERALL], summary[chain][OVERALL] if chain else None
+            nodes = int(run["tree"].split("x")[1]) if run.get("tree") else run.get("k") or 0
+            vs_chain = None
+            if chain_cell and cell["speedup_vs_ar"] and chain_cell["speedup_vs_ar"]:
+                vs_chain = cell["speedup_vs_ar"] / chain_cell["speedup_vs_ar"]
+            entries.append({"label": label, "tree": run.get("tree"), "nodes": nodes,
+                            "tau": cell["mean_accepted_tokens"], "speedup_vs_ar": cell["speedup_vs_ar"],
+                            "vs_chain": vs_chain})
+        out[method] = sorted(entries, key=lambda e: (e["tree"] is not None, e["nodes"], e["label"]))
+    return out
+
+
+def _tree_section(runs: list[Run], summary: dict) -> list[str]:
+    sweep = tree_sweep(runs, summary)
+    if not sweep:
+        return []
+    lines = ["", "## Trees against chains", "",
+             "Each tree-capable method's chain beside its trees (TOPKxNODES, depth = K). A bigger "
+             "tree adds τ but makes every verification forward longer (more rows scored); "
+             "`vs chain` shows where that stops paying on this machine.", ""]
+    rows = []
+    for entries in sweep.values():
+        for e in entries:
+            rows.append([_name(e["label"]), "chain" if e["tree"] is None else e["tree"],
+                         str(e["nodes"]), _f(e["tau"]), _x(e["speedup_vs_ar"]), _x(e["vs_chain"])])
+    return lines + _table(["method", "shape", "draft nodes (max)", "τ", "vs ar", "vs chain"], rows)
+
+
 def expected_figures(runs: list[Run], summary: dict) -> list[str]:
     """File names of the figures `write_report` draws for these runs (same rules as `plots`)."""
     names = []
@@ -570,6 +615,7 @@ def render_markdown(results: dict, figures: list[str] | None = None) -> str:
     lines = _header(results, runs)
     lines += [""] + _main_table(summary) if summary else ["", "No runs."]
     lines += _ar_note(summary, forward)
+    lines += _tree_section(runs, summary)
     lines += _theory_section(theory(runs, forward))
     lines += _exactness_section(runs, greedy)
     speculative = [lb for lb in labels_in_order(runs)

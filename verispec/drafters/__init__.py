@@ -52,13 +52,13 @@ def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
         if trained is None:
             raise VerispecError("method 'draft' needs a draft model (--draft PATH / assistant_model=)")
         return distilled_drafter(trained, target.model, target.vocab_size,
-                                 options.confidence_threshold)
+                                 options.confidence_threshold, options.tree)
     if not isinstance(draft, LoadedModel):
         draft = load(draft, dtype=_dtype_name(target), device=str(target.model.device))
     if draft.tokenizer is None and target.tokenizer is not None:
         raise VerispecError(f"draft model {draft.name} has no tokenizer to check against the target's")
     check_same_vocabulary(target.tokenizer, draft.tokenizer)
-    return ModelDrafter(draft.model, target.vocab_size, options.confidence_threshold)
+    return ModelDrafter(draft.model, target.vocab_size, options.confidence_threshold, options.tree)
 
 
 def _trained(target: LoadedModel, options: DraftOptions, kind: str) -> Path | None:
@@ -91,12 +91,13 @@ def _early_exit(target: LoadedModel, options: DraftOptions) -> Drafter:
         layer = drafter_config(trained)["settings"]["exit_layer"]
         if options.exit_layer is None or options.exit_layer == layer:
             return trained_exit_drafter(trained, target.model, target.vocab_size,
-                                        options.confidence_threshold)
+                                        options.confidence_threshold, options.tree)
         if options.draft is not None:
             raise VerispecError(f"the trained exit in {trained} is at layer {layer}, "
                                 f"not {options.exit_layer}")
     layers = default_exit_layer(target.model) if options.exit_layer is None else options.exit_layer
-    return early_exit_drafter(target.model, layers, target.vocab_size, options.confidence_threshold)
+    return early_exit_drafter(target.model, layers, target.vocab_size, options.confidence_threshold,
+                              options.tree)
 
 
 def _prompt_lookup(target: LoadedModel, options: DraftOptions) -> Drafter:
@@ -132,7 +133,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
 ]}
 
 
-TREE_METHODS = ("eagle", "medusa", "pld")
+TREE_METHODS = ("eagle", "medusa", "pld", "draft", "early-exit")
 
 
 def build_engine(target: LoadedModel, method: str = "ar",

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import load_drafter
 from verispec.drafters.model import ModelDrafter
+from verispec.tree import TreeSettings
 
 
 class DraftStudent(nn.Module):
@@ -49,9 +50,10 @@ def draft_settings(num_layers: int = 2) -> dict:
 
 
 def distilled_drafter(path: str | Path, target: PreTrainedModel, vocab_size: int,
-                      confidence_threshold: float | None = None) -> ModelDrafter:
+                      confidence_threshold: float | None = None,
+                      tree: TreeSettings | None = None) -> ModelDrafter:
     config, weights = load_drafter(path, target, "draft")
     student = DraftStudent(target, config["settings"]["num_layers"])
     student.load_state_dict({k.removeprefix("student."): v for k, v in weights.items()})
     student.to(device=target.device, dtype=target.dtype).eval()
-    return ModelDrafter(student.lm, vocab_size, confidence_threshold)
+    return ModelDrafter(student.lm, vocab_size, confidence_threshold, tree)

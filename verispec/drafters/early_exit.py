@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 
 from verispec.drafters.model import ModelDrafter
 from verispec.errors import VerispecError
+from verispec.tree import TreeSettings
 
 
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
@@ -58,5 +59,6 @@ def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
 
 
 def early_exit_drafter(target: PreTrainedModel, num_layers: int, vocab_size: int,
-                       confidence_threshold: float | None = None) -> ModelDrafter:
-    return ModelDrafter(early_exit_model(target, num_layers), vocab_size, confidence_threshold)
+                       confidence_threshold: float | None = None,
+                       tree: TreeSettings | None = None) -> ModelDrafter:
+    return ModelDrafter(early_exit_model(target, num_layers), vocab_size, confidence_threshold, tree)

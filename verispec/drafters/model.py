@@ -9,6 +9,7 @@ from verispec.cached_model import CachedModel
 from verispec.drafters.base import DraftRequest
 from verispec.errors import VerispecError
 from verispec.sampling import sample, warp_probs
+from verispec.tree import TreeSettings
 from verispec.types import Proposal
 
 
@@ -32,17 +33,21 @@ class ModelDrafter:
     """Drafts autoregressively with its own KV cache.
 
     Stops early when its confidence (its probability of the token it just drafted) falls below
-    `confidence_threshold`, as Hugging Face's `assistant_confidence_threshold` does.
+    `confidence_threshold`, as Hugging Face's `assistant_confidence_threshold` does. With `tree`
+    settings it branches at the first position instead: the top `tree.topk` first tokens, each
+    continued greedily to depth k, all branches advanced together in one forward per level
+    (`tree.nodes` is not used: the tree has topk * k nodes).
     """
 
     def __init__(self, model: PreTrainedModel, vocab_size: int,
-                 confidence_threshold: float | None = None) -> None:
+                 confidence_threshold: float | None = None, tree: TreeSettings | None = None) -> None:
         if confidence_threshold is not None and not 0 <= confidence_threshold <= 1:
             raise VerispecError(
                 f"confidence threshold must be in [0, 1], got {confidence_threshold}")
         self.lm = CachedModel(model)
         self.vocab_size = vocab_size  # the target's logits width
         self.confidence_threshold = confidence_threshold
+        self.tree = tree
         self._context_length = 0
 
     def reset(self) -> None:
@@ -50,10 +55,10 @@ class ModelDrafter:
         self._context_length = 0
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [vocab_d] -> [vocab_t]: padded ids of either model get no draft mass."""
+        """logits [..., vocab_d] -> [..., vocab_t]: padded ids of either model get no draft mass."""
         width = logits.shape[-1]
         if width > self.vocab_size:
-            return logits[: self.vocab_size]
+            return logits[..., : self.vocab_size]
         if width < self.vocab_size:
             return torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
         return logits
@@ -62,6 +67,8 @@ class ModelDrafter:
         tokens, sampling = request.tokens, request.sampling
         self._context_length = tokens.shape[0]
         logits = self.lm.forward(tokens[self.lm.length:])[-1]  # the cache always lags by >= 1
+        if self.tree is not None:
+            return self._propose_tree(self._fit_vocab(logits), request.k)
         drafted, probs = [], []
         for i in range(request.k):
             logits = self._fit_vocab(logits)
@@ -80,6 +87,32 @@ class ModelDrafter:
                 logits = self.lm.forward(token.view(1))[-1]
         return Proposal(torch.stack(drafted), torch.stack(probs) if probs else None)
 
+    def _propose_tree(self, logits: torch.Tensor, depth: int) -> Proposal:
+        """Branches of greedy drafts from the top first tokens; logits [vocab] at the root.
+
+        Deterministic (q one-hot per node) under sampling too. Level d holds node d * b + j of
+        branch j; each node sees the context, its own branch and itself.
+        """
+        width = min(self.tree.topk, logits.shape[-1])
+        levels = [logits.topk(width).indices]  # [b] each
+        context = self.lm.length  # the committed tokens, the root included
+        device = logits.device
+        branch = torch.arange(width, device=device)
+        for d in range(1, depth):  # feed level d (depth d) to get level d + 1
+            fed = torch.arange((d - 1) * width, device=device) % width  # branch of each fed node
+            mask = torch.cat([torch.ones(width, context, dtype=torch.bool, device=device),
+                              fed[None, :] == branch[:, None],
+                              torch.eye(width, dtype=torch.bool, device=device)], dim=1)
+            positions = torch.full((width,), context + d - 1, device=device)
+            level_logits = self.lm.forward_masked(levels[-1], mask, positions)  # [b, vocab]
+            levels.append(self._fit_vocab(level_logits).argmax(-1))
+        tokens = torch.cat(levels)  # [depth * b], level by level
+        parents = (torch.arange(tokens.shape[0], device=device) - width).clamp_min(-1)
+        return Proposal(tokens, parents=parents)
+
     def commit(self, num_accepted: int) -> None:
+        if self.tree is not None:  # tree nodes are dropped; accepted tokens are re-fed next time
+            self.lm.rewind(self._context_length)
+            return
         # The cache holds the context plus all drafts but the last; accepted ones stay valid.
         self.lm.rewind(min(self.lm.length, self._context_length + num_accepted))

@@ -18,6 +18,7 @@ from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import load_drafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.nn import ResBlock, RMSNorm
+from verispec.tree import TreeSettings
 
 
 class ExitAdapter(nn.Module):
@@ -48,7 +49,8 @@ def new_adapter(target: PreTrainedModel, settings: dict) -> ExitAdapter:
 
 
 def trained_exit_drafter(path: str | Path, target: PreTrainedModel, vocab_size: int,
-                         confidence_threshold: float | None = None) -> ModelDrafter:
+                         confidence_threshold: float | None = None,
+                         tree: TreeSettings | None = None) -> ModelDrafter:
     """A ModelDrafter over the target's first L layers whose final norm is the trained exit."""
     config, weights = load_drafter(path, target, "early-exit")
     settings = config["settings"]
@@ -57,6 +59,6 @@ def trained_exit_drafter(path: str | Path, target: PreTrainedModel, vocab_size: 
     shallow = early_exit_model(target, settings["exit_layer"])
     # Only the shallow view's norm changes; the target keeps its own.
     shallow.model.norm = adapter.to(device=target.device, dtype=target.dtype).eval()
-    drafter = ModelDrafter(shallow, vocab_size, confidence_threshold)
+    drafter = ModelDrafter(shallow, vocab_size, confidence_threshold, tree)
     drafter.exit_layer = settings["exit_layer"]
     return drafter
