@@ -37,9 +37,9 @@ def drafters(target, prompt, truth):
         "pld": PromptLookupDrafter(max_ngram=3),
         "pld-tree": PromptLookupDrafter(max_ngram=3, tree=TreeSettings(topk=3, nodes=12)),
         "early-exit": early_exit_drafter(target, 1, VOCAB),
-        "self-tree": ModelDrafter(target, VOCAB, tree=TreeSettings(topk=2, nodes=1)),
-        "draft-model-tree": ModelDrafter(tiny_llama(seed=7, layers=1), VOCAB, tree=TreeSettings(3, 1)),
-        "early-exit-tree": early_exit_drafter(target, 1, VOCAB, tree=TreeSettings(3, 1)),
+        "self-tree": ModelDrafter(target, VOCAB, tree=TreeSettings(topk=2, nodes=32)),
+        "draft-model-tree": ModelDrafter(tiny_llama(seed=7, layers=1), VOCAB, tree=TreeSettings(3, 48)),
+        "early-exit-tree": early_exit_drafter(target, 1, VOCAB, tree=TreeSettings(3, 12)),
     }
 
 
@@ -142,7 +142,11 @@ def test_bfloat16_speculation_matches_bfloat16_plain_decoding():
 def test_a_model_drafter_tree_holds_its_own_chain(target, references):
     """The target drafting a tree for itself: branch 0 is its greedy chain, accepted in full."""
     prompt, truth = PROMPTS[0], references[0]
-    result = run(target, ModelDrafter(target, VOCAB, tree=TreeSettings(topk=3, nodes=1)), 8, prompt)
+    result = run(target, ModelDrafter(target, VOCAB, tree=TreeSettings(topk=3, nodes=24)), 8, prompt)
     assert result.token_ids == truth
     assert all(s.num_accepted == s.tree.depth for s in result.steps if s.tree is not None)
     assert result.stats.mean_accepted_tokens > 5
+    # nodes caps the depth: 3 branches of 12 nodes at most are 4 deep.
+    capped = run(target, ModelDrafter(target, VOCAB, tree=TreeSettings(topk=3, nodes=12)), 8, prompt)
+    assert capped.token_ids == truth
+    assert max(s.tree.depth for s in capped.steps if s.tree is not None) == 4

@@ -35,8 +35,8 @@ class ModelDrafter:
     Stops early when its confidence (its probability of the token it just drafted) falls below
     `confidence_threshold`, as Hugging Face's `assistant_confidence_threshold` does. With `tree`
     settings it branches at the first position instead: the top `tree.topk` first tokens, each
-    continued greedily to depth k, all branches advanced together in one forward per level
-    (`tree.nodes` is not used: the tree has topk * k nodes).
+    continued greedily, all branches advanced together in one forward per level, to depth k or
+    as deep as `tree.nodes` nodes allow (topk * depth <= nodes; at least depth 1).
     """
 
     def __init__(self, model: PreTrainedModel, vocab_size: int,
@@ -68,7 +68,9 @@ class ModelDrafter:
         self._context_length = tokens.shape[0]
         logits = self.lm.forward(tokens[self.lm.length:])[-1]  # the cache always lags by >= 1
         if self.tree is not None:
-            return self._propose_tree(self._fit_vocab(logits), request.k)
+            width = min(self.tree.topk, self.vocab_size)
+            depth = max(1, min(request.k, self.tree.nodes // width))
+            return self._propose_tree(self._fit_vocab(logits), width, depth)
         drafted, probs = [], []
         for i in range(request.k):
             logits = self._fit_vocab(logits)
@@ -87,13 +89,12 @@ class ModelDrafter:
                 logits = self.lm.forward(token.view(1))[-1]
         return Proposal(torch.stack(drafted), torch.stack(probs) if probs else None)
 
-    def _propose_tree(self, logits: torch.Tensor, depth: int) -> Proposal:
+    def _propose_tree(self, logits: torch.Tensor, width: int, depth: int) -> Proposal:
         """Branches of greedy drafts from the top first tokens; logits [vocab] at the root.
 
         Deterministic (q one-hot per node) under sampling too. Level d holds node d * b + j of
         branch j; each node sees the context, its own branch and itself.
         """
-        width = min(self.tree.topk, logits.shape[-1])
         levels = [logits.topk(width).indices]  # [b] each
         context = self.lm.length  # the committed tokens, the root included
         device = logits.device
