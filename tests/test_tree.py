@@ -146,3 +146,12 @@ def test_acceptance_by_position_counts_tree_depth(target):
     result = SpeculativeEngine(target, drafter, ConstantK(4)).generate(PROMPT, StoppingRules.build(NEW))
     rates = result.stats.acceptance_by_position
     assert len(rates) == 4 and min(rates) > 0.8  # 4 levels of 3+ nodes each: positions are levels
+
+
+def test_a_drafter_with_a_malformed_tree_gets_a_clear_error(target):
+    class BadTree(RandomDrafter):
+        def propose(self, request):
+            return Proposal(super().propose(request).tokens, parents=torch.tensor([1, -1, 0, 0])[: request.k])
+
+    with pytest.raises(VerispecError, match="parents"):
+        SpeculativeEngine(target, BadTree(VOCAB), ConstantK(4)).generate(PROMPT, StoppingRules.build(8))

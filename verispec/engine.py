@@ -19,6 +19,7 @@ from verispec.drafters.base import Drafter, DraftRequest
 from verispec.errors import VerispecError
 from verispec.policies import ConstantK, DraftLengthPolicy
 from verispec.stopping import StoppingRules
+from verispec.tree import check_parents
 from verispec.types import DraftTree, Fate, GenerationResult, GenerationStats, Proposal, SamplingParams, Step
 from verispec.verifiers import verifier_for
 
@@ -99,7 +100,9 @@ class SpeculativeEngine:
                 proposal = Proposal(buffer[:0])
             drafted = time.perf_counter()
             num_drafted = len(proposal)
-            tree = None if proposal.parents is None else proposal.parents
+            tree = proposal.parents
+            if tree is not None:  # a drafter's tree must be well formed before the target sees it
+                check_parents(tree)
             logits, block_hidden = self.target.forward_hidden(
                 torch.cat([buffer[length - 1: length], proposal.tokens]), tree)
             verdict = verifier.verify(proposal, logits, sampling, generator)
