@@ -99,6 +99,11 @@ def test_multi_candidate_sampling_emits_the_target_distribution(how):
     assert joint <= joint_bound, f"{how}: joint TV {joint:.4f} > {joint_bound:.4f}"
 
 
+def test_a_chain_through_the_tree_sampler_emits_the_target_distribution():
+    first, first_bound, joint, joint_bound = run("iid", m=1, c=1)  # one child per node: a chain
+    assert first <= first_bound and joint <= joint_bound
+
+
 def test_disjoint_supports_still_emit_the_target_distribution():
     first, first_bound, joint, joint_bound = run("iid", DISJOINT_P0, DISJOINT_Q0)
     assert first <= first_bound and joint <= joint_bound

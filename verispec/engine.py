@@ -100,7 +100,7 @@ class SpeculativeEngine:
                 proposal = Proposal(buffer[:0])
             drafted = time.perf_counter()
             num_drafted = len(proposal)
-            tree = proposal.parents
+            tree, depth = proposal.parents, proposal.depth
             if tree is not None:  # a drafter's tree must be well formed before the target sees it
                 check_parents(tree)
             logits, block_hidden = self.target.forward_hidden(
@@ -113,7 +113,7 @@ class SpeculativeEngine:
             self.target.keep(length - 1, rows)
             if num_drafted:
                 self.drafter.commit(accepted)
-                self.policy.update(proposal.depth, accepted)
+                self.policy.update(depth, accepted)
             verified = time.perf_counter()
 
             parents = proposal.tree_parents.tolist()
@@ -126,7 +126,7 @@ class SpeculativeEngine:
             buffer[length: length + keep] = torch.tensor(block[:keep])
             length += keep
             generated += block[:keep]
-            shown = None if tree is None else DraftTree(drafted_tokens, parents, path, proposal.depth)
+            shown = None if tree is None else DraftTree(drafted_tokens, parents, path, depth)
             yield Step(block[:keep], fates[:keep], alternatives, num_drafted, accepted,
                        drafted - started, verified - drafted, finished, shown)
             if finished:

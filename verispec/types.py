@@ -17,7 +17,7 @@ from enum import Enum
 import torch
 
 from verispec.errors import VerispecError
-from verispec.tree import depths
+from verispec.tree import chain_parents, depths
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Proposal:
     def tree_parents(self) -> torch.Tensor:
         """The parents of every node, a chain's included. [num_draft] int64."""
         if self.parents is None:
-            return torch.arange(-1, len(self) - 1, device=self.tokens.device)
+            return chain_parents(len(self), self.tokens.device)
         return self.parents
 
     @property

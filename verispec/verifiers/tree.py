@@ -3,7 +3,8 @@
 Row r of target_logits / target_probs scores block row r (row 0 = the root, the last committed
 token; row 1 + i = draft node i), so row r is the target's distribution for the children of r.
 A chain is the tree with one child per node; the chain verifiers in greedy.py and rejection.py are
-the vectorised special case of the rules here (tested to agree).
+the vectorised special case of the rules here (greedy: tested to agree token for token; sampling:
+both pass the distribution tests, the tree sampler on chains included).
 """
 
 from __future__ import annotations
