@@ -12,6 +12,7 @@ from verispec.bench.report import (
     acceptance_by_position,
     compare,
     leviathan_speedup,
+    looks_like_tie,
     render_markdown,
     summarize,
     theory,
@@ -170,6 +171,18 @@ def test_render_markdown_tables_and_exactness():
     assert "| pld k=8 | qa | 3 | 40 | 7 | 8 | 2.5 | **not a tie: investigate** |" in md
     assert "## Acceptance by draft position" in md and "| pld k=4 | 160 | 50% | 50% | 50% | 50% |" in md
     assert "(speedup_by_task.png)" in md and "(k_sweep.png)" in md
+
+
+def test_tie_limit_follows_the_dtype_of_the_run():
+    # A bfloat16 logit near 17 moves in steps of 0.125: one step apart is a rounding tie there,
+    # a bug in float32; a gap of many steps is never a tie.
+    one_step = {"logit_gap": 0.125, "baseline_logit": 17.0}
+    assert looks_like_tie(one_step, "bfloat16") is True
+    assert looks_like_tie(one_step, "float32") is False
+    assert looks_like_tie({"logit_gap": 1.0, "baseline_logit": 17.0}, "bfloat16") is False
+    assert looks_like_tie({"logit_gap": 0.004, "baseline_logit": 17.0}, "float32") is True
+    assert looks_like_tie({"logit_gap": 0.125}, "bfloat16") is False  # no logit: float32 limit
+    assert looks_like_tie({"logit_gap": None}) is None
 
 
 def test_render_markdown_marks_typical_as_lossy_everywhere():

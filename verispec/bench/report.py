@@ -36,8 +36,9 @@ ACCEPTANCE_PNG = "acceptance_by_position.png"
 K_SWEEP_PNG = "k_sweep.png"
 MAX_BEST_K = 32  # best_k is searched over 1..MAX_BEST_K
 DISAGREEMENT = 0.20  # theory vs measurement flagged beyond this relative difference
-TIE_ABSOLUTE = 0.01  # |logit gap| below this (float32) looks like a numerical tie
-TIE_RELATIVE = 1e-3  # ... or below this fraction of the logit's magnitude, when the runner gives it
+TIE_ABSOLUTE = 0.01  # |logit gap| up to this looks like a numerical tie (float32)
+TIE_ULPS = 2  # ... or up to this many units in the last place of the logit, in the run's dtype
+EPSILON = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}  # spacing at 1.0
 
 Run = dict  # one run record, as described in the module docstring
 
@@ -365,17 +366,28 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def looks_like_tie(first_difference: dict) -> bool | None:
-    """True when the logit gap at the first difference is small enough to be a float tie.
+def logit_ulp(logit: float, dtype: str) -> float:
+    """The spacing of `dtype` numbers at the logit's magnitude (0.125 at 17 in bfloat16)."""
+    return EPSILON[dtype] * 2.0 ** math.floor(math.log2(max(abs(logit), 1.0)))
 
-    |gap| < 0.01, or < 1e-3 of the baseline token's logit when the runner records it under
-    "baseline_logit". None when no gap was recorded.
-    """
+
+def tie_limit(first_difference: dict, dtype: str) -> float:
+    """The largest logit gap still read as a rounding tie: TIE_ABSOLUTE, or TIE_ULPS units in
+    the last place of the baseline token's logit in `dtype` when that is larger (a bfloat16
+    logit near 17 moves in steps of 0.125, so two tokens one step apart are tied up to rounding)."""
+    logit = first_difference.get("baseline_logit")
+    if logit is None:
+        return TIE_ABSOLUTE
+    return max(TIE_ABSOLUTE, TIE_ULPS * logit_ulp(logit, dtype))
+
+
+def looks_like_tie(first_difference: dict, dtype: str = "float32") -> bool | None:
+    """True when the logit gap at the first difference is small enough to be a float tie
+    (see tie_limit). None when no gap was recorded."""
     gap = first_difference.get("logit_gap")
     if gap is None:
         return None
-    scale = abs(first_difference.get("baseline_logit") or 0.0)
-    return abs(gap) < TIE_ABSOLUTE or (scale > 0 and abs(gap) / scale < TIE_RELATIVE)
+    return abs(gap) <= tie_limit(first_difference, dtype)
 
 
 def _header(results: dict, runs: list[Run]) -> list[str]:
@@ -486,7 +498,7 @@ def _theory_section(theo: dict) -> list[str]:
     return lines
 
 
-def _exactness_section(runs: list[Run], greedy: bool) -> list[str]:
+def _exactness_section(runs: list[Run], greedy: bool, dtype: str) -> list[str]:
     lines = ["", "## Exactness", ""]
     checked = [r for r in runs if r.get("identical_to_baseline") is not None]
     failed = [r for r in checked if r["identical_to_baseline"] is False]
@@ -499,10 +511,10 @@ def _exactness_section(runs: list[Run], greedy: bool) -> list[str]:
     lossless_failed = [r for r in failed if not is_lossy(r["label"])]
     lines += [f"{len(failed)} of {len(checked)} compared runs differ from `ar`"
               + (f" ({len(failed) - len(lossless_failed)} of them from lossy methods, expected)"
-                 if len(lossless_failed) < len(failed) else "") + ". A logit gap below "
-              f"{TIE_ABSOLUTE} (float32) at the first difference means the two tokens were tied up to "
-              "rounding (a batched verify pass rounds differently from one-token decoding); a larger "
-              "gap points to a bug.", ""]
+                 if len(lossless_failed) < len(failed) else "") + ". A logit gap at the first difference "
+              f"of at most {TIE_ABSOLUTE}, or {TIE_ULPS} units in the last place of the logit in {dtype} "
+              "when that is larger, means the two tokens were tied up to rounding (a batched verify "
+              "pass rounds differently from one-token decoding); a larger gap points to a bug.", ""]
     rows = []
     order = {label: i for i, label in enumerate(labels_in_order(runs))}
     tasks = {task: i for i, task in enumerate(tasks_in_order(r["task"] for r in runs))}
@@ -513,7 +525,7 @@ def _exactness_section(runs: list[Run], greedy: bool) -> list[str]:
             rows.append([_name(r["label"]), r["task"], str(r["question_id"]), "–", "–", "–", "–",
                          "no first difference recorded (lengths differ?)"])
             continue
-        tie = looks_like_tie(diff)
+        tie = looks_like_tie(diff, dtype)
         verdict = ("expected: lossy method" if is_lossy(r["label"]) else "unknown" if tie is None
                    else "likely a numerical tie" if tie else "**not a tie: investigate**")
         gap = diff.get("logit_gap")
@@ -611,13 +623,14 @@ def render_markdown(results: dict, figures: list[str] | None = None) -> str:
     runs = results.get("runs") or []
     summary = summarize(runs) if runs else (results.get("summary") or {})
     forward = results.get("forward") or {}
-    greedy = not (results.get("config") or {}).get("temperature")
+    config = results.get("config") or {}
+    greedy = not config.get("temperature")
     lines = _header(results, runs)
     lines += [""] + _main_table(summary) if summary else ["", "No runs."]
     lines += _ar_note(summary, forward)
     lines += _tree_section(runs, summary)
     lines += _theory_section(theory(runs, forward))
-    lines += _exactness_section(runs, greedy)
+    lines += _exactness_section(runs, greedy, config.get("dtype") or "float32")
     speculative = [lb for lb in labels_in_order(runs)
                    if is_speculative_method(next(r["method"] for r in runs if r["label"] == lb))]
     lines += _acceptance_section(runs, speculative)

@@ -238,7 +238,7 @@ def first_difference(target: LoadedModel, prompt_ids: list[int], ours: list[int]
         logits = target.model(input_ids=ids).logits[0, -1].float()
     gap = float(logits[baseline[position]] - logits[ours[position]])
     return {"position": position, "ours": ours[position], "baseline": baseline[position],
-            "logit_gap": gap}
+            "logit_gap": gap, "baseline_logit": float(logits[baseline[position]])}
 
 
 def machine_info(device: str) -> dict:
