@@ -59,6 +59,7 @@ def trained(loaded, data, tmp_path_factory):
 def test_dataset_holds_answers_and_hidden_states(loaded, data):
     meta, sequences = load_dataset(data)
     assert meta["exit_layer"] == 1 and len(sequences) == 12
+    assert meta["dtype"] == "float32"  # the dtype the target ran in when it answered
     s = sequences[0]
     assert s.prompt_len < len(s.tokens) and s.hidden.shape == (len(s.tokens), 32)
     with torch.no_grad():

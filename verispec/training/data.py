@@ -97,7 +97,8 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"target": target.name, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
-            "seed": seed, "exit_layer": exit_layer, "hidden_size": target.model.config.hidden_size}
+            "seed": seed, "exit_layer": exit_layer, "hidden_size": target.model.config.hidden_size,
+            "dtype": str(target.model.dtype).removeprefix("torch.")}
     meta_file = out / "meta.json"
     if meta_file.exists() and json.loads(meta_file.read_text()) != meta:
         raise VerispecError(f"{out} holds data built with other settings ({meta_file}); "
