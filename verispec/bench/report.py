@@ -450,7 +450,18 @@ def _ar_note(summary: dict, forward: dict | None) -> list[str]:
             f"(1 / {bare * 1000:.1f} ms, one one-token forward with a cache, timed alone): "
             f"{100 * (1 - ar_tps / limit):.0f}% below it, about {overhead_ms:.1f} ms per token beyond the "
             "forward. That gap is the engine's per-step overhead (prefill time is included in `ar`'s "
-            "seconds, so part of it is the prompt)."]
+            "seconds, so part of it is the prompt)."] + _verify_cost_note(forward)
+
+
+def _verify_cost_note(forward: dict) -> list[str]:
+    """One line: what scoring n tokens in one forward costs, in one-token forwards."""
+    by_tokens = {int(n): t for n, t in (forward.get("by_tokens") or {}).items()}
+    one = by_tokens.get(1)
+    if not one or len(by_tokens) < 2:
+        return []
+    costs = ", ".join(f"{n}: {t / one:.2f}×" for n, t in sorted(by_tokens.items()) if n > 1)
+    return ["", f"Verification cost on this machine: one forward over n new tokens costs, in one-token "
+            f"forwards, {costs}. Speculation pays only when the tokens a step gains outweigh this."]
 
 
 def _theory_section(theo: dict) -> list[str]:
