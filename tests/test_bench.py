@@ -69,6 +69,7 @@ def test_exactness_check_catches_a_wrong_method(tiny_dir, questions, tmp_path, m
     assert any(r["identical_to_baseline"] is False for r in broken)
     difference = next(r["first_difference"] for r in broken if r["identical_to_baseline"] is False)
     assert difference["logit_gap"] > 0  # the baseline token scores higher: not a tie, a bug
+    assert abs(difference["baseline_logit"]) < float("inf")  # recorded: the tie limit scales with it
     assert results["summary"]["early-exit"]["overall"]["identical"] != "2/2"
     assert "early-exit" in (out / "report.md").read_text()
 
