@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from verispec.cached_model import CachedModel
+from verispec.packed import PackedLinear
 
 
 def test_padding_is_invisible(target):
@@ -23,23 +25,44 @@ def test_padding_is_invisible(target):
         assert padded.length == len(context)
 
 
-def test_transposed_head_gives_the_models_own_logits(target):
+def test_packed_view_gives_the_models_own_logits(target):
     lm = CachedModel(target)
-    assert lm.head_t is not None  # a Llama on CPU takes the fast path
+    assert lm.runner is not target  # a float32 model on CPU runs prepacked
+    assert any(isinstance(m, PackedLinear) for m in lm.runner.modules())
+    assert not any(isinstance(m, PackedLinear) for m in target.modules())  # the original is untouched
     tokens = torch.arange(3, 40)
     with torch.inference_mode():
         expected = target(input_ids=tokens.unsqueeze(0)).logits[0]
     torch.testing.assert_close(lm.forward(tokens), expected, rtol=1e-5, atol=1e-5)
+    unpacked = CachedModel(target, pack=False)
+    assert unpacked.runner is target
+    torch.testing.assert_close(unpacked.forward(tokens), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_transposed_head_is_shared_and_follows_weight_changes():
+def test_packed_view_is_shared_and_follows_weight_changes():
     from tests.tiny import tiny_llama
 
     model = tiny_llama(seed=5)
     first, second = CachedModel(model), CachedModel(model)
-    assert first.head_t is second.head_t  # one copy per weight, not per engine
+    assert first.runner is second.runner  # one packed copy per model, not per engine
     with torch.no_grad():
         model.lm_head.weight.mul_(2)  # an in-place update must not leave a stale copy
     third = CachedModel(model)
-    assert third.head_t is not first.head_t
-    torch.testing.assert_close(third.head_t, model.lm_head.weight.t())
+    assert third.runner is not first.runner
+    tokens = torch.arange(3, 20)
+    with torch.inference_mode():
+        expected = model(input_ids=tokens.unsqueeze(0)).logits[0]
+    torch.testing.assert_close(third.forward(tokens), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rows_do_not_depend_on_the_block(dtype):
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 96, dtype=dtype)
+    packed = PackedLinear(linear)
+    rows = torch.randn(16, 64, generator=generator).to(dtype)
+    with torch.inference_mode():
+        block = packed(rows)
+        torch.testing.assert_close(block, linear(rows), rtol=2e-2, atol=2e-2)
+        for n in (1, 3, 8):
+            assert torch.equal(packed(rows[:n]), block[:n])  # bit for bit

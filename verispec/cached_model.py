@@ -5,11 +5,10 @@ The engine holds one for the target; model-based drafters hold their own. Batch 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from verispec.packed import packed_view
 from verispec.tree import attention_mask, is_chain, position_ids
 
 # Classes whose logits are exactly lm_head(last hidden state): no soft-capping or logit scaling.
@@ -17,37 +16,13 @@ PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2
                                 "Qwen3ForCausalLM"})
 
 
-# head module -> (its weight, the weight's version counter when copied, the copy): engines built
-# per call reuse the copy (80 ms to make for SmolLM2); a new or in-place-changed weight renews it.
-_TRANSPOSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def transposed_head(model: PreTrainedModel) -> torch.Tensor | None:
-    """The LM head weight as a contiguous [hidden, vocab] matrix, for models that allow it on CPU.
-
-    Measured here (SmolLM2-135M, float32): one token's logits take 4.1 ms as hidden @ W^T with
-    W^T stored contiguously, 7.2 ms through nn.Linear, out of a 42 ms step. Costs one copy of
-    the head (113 MB for SmolLM2), shared by every CachedModel over the same weight; None where
-    it does not apply (GPU, other architectures).
-    """
-    if model.device.type != "cpu" or type(model).__name__ not in PLAIN_HEAD_CLASSES:
-        return None
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        return None
-    weight = head.weight
-    cached = _TRANSPOSED.get(head)
-    if cached is None or cached[0] is not weight or cached[1] != weight._version:
-        cached = (weight, weight._version, weight.detach().t().contiguous())
-        _TRANSPOSED[head] = cached
-    return cached[2]
-
-
 class CachedModel:
     """Feeds tokens through `model`, keeping their keys and values; `rewind` drops the newest."""
 
-    def __init__(self, model: PreTrainedModel, pad_to_multiple: int | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, pad_to_multiple: int | None = None,
+                 pack: bool = True) -> None:
         """pad_to_multiple: feed multi-token blocks padded to a multiple of this many tokens.
+        pack: run on CPU with prepacked linear weights (verispec.packed) where the model allows.
 
         On CPU, matrix products over 2, 3, 7 or 11 rows take up to twice as long as over 4, 8 or
         12 (measured here: the LM head takes 15 ms for 2 rows, 12.5 ms for 4), so by default a
@@ -59,7 +34,10 @@ class CachedModel:
         if pad_to_multiple is None:
             pad_to_multiple = 4 if model.device.type == "cpu" else 1
         self.pad_to_multiple = pad_to_multiple
-        self.head_t = transposed_head(model)  # [hidden, vocab] or None: use the model's own head
+        # The module tree the tokens go through: `model` itself or its prepacked view.
+        self.runner = packed_view(model) if pack else model
+        # Logits are lm_head(last hidden state): read the head on the n real rows only.
+        self.plain_head = type(model).__name__ in PLAIN_HEAD_CLASSES
 
     @property
     def length(self) -> int:
@@ -113,13 +91,12 @@ class CachedModel:
         if mask is not None:
             inputs["attention_mask"] = mask
             inputs["position_ids"] = positions.unsqueeze(0)
-        if self.head_t is None:
-            out = self.model(**inputs, output_hidden_states=True)
-            logits, hidden = out.logits[0, :n], out.hidden_states[-1][0, :n]
+        if self.plain_head:
+            hidden = self.runner.model(**inputs).last_hidden_state[0, :n]
+            logits = self.runner.get_output_embeddings()(hidden)
         else:
-            out = self.model.model(**inputs)
-            hidden = out.last_hidden_state[0, :n]
-            logits = hidden @ self.head_t
+            out = self.runner(**inputs, output_hidden_states=True)
+            logits, hidden = out.logits[0, :n], out.hidden_states[-1][0, :n]
         if padding:
             self.cache.crop(-padding)
         return logits.float(), hidden
