@@ -52,6 +52,10 @@ def test_bench_writes_every_field_report_and_plots(tiny_dir, questions, tmp_path
     assert on_disk["summary"]["hf"]["overall"]["identical"] == "2/2"
     report = (out / "report.md").read_text()
     assert "pld k=4" in report and "hf-pld" in report
+    # A float32 model on CPU runs prepacked; the report compares with its own linear layers.
+    forward = on_disk["forward"]
+    assert set(forward["by_tokens"]) == set(forward["unpacked_by_tokens"]) == {"1", "2", "4", "8", "16"}
+    assert "prepacked: " in report
     for png in ("speedup_by_task.png", "acceptance_by_position.png", "k_sweep.png"):
         assert (out / png).stat().st_size > 1000
 

@@ -167,6 +167,10 @@ def test_render_markdown_tables_and_exactness():
     assert "| ar |" in md and "| hf |" in md
     assert "20.0 tok/s" in md and "12.5 tok/s" in md and "38% below" in md  # bare-forward limit
     assert "2: 1.33×, 4: 1.50×, 8: 1.67×, 16: 2.00×" in md  # verification cost, from BY_TOKENS
+    assert "prepacked" not in md  # no unpacked timings in these results: no comparison line
+    results = synthetic_results()
+    results["forward"]["unpacked_by_tokens"] = {"1": 0.08, "8": 0.16}
+    assert "one token takes 80.0 ms (prepacked: 60.0 ms) and n tokens cost 8: 2.00×" in render_markdown(results)
     assert "## Theory" in md and "1.94×" in md
     assert "| pld k=8 | mt_bench | 1 | 17 | 5 | 9 | 0.004 | likely a numerical tie |" in md
     assert "| pld k=8 | qa | 3 | 40 | 7 | 8 | 2.5 | **not a tie: investigate** |" in md

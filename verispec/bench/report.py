@@ -460,8 +460,16 @@ def _verify_cost_note(forward: dict) -> list[str]:
     if not one or len(by_tokens) < 2:
         return []
     costs = ", ".join(f"{n}: {t / one:.2f}×" for n, t in sorted(by_tokens.items()) if n > 1)
-    return ["", f"Verification cost on this machine: one forward over n new tokens costs, in one-token "
-            f"forwards, {costs}. Speculation pays only when the tokens a step gains outweigh this."]
+    lines = ["", f"Verification cost on this machine: one forward over n new tokens costs, in one-token "
+             f"forwards, {costs}. Speculation pays only when the tokens a step gains outweigh this."]
+    unpacked = {int(n): t for n, t in (forward.get("unpacked_by_tokens") or {}).items()}
+    if unpacked.get(1):
+        costs = ", ".join(f"{n}: {t / unpacked[1]:.2f}×" for n, t in sorted(unpacked.items()) if n > 1)
+        lines += ["", f"The engine runs the target with prepacked linear weights (verispec.packed). "
+                  f"Through the model's own linear layers, as Hugging Face generate() runs it, one "
+                  f"token takes {unpacked[1] * 1000:.1f} ms (prepacked: {one * 1000:.1f} ms) and n "
+                  f"tokens cost {costs}."]
+    return lines
 
 
 def _theory_section(theo: dict) -> list[str]:
