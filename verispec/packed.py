@@ -9,24 +9,26 @@ alone, float32): 40 ms for one row and 50-74 ms for 4-16 rows through `F.linear`
 products are also independent of the number of rows (each row's result is bit-identical whether
 it is multiplied alone or in a block), which `F.linear` is not.
 
-The packed model is a view: a copy of the module tree whose `nn.Linear` modules are replaced by
-`PackedLinear`, sharing every other tensor with the original, which stays untouched (Hugging
-Face baselines run on it). The packed weights cost one extra copy of the linear weights.
+Targets and drafter networks (EAGLE) run this way. The packed model is a view: a copy of the
+module tree whose `nn.Linear` modules are replaced by `PackedLinear`, sharing every other tensor
+with the original, which stays untouched (Hugging Face baselines run on it). The packed weights
+cost one extra copy of the linear weights.
 """
 
 from __future__ import annotations
 
 import copy
 import weakref
+from typing import TypeVar
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 # Block height the packed layout is tuned for: a typical verification block (measured: 4-16 rows
 # all within a few percent of the best layout for each).
 PACK_ROWS = 8
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+Module = TypeVar("Module", bound=nn.Module)
 
 # model -> (fingerprint of its linear weights, packed view): engines built per call share a view;
 # a replaced or in-place-changed weight renews it.
@@ -73,8 +75,9 @@ def _replace_linears(module: nn.Module) -> nn.Module:
     return clone
 
 
-def packed_view(model: PreTrainedModel) -> PreTrainedModel:
-    """`model` with prepacked linear layers where `can_pack` allows it, else `model` itself."""
+def packed_view(model: Module) -> Module:
+    """`model` (a target, or a drafter's network) with prepacked linear layers where `can_pack`
+    allows it, else `model` itself."""
     if not can_pack(model):
         return model
     fingerprint = _fingerprint(model)

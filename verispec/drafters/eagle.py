@@ -19,6 +19,7 @@ from verispec.drafters.base import DraftRequest
 from verispec.drafters.learned import ReducedHead, load_drafter
 from verispec.drafters.nn import DecoderLayer, KVCache
 from verispec.errors import VerispecError
+from verispec.packed import packed_view
 from verispec.sampling import sample, warp_probs
 from verispec.tree import TreeSettings, grow_tree
 from verispec.types import Proposal
@@ -53,7 +54,7 @@ class EagleDrafter:
 
     def __init__(self, target: PreTrainedModel, net: EagleNet, head: ReducedHead,
                  confidence_threshold: float | None = None, tree: TreeSettings | None = None) -> None:
-        self.net = net.to(device=target.device, dtype=target.dtype).eval()
+        self.net = packed_view(net.to(device=target.device, dtype=target.dtype).eval())
         self.embed = target.get_input_embeddings()
         self.head = head
         self.confidence_threshold = confidence_threshold
