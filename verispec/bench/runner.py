@@ -221,6 +221,8 @@ def measure_forward(target: LoadedModel, context: list[int], sizes=(1, 2, 4, 8, 
                 tokens = torch.randint(0, target.vocab_size, (n,), generator=generator).to(lm.device)
                 started = time.perf_counter()
                 lm.forward(tokens)
+                if lm.device.type == "cuda":
+                    torch.cuda.synchronize()  # GPU work is asynchronous: time it to the end
                 times.append(time.perf_counter() - started)
                 lm.rewind(len(context))
             by_tokens[str(n)] = statistics.median(times)
