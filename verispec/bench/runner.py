@@ -32,6 +32,7 @@ from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_dr
 from verispec.engine import context_length
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel, load_model
+from verispec.packed import packed_view
 from verispec.stopping import StoppingRules
 from verispec.tree import TreeSettings
 from verispec.types import GenerationStats, SamplingParams
@@ -209,9 +210,9 @@ def measure_forward(target: LoadedModel, context: list[int], sizes=(1, 2, 4, 8, 
     linear layers as Hugging Face generate() runs it."""
     result = {"context_tokens": len(context)}
     for key, pack in (("by_tokens", True), ("unpacked_by_tokens", False)):
-        lm = CachedModel(target.model, pack=pack)
-        if not pack and CachedModel(target.model).runner is target.model:
+        if not pack and packed_view(target.model) is target.model:
             break  # nothing was packed: the two would be the same measurement
+        lm = CachedModel(target.model, pack=pack)
         lm.forward(torch.tensor(context, device=lm.device))
         by_tokens = {}
         generator = torch.Generator().manual_seed(0)
