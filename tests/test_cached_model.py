@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from verispec.cached_model import CachedModel
-from verispec.packed import PackedLinear
+from verispec.packed import PackedLinear, can_pack, packed_view
 
 
 def test_padding_is_invisible(target):
@@ -66,3 +66,25 @@ def test_packed_rows_do_not_depend_on_the_block(dtype):
         torch.testing.assert_close(block, linear(rows), rtol=2e-2, atol=2e-2)
         for n in (1, 3, 8):
             assert torch.equal(packed(rows[:n]), block[:n])  # bit for bit
+
+
+def test_a_model_that_cannot_pack_runs_as_it_is():
+    from tests.tiny import tiny_llama
+
+    model = tiny_llama(seed=6).to(torch.float16)  # oneDNN packing takes float32 and bfloat16 only
+    assert not can_pack(model)
+    assert packed_view(model) is model and CachedModel(model).runner is model
+
+
+def test_packed_eagle_network_computes_what_the_plain_one_does(target):
+    from verispec.drafters.eagle import EagleNet, eagle_settings
+
+    torch.manual_seed(0)
+    net = EagleNet(**eagle_settings(target)).eval()
+    view = packed_view(net)
+    assert view is not net and any(isinstance(m, PackedLinear) for m in view.modules())
+    size = eagle_settings(target)["hidden"]
+    embeds, hidden = torch.randn(1, 6, size), torch.randn(1, 6, size)
+    with torch.inference_mode():
+        expected = net(embeds, hidden, torch.arange(6))
+        torch.testing.assert_close(view(embeds, hidden, torch.arange(6)), expected, rtol=1e-5, atol=1e-5)
