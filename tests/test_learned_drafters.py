@@ -8,6 +8,7 @@ decoding token for token, and a drafter made for another target must be refused.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from verispec.models import load_model
 from verispec.policies import ConstantK
 from verispec.stopping import StoppingRules
 from verispec.training.data import build_dataset, load_dataset
-from verispec.training.recipes import KINDS, Recipe, RecipeOptions, train_drafter
+from verispec.training.recipes import KINDS, PREFIX, Recipe, RecipeOptions, train_drafter
 from verispec.training.trainer import TrainConfig
 from verispec.tree import TreeSettings
 from verispec.types import Proposal, SamplingParams
@@ -88,6 +89,30 @@ def test_training_steps_reduce_the_loss(loaded, data, kind):
         optimizer.step()
     after = recipe.loss(sequences, 64)[0].item()
     assert after < 0.8 * before, f"{kind}: loss {before:.4f} -> {after:.4f}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_warm_start_begins_where_the_drafter_left_off(loaded, data, trained, kind):
+    meta, sequences = load_dataset(data)
+    fresh = Recipe(kind, loaded, meta, sequences, OPTIONS)
+    warm = Recipe(kind, loaded, meta, sequences, replace(OPTIONS, init=str(trained[kind])))
+    _, weights = load_drafter(trained[kind], loaded.model, kind)
+    own = {k: v for k, v in weights.items() if k != "vocab_ids"}
+    exported = {PREFIX[kind] + k: v.half() for k, v in warm.module.state_dict().items()}
+    assert exported.keys() == own.keys()
+    for name, value in own.items():  # the trained weights, not a fresh initialisation
+        assert torch.equal(exported[name], value), name
+    assert any(not torch.equal(v.half(), own[PREFIX[kind] + k])
+               for k, v in fresh.module.state_dict().items())
+
+
+def test_warm_start_from_another_kind_or_shape_is_refused(loaded, data, trained):
+    meta, sequences = load_dataset(data)
+    with pytest.raises(VerispecError, match="holds a 'medusa' drafter, not 'eagle'"):
+        Recipe("eagle", loaded, meta, sequences, replace(OPTIONS, init=str(trained["medusa"])))
+    with pytest.raises(VerispecError, match="cannot start this run"):
+        Recipe("medusa", loaded, meta, sequences,
+               replace(OPTIONS, medusa_heads=2, init=str(trained["medusa"])))
 
 
 def test_trained_drafters_are_written_with_their_run(trained):

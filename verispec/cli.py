@@ -223,7 +223,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                          seed=args.seed)
     options = RecipeOptions(loss=args.loss, vocab=args.vocab, medusa_heads=args.heads,
                             unroll=args.unroll, exit_layer=args.exit_layer,
-                            draft_layers=args.layers)
+                            draft_layers=args.layers, init=args.init)
     saved = train_drafter(args.kind, target, data, out, config, options)
     print(f"verispec: {args.kind} drafter written to {saved} (loss curve: {saved / 'run' / 'loss.png'}); "
           f"use it with --method {args.kind} --draft {saved}")
@@ -330,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--unroll", type=int, default=RecipeOptions.unroll,
                        help="EAGLE: train on its own predictions this many steps deep")
     train.add_argument("--exit-layer", type=int, help="early exit layer (default: half the target's)")
+    train.add_argument("--init", help="start from the weights of this trained drafter directory "
+                       "(same kind, trained for the same target), e.g. to continue on new data")
     train.add_argument("--dtype", default="float32", choices=list(DTYPES))
     train.add_argument("--device", default="cpu")
     train.set_defaults(func=cmd_train)

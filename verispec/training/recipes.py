@@ -34,6 +34,8 @@ from verispec.training.losses import distill_loss, feature_loss, top1_agreement
 from verispec.training.trainer import TrainConfig, train
 
 KINDS = ("eagle", "medusa", "early-exit", "draft")
+# Key prefix of each kind's own weights in weights.safetensors.
+PREFIX = {"eagle": "net.", "medusa": "net.", "early-exit": "adapter.", "draft": "student."}
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class RecipeOptions:
     feature_weight: float = 1.0  # EAGLE: feature regression weight (token loss weight is 0.1)
     exit_layer: int | None = None  # early exit: default from the data
     draft_layers: int = 2  # distilled draft model: its own layers
+    init: str | None = None  # start from this trained drafter's weights (same kind and target)
 
 
 class Recipe:
@@ -103,6 +106,19 @@ class Recipe:
                                     f"{layer}: rebuild it with that exit layer")
             self.settings = exit_settings(model, layer)
             self.module = new_adapter(model, self.settings)
+        if options.init is not None:
+            self._warm_start(Path(options.init))
+
+    def _warm_start(self, path: Path) -> None:
+        """Load a trained drafter's own weights (its vocabulary is not kept: the network does not
+        depend on it, and the reduced vocabulary follows the new data)."""
+        config, weights = load_drafter(path, self.target, self.kind)
+        if config["settings"] != self.settings:
+            raise VerispecError(f"the {self.kind} drafter in {path} has settings {config['settings']}, "
+                                f"not {self.settings}: it cannot start this run")
+        prefix = PREFIX[self.kind]
+        self.module.load_state_dict({k.removeprefix(prefix): v.float() for k, v in weights.items()
+                                     if k.startswith(prefix)})
 
     def teacher(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits over the reduced vocabulary. hidden [..., hidden] -> [..., reduced]."""
@@ -179,8 +195,7 @@ class Recipe:
         return (hits / counts.clamp_min(1)[:, None]).tolist()
 
     def export(self, out_dir: Path, extra: dict) -> Path:
-        prefix = {"early-exit": "adapter.", "draft": "student."}.get(self.kind, "net.")
-        weights = {prefix + k: v for k, v in self.module.state_dict().items()}
+        weights = {PREFIX[self.kind] + k: v for k, v in self.module.state_dict().items()}
         if self.kind in ("eagle", "medusa"):
             weights["vocab_ids"] = self.vocab_ids
         return save_drafter(out_dir, self.kind, self.target,
