@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from verispec.training import trainer
 from verispec.training.losses import distill_loss, feature_loss, top1_agreement
 
 P = torch.tensor([0.5, 0.5])
@@ -44,3 +45,11 @@ def test_mask_leaves_out_positions():
 def test_unknown_loss_is_refused():
     with pytest.raises(ValueError, match="unknown distillation loss"):
         distill_loss(P, P, "mse")
+
+
+@pytest.mark.parametrize("flags, fast", [({"avx2", "avx512f"}, False), ({"avx512_bf16"}, True),
+                                         ({"amx_bf16", "avx2"}, True), (set(), False)])
+def test_bf16_autocast_only_where_the_cpu_has_it(monkeypatch, flags, fast):
+    monkeypatch.setattr(trainer, "cpu_flags", lambda: flags)
+    assert trainer.bf16_is_fast("cpu") is fast
+    assert trainer.bf16_is_fast("cuda") and not trainer.bf16_is_fast("mps")

@@ -220,7 +220,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         build_dataset(target, data, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                       exit_layer=args.exit_layer, max_batches=args.data_batches)
     config = TrainConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size,
-                         seed=args.seed)
+                         seed=args.seed, bf16={"auto": None, "on": True, "off": False}[args.bf16])
     options = RecipeOptions(loss=args.loss, vocab=args.vocab, medusa_heads=args.heads,
                             unroll=args.unroll, exit_layer=args.exit_layer,
                             draft_layers=args.layers, init=args.init)
@@ -332,7 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--exit-layer", type=int, help="early exit layer (default: half the target's)")
     train.add_argument("--init", help="start from the weights of this trained drafter directory "
                        "(same kind, trained for the same target), e.g. to continue on new data")
-    train.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    train.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                       help="the target's dtype while it answers the training prompts")
+    train.add_argument("--bf16", default="auto", choices=["auto", "on", "off"],
+                       help="bfloat16 autocast while training (auto: on CUDA and on CPUs with "
+                       "native bfloat16 instructions, where it is faster)")
     train.add_argument("--device", default="cpu")
     train.set_defaults(func=cmd_train)
     return parser

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ from verispec.errors import VerispecError
 from verispec.models import LoadedModel
 from verispec.training.data import Sequence, load_dataset
 from verispec.training.losses import distill_loss, feature_loss, top1_agreement
-from verispec.training.trainer import TrainConfig, train
+from verispec.training.trainer import TrainConfig, bf16_is_fast, train
 
 KINDS = ("eagle", "medusa", "early-exit", "draft")
 # Key prefix of each kind's own weights in weights.safetensors.
@@ -236,6 +236,8 @@ def train_drafter(kind: str, target: LoadedModel, data_dir: Path, out_dir: Path,
                   config: TrainConfig, options: RecipeOptions = RecipeOptions(),
                   eval_fraction: float = 0.05) -> Path:
     """Train a drafter of `kind` on the data in data_dir; write it (and its run files) to out_dir."""
+    if config.bf16 is None:  # recorded as decided
+        config = replace(config, bf16=bf16_is_fast(target.model.device.type))
     meta, sequences = load_dataset(data_dir)
     if meta.get("hidden_size") != target.model.config.get_text_config(decoder=True).hidden_size:
         raise VerispecError(f"the data in {data_dir} was made for another target")
