@@ -16,12 +16,13 @@ import torch
 from tests.tiny import VOCAB, plain_greedy, save_tiny, tiny_llama
 from verispec.bench.runner import BenchConfig, run_bench
 from verispec.cli import main
-from verispec.drafters import DraftOptions, EagleDrafter, MedusaDrafter, build_engine
+from verispec.drafters import DraftOptions, EagleDrafter, LookupThenModel, MedusaDrafter, build_engine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.distilled import distilled_drafter
 from verispec.drafters.eagle import EagleNet, eagle_settings
 from verispec.drafters.learned import ReducedHead, load_drafter, target_identity
 from verispec.drafters.medusa import MedusaNet, medusa_settings
+from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
@@ -149,6 +150,10 @@ def _drafters(loaded, trained):
                                           tree=TreeSettings(4, 12)),
         "random-medusa-tree": MedusaDrafter(model, random_medusa, ReducedHead(model, vocab_ids),
                                             TreeSettings(4, 12), [[0.5, 0.3, 0.1, 0.1]] * 3),
+        "eagle-pld": LookupThenModel(PromptLookupDrafter(3, 1), EagleDrafter.load(trained["eagle"], model),
+                                     3),
+        "random-eagle-pld": LookupThenModel(
+            PromptLookupDrafter(2, 1), EagleDrafter(model, random_eagle, ReducedHead(model, vocab_ids)), 2),
     }
 
 
@@ -160,6 +165,40 @@ def test_learned_drafters_match_plain_decoding(loaded, trained, k):
             engine = SpeculativeEngine(loaded.model, drafter, ConstantK(k))
             result = engine.generate(prompt, StoppingRules.build(NEW))
             assert result.token_ids == truth, f"{name} with k={k} diverged from plain decoding"
+
+
+def test_hybrid_takes_the_lookup_draft_when_there_is_one():
+    class Spy:
+        needs_hidden = True
+
+        def __init__(self):
+            self.asked, self.committed = [], []
+
+        def reset(self):
+            pass
+
+        def propose(self, request):
+            self.asked.append(request.k)
+            return Proposal(torch.tensor([7, 7]))
+
+        def commit(self, num_accepted):
+            self.committed.append(num_accepted)
+
+    model = Spy()
+    hybrid = LookupThenModel(PromptLookupDrafter(3, 2), model, model_k=2)
+    assert hybrid.needs_hidden
+
+    def request(tokens, k):
+        return DraftRequest(torch.tensor(tokens), k, SamplingParams(), None)
+
+    # "4 5" occurred before: the lookup copies what followed it, up to k tokens.
+    assert hybrid.propose(request([1, 4, 5, 6, 8, 9, 4, 5], 3)).tokens.tolist() == [6, 8, 9]
+    hybrid.commit(2)
+    assert model.asked == [] and model.committed == []  # the model sat this step out
+    # Nothing repeats: the model drafts, at most model_k tokens, and hears the verdict.
+    assert hybrid.propose(request([1, 2, 3, 4], 5)).tokens.tolist() == [7, 7]
+    hybrid.commit(1)
+    assert model.asked == [2] and model.committed == [1]
 
 
 def test_engine_hands_drafters_the_targets_hidden_states(loaded):
@@ -260,7 +299,7 @@ def test_bench_runs_trained_drafters_by_default(loaded, trained, tmp_path):
                          max_new_tokens=10, warmup=0, exit_layer=1,
                          trained=[str(trained[k]) for k in ("eagle", "medusa", "draft")])
     results = run_bench(config, progress=False)
-    for label in ("eagle", "medusa", "early-exit", "draft"):
+    for label in ("eagle", "medusa", "early-exit", "draft", "eagle-pld"):
         assert results["summary"][label]["overall"]["identical"] == "1/1", label
     with pytest.raises(VerispecError, match="not a trained verispec drafter"):
         run_bench(BenchConfig(model=loaded.name, out=tmp_path / "x", trained=[str(tmp_path)]))

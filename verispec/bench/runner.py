@@ -105,6 +105,8 @@ def choose_methods(config: BenchConfig, learned: list[str] = ()) -> list[str]:
     known = set(METHODS) | set(HF_METHODS)
     if config.methods is None:
         methods = ["hf-pld", "pld", "hf-early-exit", "early-exit", *learned]
+        if "eagle" in learned:
+            methods.append("eagle-pld")
         if config.draft:
             methods += ["hf-assisted", "draft"]
         methods = list(dict.fromkeys(methods))
@@ -165,7 +167,7 @@ def verispec_contender(method: str, k: int | None, label: str, target: LoadedMod
                        draft: LoadedModel | None, config: BenchConfig, sampling: SamplingParams,
                        stopping: StoppingRules, tree: TreeSettings | None = None,
                        acceptance: str = "exact") -> Contender:
-    trained = trained_drafters(config).get(method)
+    trained = trained_drafters(config).get(METHODS[method].trained_kind)
     options = DraftOptions(k=k, draft=draft if method == "draft" and draft is not None else trained,
                            exit_layer=exit_layer(target, config), tree=tree, acceptance=acceptance)
     engine = build_engine(target, method, options)

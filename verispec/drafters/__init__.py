@@ -13,6 +13,7 @@ from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.distilled import distilled_drafter
 from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.early_exit import default_exit_layer, early_exit_drafter
+from verispec.drafters.hybrid import LookupThenModel
 from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.model import ModelDrafter, check_same_vocabulary
@@ -104,6 +105,15 @@ def _prompt_lookup(target: LoadedModel, options: DraftOptions) -> Drafter:
     return PromptLookupDrafter(options.max_ngram, options.min_ngram, options.tree)
 
 
+def _lookup_then(method: str) -> Callable[[LoadedModel, DraftOptions], Drafter]:
+    """A builder for prompt lookup backed by `method`'s drafter (drafting up to its default k)."""
+    def build(target: LoadedModel, options: DraftOptions) -> Drafter:
+        spec = METHODS[method]
+        return LookupThenModel(_prompt_lookup(target, options), spec.build(target, options),
+                               spec.default_k)
+    return build
+
+
 def _dtype_name(target: LoadedModel) -> str:
     return str(target.model.dtype).removeprefix("torch.")
 
@@ -114,26 +124,31 @@ class Method:
     description: str
     default_k: int
     build: Callable[[LoadedModel, DraftOptions], Drafter] | None  # None: plain decoding
+    trained_kind: str | None = None  # the trained drafter (`verispec train KIND`) it runs, if any
 
 
 METHODS: dict[str, Method] = {m.name: m for m in [
     Method("ar", "plain autoregressive decoding (no speculation)", 0, None),
     Method("draft", "independent draft model with the target's tokenizer (SpS), or a student "
-           "distilled by verispec train draft", 5, _draft_model),
+           "distilled by verispec train draft", 5, _draft_model, "draft"),
     # k = 7: a step then scores 8 tokens, a multiple of the 4-row blocks CPU matrix products like
     # (CachedModel); measured on Spec-Bench dev questions, k = 7 beat 3, 8 and 15.
     Method("pld", "prompt lookup: n-gram matches in the prompt and output", 7, _prompt_lookup),
     Method("early-exit", "the target's first layers draft, through a trained exit when one "
-           "exists (LayerSkip-style)", 5, _early_exit),
+           "exists (LayerSkip-style)", 5, _early_exit, "early-exit"),
     Method("eagle", "EAGLE-style feature drafter: one layer predicts the target's next hidden "
            "state", 3, _learned("eagle", lambda path, target, options: EagleDrafter.load(
-               path, target.model, options.confidence_threshold, options.tree))),
+               path, target.model, options.confidence_threshold, options.tree)), "eagle"),
     Method("medusa", "Medusa-1 heads on the target's last hidden state", 3, _learned(
-        "medusa", lambda path, target, options: MedusaDrafter.load(path, target.model, options.tree))),
+        "medusa", lambda path, target, options: MedusaDrafter.load(path, target.model, options.tree)),
+        "medusa"),
+    # k is the lookup's (7, as pld); the EAGLE drafter drafts up to its own default (3).
+    Method("eagle-pld", "prompt lookup where the context repeats, the EAGLE drafter elsewhere "
+           "(SAMD-style hybrid)", 7, _lookup_then("eagle"), "eagle"),
 ]}
 
 
-TREE_METHODS = ("eagle", "medusa", "pld", "draft", "early-exit")
+TREE_METHODS = ("eagle", "medusa", "pld", "draft", "early-exit", "eagle-pld")
 
 
 def build_engine(target: LoadedModel, method: str = "ar",
@@ -156,5 +171,6 @@ def build_engine(target: LoadedModel, method: str = "ar",
                              options.acceptance)
 
 
-__all__ = ["Drafter", "DraftRequest", "DraftOptions", "EagleDrafter", "METHODS", "MedusaDrafter",
-           "Method", "ModelDrafter", "PromptLookupDrafter", "build_engine", "early_exit_drafter"]
+__all__ = ["Drafter", "DraftRequest", "DraftOptions", "EagleDrafter", "LookupThenModel", "METHODS",
+           "MedusaDrafter", "Method", "ModelDrafter", "PromptLookupDrafter", "build_engine",
+           "early_exit_drafter"]
