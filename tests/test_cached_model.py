@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from verispec.cached_model import CachedModel
-from verispec.packed import PackedLinear, can_pack, packed_view
+from verispec.packed import PackedLinear, can_pack, cpu_packs, packed_view
 
 
 def test_padding_is_invisible(target):
@@ -57,6 +57,8 @@ def test_packed_view_is_shared_and_follows_weight_changes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_rows_do_not_depend_on_the_block(dtype):
+    if not cpu_packs(dtype):
+        pytest.skip(f"this CPU cannot pack {dtype} weights (oneDNN needs AVX512BW/VL/DQ for bfloat16)")
     generator = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(64, 96, dtype=dtype)
     packed = PackedLinear(linear)
@@ -74,6 +76,17 @@ def test_a_model_that_cannot_pack_runs_as_it_is():
     model = tiny_llama(seed=6).to(torch.float16)  # oneDNN packing takes float32 and bfloat16 only
     assert not can_pack(model)
     assert packed_view(model) is model and CachedModel(model).runner is model
+
+
+def test_a_dtype_this_cpu_cannot_pack_runs_unpacked():
+    from tests.tiny import tiny_llama
+
+    model = tiny_llama(seed=6).to(torch.bfloat16)
+    assert can_pack(model) == cpu_packs(torch.bfloat16)  # probed once: packing a small weight
+    runner = CachedModel(model).runner
+    assert (runner is not model) == cpu_packs(torch.bfloat16)
+    with torch.inference_mode():
+        runner(input_ids=torch.tensor([[1, 2, 3]]))  # runs either way
 
 
 def test_packed_eagle_network_computes_what_the_plain_one_does(target):

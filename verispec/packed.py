@@ -18,6 +18,7 @@ cost one extra copy of the linear weights.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from typing import TypeVar
 
@@ -56,8 +57,20 @@ def can_pack(model: nn.Module) -> bool:
     oneDNN available in this torch build."""
     parameter = next(model.parameters(), None)
     return (parameter is not None and parameter.device.type == "cpu"
-            and parameter.dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and parameter.dtype in PACKABLE_DTYPES and cpu_packs(parameter.dtype))
+
+
+@functools.cache
+def cpu_packs(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU pack weights of `dtype`: oneDNN's bfloat16 path needs
+    AVX512BW/VL/DQ or AVX-NE-CONVERT, which some CPUs (this project's AMD machines) lack."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), PACK_ROWS)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _fingerprint(model: nn.Module) -> tuple:
