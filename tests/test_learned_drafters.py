@@ -287,6 +287,20 @@ def test_cli_trains_and_generates_with_the_result(loaded, data, tmp_path, capsys
     assert json.loads(capsys.readouterr().out)["stats"]["new_tokens"] == 12
 
 
+def test_cli_continues_a_drafter_and_records_how(loaded, data, trained, tmp_path, capsys):
+    out = tmp_path / "continued"
+    code = main(["train", "medusa", "--target", str(loaded.name), "--out", str(out), "--data", str(data),
+                 "--steps", "2", "--heads", "3", "--exit-layer", "1", "--vocab", "48",
+                 "--init", str(trained["medusa"]), "--bf16", "off"])
+    assert code == 0
+    recorded = json.loads((out / "drafter.json").read_text())["training"]
+    assert recorded["options"]["init"] == str(trained["medusa"])
+    assert recorded["config"]["bf16"] is False
+    assert main(["train", "eagle", "--target", str(loaded.name), "--out", str(tmp_path / "bad"),
+                 "--data", str(data), "--steps", "2", "--init", str(trained["medusa"])]) == 2
+    assert "holds a 'medusa' drafter, not 'eagle'" in capsys.readouterr().err
+
+
 def test_cli_train_rejects_bad_settings(tmp_path, capsys):
     assert main(["train", "eagle", "--out", str(tmp_path / "x"), "--steps", "0"]) == 2
     assert "--steps" in capsys.readouterr().err
