@@ -1,11 +1,14 @@
-"""CachedModel: padding multi-token blocks changes neither the cache length nor the logits."""
+"""CachedModel: the lean path and the packed view give the model's own logits; padding, rewinding
+and compacting a tree's path change neither the cache length nor the logits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.tiny import tiny_llama, tiny_qwen3
 from verispec.cached_model import CachedModel
+from verispec.lean import LeanWeights, lean_supported
 from verispec.packed import PackedLinear, can_pack, cpu_packs, packed_view
 
 
@@ -25,34 +28,82 @@ def test_padding_is_invisible(target):
         assert padded.length == len(context)
 
 
-def test_packed_view_gives_the_models_own_logits(target):
+def test_lean_path_gives_the_models_own_logits(target):
     lm = CachedModel(target)
-    assert lm.runner is not target  # a float32 model on CPU runs prepacked
-    assert any(isinstance(m, PackedLinear) for m in lm.runner.modules())
-    assert not any(isinstance(m, PackedLinear) for m in target.modules())  # the original is untouched
+    assert lm.lean is not None and lm.runner is None  # a float32 Llama on CPU runs lean
     tokens = torch.arange(3, 40)
     with torch.inference_mode():
         expected = target(input_ids=tokens.unsqueeze(0)).logits[0]
-    torch.testing.assert_close(lm.forward(tokens), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lm.forward(tokens[:30]), expected[:30], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lm.forward(tokens[30:]), expected[30:], rtol=1e-5, atol=1e-5)
+    lm.rewind(20)  # rewinding then feeding again overwrites the dropped entries
+    torch.testing.assert_close(lm.forward(tokens[20:]), expected[20:], rtol=1e-5, atol=1e-5)
     unpacked = CachedModel(target, pack=False)
-    assert unpacked.runner is target
+    assert unpacked.lean is None and unpacked.runner is target
     torch.testing.assert_close(unpacked.forward(tokens), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_view_is_shared_and_follows_weight_changes():
-    from tests.tiny import tiny_llama
-
-    model = tiny_llama(seed=5)
-    first, second = CachedModel(model), CachedModel(model)
-    assert first.runner is second.runner  # one packed copy per model, not per engine
-    with torch.no_grad():
-        model.lm_head.weight.mul_(2)  # an in-place update must not leave a stale copy
-    third = CachedModel(model)
-    assert third.runner is not first.runner
-    tokens = torch.arange(3, 20)
+def test_lean_cache_grows_past_its_first_capacity():
+    model = tiny_llama(seed=4)
+    tokens = torch.randint(3, 64, (300,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         expected = model(input_ids=tokens.unsqueeze(0)).logits[0]
-    torch.testing.assert_close(third.forward(tokens), expected, rtol=1e-5, atol=1e-5)
+    lm = CachedModel(model)
+    got = torch.cat([lm.forward(tokens[:250]), lm.forward(tokens[250:])])  # 256 slots at first
+    assert lm.length == 300
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["lean", "hugging-face"])
+def test_keeping_a_tree_path_equals_feeding_it(build):
+    """After a tree block, keep() leaves the cache exactly as if the kept path had been fed."""
+    model = build(seed=2)
+    context, block = torch.arange(5, 25), torch.tensor([30, 31, 32, 33, 34, 35])
+    parents = torch.tensor([-1, -1, 0, 1, 3])  # root, then two branches: kept path rows 2, 4, 5
+    tree, fed = CachedModel(model), CachedModel(model)
+    tree.forward(context)
+    fed.forward(context)
+    tree.forward_hidden(block, parents)
+    tree.keep(len(context), [0, 2, 4, 5])
+    fed.forward(block[[0, 2, 4, 5]])
+    assert tree.length == fed.length == len(context) + 4
+    after = torch.tensor([40, 41])
+    torch.testing.assert_close(tree.forward(after), fed.forward(after), rtol=1e-5, atol=1e-5)
+
+
+def test_lean_path_takes_plain_llama_shapes_only():
+    assert lean_supported(tiny_llama(seed=1))
+    assert not lean_supported(tiny_qwen3(seed=1))  # per-head q/k norms
+    assert not lean_supported(tiny_llama(seed=1).to(torch.float16))  # cannot be prepacked
+    qwen3 = CachedModel(tiny_qwen3(seed=1))
+    assert qwen3.lean is None and any(isinstance(m, PackedLinear) for m in qwen3.runner.modules())
+
+
+def test_packed_view_gives_the_models_own_logits():
+    model = tiny_qwen3(seed=8)
+    view = packed_view(model)
+    assert any(isinstance(m, PackedLinear) for m in view.modules())
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())  # the original is untouched
+    tokens = torch.arange(3, 40)
+    with torch.inference_mode():
+        expected = model(input_ids=tokens.unsqueeze(0)).logits[0]
+    torch.testing.assert_close(CachedModel(model).forward(tokens), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_weights_are_shared_and_follow_weight_changes():
+    for build, packed_of in ((tiny_qwen3, lambda lm: lm.runner), (tiny_llama, lambda lm: lm.lean.weights)):
+        model = build(seed=5)
+        first, second = CachedModel(model), CachedModel(model)
+        assert packed_of(first) is packed_of(second)  # one packed copy per model, not per engine
+        with torch.no_grad():
+            model.lm_head.weight.mul_(2)  # an in-place update must not leave a stale copy
+        third = CachedModel(model)
+        assert packed_of(third) is not packed_of(first)
+        tokens = torch.arange(3, 20)
+        with torch.inference_mode():
+            expected = model(input_ids=tokens.unsqueeze(0)).logits[0]
+        torch.testing.assert_close(third.forward(tokens), expected, rtol=1e-5, atol=1e-5)
+    assert isinstance(CachedModel(tiny_llama(seed=5)).lean.weights, LeanWeights)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -71,22 +122,18 @@ def test_packed_rows_do_not_depend_on_the_block(dtype):
 
 
 def test_a_model_that_cannot_pack_runs_as_it_is():
-    from tests.tiny import tiny_llama
-
     model = tiny_llama(seed=6).to(torch.float16)  # oneDNN packing takes float32 and bfloat16 only
     assert not can_pack(model)
     assert packed_view(model) is model and CachedModel(model).runner is model
 
 
 def test_a_dtype_this_cpu_cannot_pack_runs_unpacked():
-    from tests.tiny import tiny_llama
-
     model = tiny_llama(seed=6).to(torch.bfloat16)
     assert can_pack(model) == cpu_packs(torch.bfloat16)  # probed once: packing a small weight
-    runner = CachedModel(model).runner
-    assert (runner is not model) == cpu_packs(torch.bfloat16)
-    with torch.inference_mode():
-        runner(input_ids=torch.tensor([[1, 2, 3]]))  # runs either way
+    lm = CachedModel(model)
+    assert (lm.lean is not None) == cpu_packs(torch.bfloat16)
+    assert lm.lean is not None or lm.runner is model
+    assert lm.forward(torch.tensor([1, 2, 3])).shape == (3, 64)  # runs either way
 
 
 def test_packed_eagle_network_computes_what_the_plain_one_does(target):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.drafters import OracleDrafter, RandomDrafter
-from tests.tiny import VOCAB, plain_greedy, tiny_llama
+from tests.tiny import VOCAB, plain_greedy, tiny_llama, tiny_qwen3
 from verispec.drafters import ModelDrafter, PromptLookupDrafter, early_exit_drafter
 from verispec.engine import SpeculativeEngine
 from verispec.policies import ConstantK, HeuristicK
@@ -50,6 +50,22 @@ def test_every_drafter_matches_plain_decoding(target, references, k):
             result = run(target, drafter, k, prompt)
             assert result.token_ids == truth, f"{name} with k={k} diverged from plain decoding"
             assert result.stats.new_tokens == NEW
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_models_off_the_lean_path_match_plain_decoding(k):
+    """Architectures verispec.lean does not run go through their own forward: still exact."""
+    model = tiny_qwen3(seed=3)
+    for prompt in PROMPTS:
+        truth = plain_greedy(model, prompt, NEW)
+        for name, drafter in {"self": ModelDrafter(model, VOCAB), "pld": PromptLookupDrafter(max_ngram=3),
+                              "early-exit": early_exit_drafter(model, 1, VOCAB),
+                              "self-tree": ModelDrafter(model, VOCAB, tree=TreeSettings(topk=2, nodes=16)),
+                              }.items():
+            engine = SpeculativeEngine(model, drafter, ConstantK(k))
+            assert engine.target.lean is None
+            result = engine.generate(prompt, StoppingRules.build(NEW))
+            assert result.token_ids == truth, f"{name} with k={k} diverged from plain decoding"
 
 
 def test_forcing_drafters_force_their_acceptance_pattern(target, references):

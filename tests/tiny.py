@@ -6,7 +6,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 VOCAB = 64
 EOS = 2
@@ -25,6 +32,22 @@ def tiny_llama(seed: int = 0, layers: int = 3, vocab: int = VOCAB, hidden: int =
                          pad_token_id=0)
     model = LlamaForCausalLM(config).eval()
     # Larger weights than the default init make the distributions less flat (fewer near-ties).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4)
+    return model
+
+
+def tiny_qwen3(seed: int = 0, layers: int = 3) -> Qwen3ForCausalLM:
+    """A random float32 Qwen3: its per-head q/k norms keep it off verispec.lean, so it runs
+    through its own Hugging Face forward (the path every other architecture takes)."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, head_dim=8,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=1, eos_token_id=None,
+                         pad_token_id=0)
+    model = Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:

@@ -44,12 +44,22 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS)
+        self.packed = pack_weight(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out_features, in_features] in oneDNN's blocked layout (a new tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in_features] @ the packed weight's transpose (+ bias) -> [..., out_features]."""
+    bias = None if bias is None else bias.detach()
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -73,7 +83,8 @@ def cpu_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-def _fingerprint(model: nn.Module) -> tuple:
+def linear_fingerprint(model: nn.Module) -> tuple:
+    """Identity and version of every linear weight: changes when one is replaced or edited."""
     return tuple((id(m.weight), m.weight._version) for m in model.modules()
                  if isinstance(m, nn.Linear))
 
@@ -93,7 +104,7 @@ def packed_view(model: Module) -> Module:
     allows it, else `model` itself."""
     if not can_pack(model):
         return model
-    fingerprint = _fingerprint(model)
+    fingerprint = linear_fingerprint(model)
     cached = _VIEWS.get(model)
     if cached is None or cached[0] != fingerprint:
         cached = (fingerprint, _replace_linears(model))
