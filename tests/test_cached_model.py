@@ -148,3 +148,15 @@ def test_packed_eagle_network_computes_what_the_plain_one_does(target):
     with torch.inference_mode():
         expected = net(embeds, hidden, torch.arange(6))
         torch.testing.assert_close(view(embeds, hidden, torch.arange(6)), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["lean", "hugging-face"])
+def test_prefill_and_last_row_read_only_what_they_return(build):
+    model = build(seed=9)
+    tokens = torch.arange(3, 30)
+    full = CachedModel(model)
+    logits, hidden = full.forward_hidden(tokens)
+    prefilled, last = CachedModel(model), CachedModel(model)
+    torch.testing.assert_close(prefilled.prefill(tokens), hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last.forward_last(tokens), logits[-1], rtol=1e-5, atol=1e-5)
+    assert prefilled.length == last.length == len(tokens)

@@ -69,6 +69,18 @@ class CachedModel:
         return self.forward_hidden(tokens)[0]
 
     @torch.inference_mode()
+    def forward_last(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append tokens [n] to the cache; return the last one's logits [vocab] (float32).
+        The LM head reads one row, not n: a prompt's logits are mostly never looked at."""
+        return self._forward(tokens, tokens.shape[0], None, None, slice(-1, None))[0][0]
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append tokens [n] to the cache; return their final hidden states [n, hidden], without
+        reading any logits (for a 500-token prompt the LM head would be a fifth of the work)."""
+        return self._forward(tokens, tokens.shape[0], None, None, slice(0))[1]
+
+    @torch.inference_mode()
     def forward_hidden(self, tokens: torch.Tensor,
                        parents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Append tokens [n] to the cache; return logits [n, vocab] (float32) and the final
@@ -96,23 +108,25 @@ class CachedModel:
         return self._forward(tokens, tokens.shape[0], mask[None, None], positions)[0]
 
     def _forward(self, tokens: torch.Tensor, n: int, mask: torch.Tensor | None,
-                 positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run tokens [n + padding] through the model; keep the first n in the outputs and cache."""
+                 positions: torch.Tensor | None,
+                 rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run tokens [n + padding] through the model; keep the first n in the cache. Returns the
+        logits of the rows `rows` of those n, and all n hidden states."""
         padding = tokens.shape[0] - n
         if self.lean is not None:
-            hidden = self.lean.forward(tokens, positions, None if mask is None else mask[0, 0])
+            hidden = self.lean.forward(tokens, positions, None if mask is None else mask[0, 0])[:n]
             self.lean.rewind(self.lean.length - padding)
-            return self.lean.logits(hidden[:n]).float(), hidden[:n]
+            return self.lean.logits(hidden[rows]).float(), hidden
         inputs = {"input_ids": tokens.unsqueeze(0), "past_key_values": self.cache, "use_cache": True}
         if mask is not None:
             inputs["attention_mask"] = mask
             inputs["position_ids"] = positions.unsqueeze(0)
         if self.plain_head:
             hidden = self.runner.model(**inputs).last_hidden_state[0, :n]
-            logits = self.runner.get_output_embeddings()(hidden)
+            logits = self.runner.get_output_embeddings()(hidden[rows])
         else:
             out = self.runner(**inputs, output_hidden_states=True)
-            logits, hidden = out.logits[0, :n], out.hidden_states[-1][0, :n]
+            logits, hidden = out.logits[0, :n][rows], out.hidden_states[-1][0, :n]
         if padding:
             self.cache.crop(-padding)
         return logits.float(), hidden

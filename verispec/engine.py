@@ -84,7 +84,7 @@ class SpeculativeEngine:
             hidden = torch.empty(buffer.shape[0], self.hidden_size, device=device,
                                  dtype=self.target.model.dtype)  # [prompt + new, hidden]
         if length > 1:
-            _, prefill_hidden = self.target.forward_hidden(buffer[: length - 1])
+            prefill_hidden = self.target.prefill(buffer[: length - 1])
             if hidden is not None:
                 hidden[: length - 1] = prefill_hidden
         while True:

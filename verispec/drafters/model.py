@@ -66,7 +66,7 @@ class ModelDrafter:
     def propose(self, request: DraftRequest) -> Proposal:
         tokens, sampling = request.tokens, request.sampling
         self._context_length = tokens.shape[0]
-        logits = self.lm.forward(tokens[self.lm.length:])[-1]  # the cache always lags by >= 1
+        logits = self.lm.forward_last(tokens[self.lm.length:])  # the cache always lags by >= 1
         if self.tree is not None:
             width = min(self.tree.topk, self.vocab_size)
             depth = max(1, min(request.k, self.tree.nodes // width))
@@ -86,7 +86,7 @@ class ModelDrafter:
                     and float(logits.softmax(-1)[token]) < self.confidence_threshold):
                 break
             if i < request.k - 1:
-                logits = self.lm.forward(token.view(1))[-1]
+                logits = self.lm.forward_last(token.view(1))
         return Proposal(torch.stack(drafted), torch.stack(probs) if probs else None)
 
     def _propose_tree(self, logits: torch.Tensor, width: int, depth: int) -> Proposal:
