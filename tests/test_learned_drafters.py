@@ -331,3 +331,22 @@ def test_trained_exit_at_another_layer_is_refused(loaded, trained):
         build_engine(loaded, "early-exit", DraftOptions(draft=str(trained["early-exit"]), exit_layer=2))
     engine = build_engine(loaded, "early-exit", DraftOptions(draft=str(trained["early-exit"])))
     assert engine.drafter.exit_layer == 1
+
+
+def test_drafter_layer_cache_feeds_incrementally_as_one_pass():
+    """EAGLE's layer with its KV cache: chunks, a rewind and growth past the first 256 slots give
+    what one causal pass over the whole sequence gives."""
+    from verispec.drafters.nn import DecoderLayer, KVCache
+
+    torch.manual_seed(0)
+    layer = DecoderLayer(32, 4, 64).eval()
+    x = torch.randn(1, 300, 32)
+    with torch.inference_mode():
+        expected = layer(x, torch.arange(300))
+        cache = KVCache()
+        first = layer(x[:, :200], torch.arange(200), cache)
+        layer(torch.randn(1, 5, 32), torch.arange(200, 205), cache)  # a draft, then rejected
+        cache.rewind(200)
+        rest = layer(x[:, 200:], torch.arange(200, 300), cache)
+    assert cache.length == 300
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), expected, rtol=1e-5, atol=1e-5)

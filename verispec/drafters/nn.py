@@ -43,27 +43,32 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> 
 
 
 class KVCache:
-    """Keys and values of one attention layer for a single sequence; rewound by slicing."""
+    """Keys and values of one attention layer for a single sequence, written into preallocated
+    buffers (doubling when full) rather than concatenated, which would copy the whole cache at
+    every drafted token; rewound by moving the length back."""
 
     def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None  # [1, heads, length, head_dim]
+        self.keys: torch.Tensor | None = None  # [1, heads, capacity, head_dim]
         self.values: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.keys is None else int(self.keys.shape[2])
+        self.length = 0
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = torch.cat([self.keys, keys], dim=2)
-            self.values = torch.cat([self.values, values], dim=2)
-        return self.keys, self.values
+        """keys, values: [1, heads, n, head_dim] -> all cached keys, values [1, heads, length, head_dim]."""
+        end = self.length + keys.shape[2]
+        if self.keys is None or end > self.keys.shape[2]:
+            capacity = max(256, 2 * end)
+            grown = [keys.new_empty(*keys.shape[:2], capacity, keys.shape[3]) for _ in range(2)]
+            if self.keys is not None:
+                grown[0][:, :, : self.length] = self.keys[:, :, : self.length]
+                grown[1][:, :, : self.length] = self.values[:, :, : self.length]
+            self.keys, self.values = grown
+        self.keys[:, :, self.length: end] = keys
+        self.values[:, :, self.length: end] = values
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
     def rewind(self, length: int) -> None:
-        if self.keys is not None and length < self.length:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        self.length = min(self.length, length)
 
 
 class DecoderLayer(nn.Module):
