@@ -19,7 +19,7 @@ demo: install
 	$(PYTHON) -m verispec.cli demo
 
 lint:
-	$(PYTHON) -m ruff check verispec tests
+	$(PYTHON) -m ruff check verispec tests scripts
 
 test: install-dev lint
 	$(PYTHON) -m pytest

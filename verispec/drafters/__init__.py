@@ -136,8 +136,8 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("pld", "prompt lookup: n-gram matches in the prompt and output", 7, _prompt_lookup),
     Method("early-exit", "the target's first layers draft, through a trained exit when one "
            "exists (LayerSkip-style)", 5, _early_exit, "early-exit"),
-    # k = 2: on held-out training-family prompts (seeds 777 and 778, runs/tune2.py in the
-    # README), k = 2 beat 1 and 3 for eagle and inside eagle-pld, with the lean CPU forward.
+    # k = 2: on held-out training-family prompts (scripts/tune_draft_lengths.py, seeds 777 and
+    # 778), k = 2 beat 1 and 3 for eagle and inside eagle-pld, with the lean CPU forward.
     Method("eagle", "EAGLE-style feature drafter: one layer predicts the target's next hidden "
            "state", 2, _learned("eagle", lambda path, target, options: EagleDrafter.load(
                path, target.model, options.confidence_threshold, options.tree)), "eagle"),
