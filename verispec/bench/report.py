@@ -465,7 +465,9 @@ def _verify_cost_note(forward: dict) -> list[str]:
     unpacked = {int(n): t for n, t in (forward.get("unpacked_by_tokens") or {}).items()}
     if unpacked.get(1):
         costs = ", ".join(f"{n}: {t / unpacked[1]:.2f}×" for n, t in sorted(unpacked.items()) if n > 1)
-        lines += ["", f"The engine runs the target with prepacked linear weights (verispec.packed). "
+        how = ("through verispec.lean (fused prepacked weights, a preallocated KV cache)"
+               if forward.get("lean") else "with prepacked linear weights (verispec.packed)")
+        lines += ["", f"The engine runs the target {how}. "
                   f"Through the model's own linear layers, as Hugging Face generate() runs it, one "
                   f"token takes {unpacked[1] * 1000:.1f} ms (prepacked: {one * 1000:.1f} ms) and n "
                   f"tokens cost {costs}."]

@@ -215,6 +215,8 @@ def measure_forward(target: LoadedModel, context: list[int], sizes=(1, 2, 4, 8, 
         if not pack and packed_view(target.model) is target.model:
             break  # nothing was packed: the two would be the same measurement
         lm = CachedModel(target.model, pack=pack)
+        if pack:
+            result["lean"] = lm.lean is not None  # which packed path ran (verispec.lean or .packed)
         lm.forward(torch.tensor(context, device=lm.device))
         by_tokens = {}
         generator = torch.Generator().manual_seed(0)
