@@ -30,8 +30,11 @@ def tiny_llama(seed: int = 0, layers: int = 3, vocab: int = VOCAB, hidden: int =
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, bos_token_id=1, eos_token_id=None,
                          pad_token_id=0)
-    model = LlamaForCausalLM(config).eval()
-    # Larger weights than the default init make the distributions less flat (fewer near-ties).
+    return sharpened(LlamaForCausalLM(config).eval())
+
+
+def sharpened(model: torch.nn.Module) -> torch.nn.Module:
+    """Larger weights than the default init make the distributions less flat (fewer near-ties)."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -47,12 +50,7 @@ def tiny_qwen3(seed: int = 0, layers: int = 3) -> Qwen3ForCausalLM:
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, bos_token_id=1, eos_token_id=None,
                          pad_token_id=0)
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4)
-    return model
+    return sharpened(Qwen3ForCausalLM(config).eval())
 
 
 def tiny_tokenizer(vocab: int = VOCAB, prefix: str = "w") -> PreTrainedTokenizerFast:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from verispec.packed import can_pack, linear_fingerprint, pack_weight, packed_linear
+from verispec.packed import can_pack, pack_weight, packed_linear, per_model
 
 LEAN_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
@@ -115,12 +115,7 @@ class LeanWeights:
     @classmethod
     def of(cls, model: PreTrainedModel) -> LeanWeights:
         """The (cached) weights of `model`; renewed when a linear weight was replaced or changed."""
-        fingerprint = linear_fingerprint(model)
-        cached = _WEIGHTS.get(model)
-        if cached is None or cached[0] != fingerprint:
-            cached = (fingerprint, cls(model))
-            _WEIGHTS[model] = cached
-        return cached[1]
+        return per_model(_WEIGHTS, model, cls)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

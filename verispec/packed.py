@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 PACK_ROWS = 8
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 Module = TypeVar("Module", bound=nn.Module)
+T = TypeVar("T")
 
 # model -> (fingerprint of its linear weights, packed view): engines built per call share a view;
 # a replaced or in-place-changed weight renews it.
@@ -104,9 +106,15 @@ def packed_view(model: Module) -> Module:
     allows it, else `model` itself."""
     if not can_pack(model):
         return model
+    return per_model(_VIEWS, model, _replace_linears)
+
+
+def per_model(cache: weakref.WeakKeyDictionary, model: nn.Module, build: Callable[[nn.Module], T]) -> T:
+    """build(model), made once per model and kept in `cache` (engines built per call share it);
+    made again when a linear weight of the model was replaced or changed in place."""
     fingerprint = linear_fingerprint(model)
-    cached = _VIEWS.get(model)
+    cached = cache.get(model)
     if cached is None or cached[0] != fingerprint:
-        cached = (fingerprint, _replace_linears(model))
-        _VIEWS[model] = cached
+        cached = (fingerprint, build(model))
+        cache[model] = cached
     return cached[1]
