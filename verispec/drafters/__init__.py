@@ -131,8 +131,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("ar", "plain autoregressive decoding (no speculation)", 0, None),
     Method("draft", "independent draft model with the target's tokenizer (SpS), or a student "
            "distilled by verispec train draft", 5, _draft_model, "draft"),
-    # k = 7: a step then scores 8 tokens, a multiple of the 4-row blocks CPU matrix products like
-    # (CachedModel); measured on Spec-Bench dev questions, k = 7 beat 3, 8 and 15.
+    # k = 7: first set from Spec-Bench dev runs (k = 7 beat 3, 8 and 15, with 4-row padding);
+    # confirmed on held-out training-family prompts with the lean forward (lookup k 7 and 5 tie
+    # inside eagle-pld, 3 is worse: scripts/tune_draft_lengths.py).
     Method("pld", "prompt lookup: n-gram matches in the prompt and output", 7, _prompt_lookup),
     Method("early-exit", "the target's first layers draft, through a trained exit when one "
            "exists (LayerSkip-style)", 5, _early_exit, "early-exit"),
