@@ -56,9 +56,10 @@ def test_lean_cache_grows_past_its_first_capacity():
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["lean", "hugging-face"])
 def test_keeping_a_tree_path_equals_feeding_it(build):
-    """After a tree block, keep() leaves the cache exactly as if the kept path had been fed."""
+    """After a tree block, keep() leaves the cache exactly as if the kept path had been fed
+    (with a context long enough that the lean cache grew during a forward)."""
     model = build(seed=2)
-    context, block = torch.arange(5, 25), torch.tensor([30, 31, 32, 33, 34, 35])
+    context, block = torch.arange(300) % 60 + 3, torch.tensor([30, 31, 32, 33, 34, 35])
     parents = torch.tensor([-1, -1, 0, 1, 3])  # root, then two branches: kept path rows 2, 4, 5
     tree, fed = CachedModel(model), CachedModel(model)
     tree.forward(context)

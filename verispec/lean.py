@@ -195,6 +195,7 @@ class LeanDecoder:
         """Keep only the first `length` cached tokens."""
         self.length = min(self.length, length)
 
+    @torch.inference_mode()  # the buffers may be inference tensors (grown inside a forward)
     def keep(self, start: int, rows: list[int]) -> None:
         """Keep the first `start` cached tokens, then the block rows `rows` after them, in order."""
         index = torch.tensor(rows, device=self.device) + start
