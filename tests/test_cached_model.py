@@ -8,7 +8,7 @@ import torch
 
 from tests.tiny import tiny_llama, tiny_qwen3
 from verispec.cached_model import CachedModel
-from verispec.lean import LeanWeights, lean_supported
+from verispec.lean import lean_supported
 from verispec.packed import PackedLinear, can_pack, cpu_packs, packed_view
 
 
@@ -49,7 +49,7 @@ def test_lean_cache_grows_past_its_first_capacity():
     with torch.inference_mode():
         expected = model(input_ids=tokens.unsqueeze(0)).logits[0]
     lm = CachedModel(model)
-    got = torch.cat([lm.forward(tokens[:250]), lm.forward(tokens[250:])])  # 256 slots at first
+    got = torch.cat([lm.forward(tokens[:100]), lm.forward(tokens[100:])])  # 256 slots at first
     assert lm.length == 300
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -104,7 +104,6 @@ def test_packed_weights_are_shared_and_follow_weight_changes():
         with torch.inference_mode():
             expected = model(input_ids=tokens.unsqueeze(0)).logits[0]
         torch.testing.assert_close(third.forward(tokens), expected, rtol=1e-5, atol=1e-5)
-    assert isinstance(CachedModel(tiny_llama(seed=5)).lean.weights, LeanWeights)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

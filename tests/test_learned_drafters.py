@@ -336,7 +336,8 @@ def test_trained_exit_at_another_layer_is_refused(loaded, trained):
 def test_drafter_layer_cache_feeds_incrementally_as_one_pass():
     """EAGLE's layer with its KV cache: chunks, a rewind and growth past the first 256 slots give
     what one causal pass over the whole sequence gives."""
-    from verispec.drafters.nn import DecoderLayer, KVCache
+    from verispec.drafters.nn import DecoderLayer
+    from verispec.kv_cache import KVCache
 
     torch.manual_seed(0)
     layer = DecoderLayer(32, 4, 64).eval()

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from verispec.kv_cache import KVCache
 from verispec.packed import can_pack, pack_weight, packed_linear, per_model
 
 LEAN_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
@@ -129,31 +130,15 @@ class LeanDecoder:
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.weights = LeanWeights.of(model)
-        self.dtype = model.dtype
         self.device = model.device
-        self.length = 0
-        # [layers, kv_heads, capacity, head_dim] each
-        self.keys, self.values = self._empty(256), self._empty(256)
+        self.caches = [KVCache() for _ in self.weights.layers]
 
-    def _empty(self, capacity: int) -> torch.Tensor:
-        w = self.weights
-        return torch.zeros(len(w.layers), w.kv_heads, capacity, w.head_dim,
-                           dtype=self.dtype, device=self.device)
+    @property
+    def length(self) -> int:
+        return self.caches[0].length
 
     def reset(self) -> None:
-        self.length = 0
-
-    def _reserve(self, length: int) -> None:
-        """Grow the cache (doubling) so it holds `length` tokens."""
-        capacity = self.keys.shape[2]
-        if length <= capacity:
-            return
-        while capacity < length:
-            capacity *= 2
-        keys, values = self._empty(capacity), self._empty(capacity)
-        keys[:, :, : self.length] = self.keys[:, :, : self.length]
-        values[:, :, : self.length] = self.values[:, :, : self.length]
-        self.keys, self.values = keys, values
+        self.rewind(0)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,7 +149,6 @@ class LeanDecoder:
         """
         w, past, n = self.weights, self.length, tokens.shape[0]
         end = past + n
-        self._reserve(end)
         if positions is None:
             positions = torch.arange(past, end, device=tokens.device)
         if mask is None and n > 1:
@@ -172,19 +156,16 @@ class LeanDecoder:
         x = w.embed(tokens)[None]  # [1, n, hidden]
         cos, sin = (t[0] for t in w.rotary(x, positions[None]))  # each [n, head_dim]
         q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
-        for index, layer in enumerate(w.layers):
+        for layer, cache in zip(w.layers, self.caches):
             q, k, v = layer.qkv(layer.attn_norm(x)).split([q_size, kv_size, kv_size], dim=-1)
             q = rotate(q.view(1, n, w.heads, w.head_dim).transpose(1, 2), cos, sin)
             k = rotate(k.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2), cos, sin)
-            self.keys[index, :, past:end] = k[0]
-            self.values[index, :, past:end] = v.view(n, w.kv_heads, w.head_dim).transpose(0, 1)
+            keys, values = cache.append(k, v.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2))
             attended = nn.functional.scaled_dot_product_attention(
-                q, self.keys[index, None, :, :end], self.values[index, None, :, :end],
-                attn_mask=mask, scale=w.scaling, enable_gqa=w.kv_heads != w.heads)
+                q, keys, values, attn_mask=mask, scale=w.scaling, enable_gqa=w.kv_heads != w.heads)
             x = x + layer.out(attended.transpose(1, 2).reshape(1, n, q_size))
             gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
             x = x + layer.down(nn.functional.silu(gate) * up)
-        self.length = end
         return w.norm(x)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -193,13 +174,11 @@ class LeanDecoder:
 
     def rewind(self, length: int) -> None:
         """Keep only the first `length` cached tokens."""
-        self.length = min(self.length, length)
+        for cache in self.caches:
+            cache.rewind(length)
 
-    @torch.inference_mode()  # the buffers may be inference tensors (grown inside a forward)
     def keep(self, start: int, rows: list[int]) -> None:
         """Keep the first `start` cached tokens, then the block rows `rows` after them, in order."""
         index = torch.tensor(rows, device=self.device) + start
-        end = start + len(rows)
-        self.keys[:, :, start:end] = self.keys[:, :, index]  # the gather copies before writing
-        self.values[:, :, start:end] = self.values[:, :, index]
-        self.length = end
+        for cache in self.caches:
+            cache.keep(start, index)

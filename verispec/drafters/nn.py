@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from verispec.kv_cache import KVCache
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float = 1e-5) -> None:
@@ -40,35 +42,6 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> 
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-
-class KVCache:
-    """Keys and values of one attention layer for a single sequence, written into preallocated
-    buffers (doubling when full) rather than concatenated, which would copy the whole cache at
-    every drafted token; rewound by moving the length back."""
-
-    def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None  # [1, heads, capacity, head_dim]
-        self.values: torch.Tensor | None = None
-        self.length = 0
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys, values: [1, heads, n, head_dim] -> all cached keys, values [1, heads, length, head_dim]."""
-        end = self.length + keys.shape[2]
-        if self.keys is None or end > self.keys.shape[2]:
-            capacity = max(256, 2 * end)
-            grown = [keys.new_empty(*keys.shape[:2], capacity, keys.shape[3]) for _ in range(2)]
-            if self.keys is not None:
-                grown[0][:, :, : self.length] = self.keys[:, :, : self.length]
-                grown[1][:, :, : self.length] = self.values[:, :, : self.length]
-            self.keys, self.values = grown
-        self.keys[:, :, self.length: end] = keys
-        self.values[:, :, self.length: end] = values
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-    def rewind(self, length: int) -> None:
-        self.length = min(self.length, length)
 
 
 class DecoderLayer(nn.Module):

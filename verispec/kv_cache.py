@@ -1,0 +1,44 @@
+"""A growable KV cache for one attention layer of one sequence (verispec.lean, EAGLE's layer)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values written into preallocated buffers (doubling when full) rather than
+    concatenated, which would copy the whole cache at every token; rewound by moving the length
+    back. The buffers are made inside a forward, so under inference mode: every in-place update
+    runs under it too."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None  # [1, heads, capacity, head_dim]
+        self.values: torch.Tensor | None = None
+        self.length = 0
+
+    @torch.inference_mode()
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values: [1, heads, n, head_dim] -> all cached keys, values [1, heads, length, head_dim]."""
+        end = self.length + keys.shape[2]
+        if self.keys is None or end > self.keys.shape[2]:
+            capacity = max(256, 2 * end)
+            grown = [keys.new_empty(*keys.shape[:2], capacity, keys.shape[3]) for _ in range(2)]
+            if self.keys is not None:
+                grown[0][:, :, : self.length] = self.keys[:, :, : self.length]
+                grown[1][:, :, : self.length] = self.values[:, :, : self.length]
+            self.keys, self.values = grown
+        self.keys[:, :, self.length: end] = keys
+        self.values[:, :, self.length: end] = values
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def rewind(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    @torch.inference_mode()
+    def keep(self, start: int, index: torch.Tensor) -> None:
+        """Keep the first `start` entries, then the entries at `index` [m] (each >= start), in order."""
+        end = start + index.shape[0]
+        self.keys[:, :, start:end] = self.keys[:, :, index]  # the gather copies before writing
+        self.values[:, :, start:end] = self.values[:, :, index]
+        self.length = end
