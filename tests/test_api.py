@@ -24,6 +24,16 @@ def test_generate_with_each_hf_style_method_matches_plain(tiny_dir, target):
         assert result.text == tiny_tokenizer().decode(truth, skip_special_tokens=True)
 
 
+def test_default_tree_matches_plain_and_a_bad_tree_is_refused(tiny_dir, target):
+    prompt_ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    result = verispec.generate(str(tiny_dir), PROMPT, max_new_tokens=20, eos_token_id=[],
+                               prompt_lookup_num_tokens=4, tree="default")
+    assert result.token_ids == plain_greedy(target, prompt_ids, 20)
+    with pytest.raises(verispec.VerispecError, match="TreeSettings"):
+        verispec.generate(str(tiny_dir), PROMPT, max_new_tokens=4, prompt_lookup_num_tokens=4,
+                          tree="bushy")
+
+
 def test_plain_pretrained_model_and_token_ids(target):
     result = verispec.generate(target, [1, 5, 6], max_new_tokens=5)
     assert result.token_ids == plain_greedy(target, [1, 5, 6], 5)

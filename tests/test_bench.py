@@ -8,6 +8,7 @@ import pytest
 
 from verispec.bench.runner import BenchConfig, run_bench
 from verispec.cli import main
+from verispec.drafters import DEFAULT_TREE, METHODS
 from verispec.errors import VerispecError
 from verispec.tree import TreeSettings
 from verispec.verifiers import greedy
@@ -128,6 +129,15 @@ def test_bench_runs_trees_beside_chains_and_labels_typical_lossy(tiny_dir, quest
     report = (out / "report.md").read_text()
     assert "pld typical (lossy)" in report and "Tree methods (pld tree=3x8" in report
     assert "## Trees against chains" in report and "| pld tree=3x8 | 3x8 | 8 |" in report
+
+
+def test_bench_default_tree_is_each_methods_own(tiny_dir, questions, tmp_path):
+    # 'default' runs pld's measured default tree; early-exit has none, so only its chain runs.
+    results = run_bench(config(tiny_dir, questions, tmp_path / "default", methods=["pld", "early-exit"],
+                               trees=[DEFAULT_TREE]), progress=False)
+    tree = METHODS["pld"].default_tree
+    labels = {r["label"] for r in results["runs"]}
+    assert labels == {"ar", "hf", "pld", f"pld tree={tree.topk}x{tree.nodes}", "early-exit"}
 
 
 def test_typical_without_sampling_is_refused(tiny_dir, questions, tmp_path):

@@ -93,8 +93,9 @@ def test_help_on_every_command(command):
     assert out.startswith("usage: verispec")
 
 
-def test_generate_shows_each_steps_tree_with_the_accepted_path(tiny_dir, capsys):
-    code = main(["generate", "--model", str(tiny_dir), "--method", "pld", "--k", "4", "--tree", "3x8",
+@pytest.mark.parametrize("tree", [["3x8"], []])  # [] : --tree alone, pld's default tree
+def test_generate_shows_each_steps_tree_with_the_accepted_path(tiny_dir, capsys, tree):
+    code = main(["generate", "--model", str(tiny_dir), "--method", "pld", "--k", "4", "--tree", *tree,
                  "--show-tree", "--prompt", "w5 w6 w7 w5 w6 w8 w5 w6 w9 w5 w6", "--raw",
                  "--max-new-tokens", "12", "--color", "never"])
     out = capsys.readouterr().out
@@ -105,6 +106,8 @@ def test_generate_shows_each_steps_tree_with_the_accepted_path(tiny_dir, capsys)
     (["--method", "pld", "--tree", "0x4"], "TOPKxNODES"),
     (["--method", "pld", "--tree", "four"], "TOPKxNODES"),
     (["--method", "ar", "--tree", "2x4"], "chains only"),
+    (["--method", "ar", "--tree"], "chains only"),
+    (["--method", "early-exit", "--tree"], "no measured default tree"),
     (["--method", "pld", "--acceptance", "fast"], "invalid choice"),
 ])
 def test_bad_tree_or_acceptance_is_refused(tiny_dir, capsys, args, message):

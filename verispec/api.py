@@ -101,7 +101,7 @@ def prepare(
     prompt_lookup_num_tokens: int | None = None,
     max_matching_ngram_size: int | None = None,
     assistant_early_exit: int | None = None,
-    tree: TreeSettings | None = None,
+    tree: TreeSettings | str | None = None,
     acceptance: str = "exact",
     eos_token_id: int | Iterable[int] | None = None,
     stop_strings: str | Iterable[str] | None = None,
@@ -159,8 +159,9 @@ def generate(model: ModelLike, inputs: str | list[int] | torch.Tensor, *, stream
     do_sample, temperature, top_k, top_p, seed, assistant_model, num_assistant_tokens,
     num_assistant_tokens_schedule ("constant" | "heuristic"), assistant_confidence_threshold,
     prompt_lookup_num_tokens, max_matching_ngram_size, assistant_early_exit, eos_token_id,
-    stop_strings, tokenizer. verispec adds tree=TreeSettings(topk, nodes) (prompt lookup then
-    drafts the trie of several matches; eagle / medusa trees through make_job) and
+    stop_strings, tokenizer. verispec adds tree=TreeSettings(topk, nodes) or tree="default" (the
+    method's measured default tree; prompt lookup then drafts the trie of several matches;
+    eagle / medusa trees through make_job) and
     acceptance="typical" (Medusa's typical acceptance: LOSSY under sampling, the output no longer
     follows the target's distribution; default "exact"). A Hugging Face-style `streamer`
     (put/end) receives the prompt, then

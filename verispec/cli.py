@@ -9,7 +9,7 @@ import sys
 
 from verispec.api import make_job, run
 from verispec.display import LEGEND, acceptance_line, render_steps, render_tree, stats_table
-from verispec.drafters import METHODS, TREE_METHODS, DraftOptions
+from verispec.drafters import DEFAULT_TREE, METHODS, TREE_METHODS, DraftOptions
 from verispec.errors import VerispecError
 from verispec.models import BUILTIN_MODELS, DEFAULT_MODEL, DTYPES, load_model
 from verispec.policies import SCHEDULES
@@ -64,26 +64,33 @@ def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -
                         help="prompt lookup: longest n-gram to match")
     parser.add_argument("--min-ngram", type=int, default=DraftOptions.min_ngram,
                         help="prompt lookup: shortest n-gram to match")
-    parser.add_argument("--tree", type=tree_settings, metavar="TOPKxNODES",
-                      help="draft a token tree of depth k instead of a chain (TOPKxNODES, e.g. "
-                      "4x16: top-k children per expanded node, NODES draft nodes in all)")
+    parser.add_argument("--tree", type=tree_settings, metavar="TOPKxNODES", nargs="?",
+                        const=DEFAULT_TREE,
+                        help="draft a token tree of depth k instead of a chain (TOPKxNODES, e.g. "
+                        "4x16: top-k children per expanded node, NODES draft nodes in all); alone: "
+                        "the method's default tree, the fastest measured on a CPU ("
+                        + ", ".join(f"{m.name} {m.default_tree.topk}x{m.default_tree.nodes}"
+                                    for m in METHODS.values() if m.default_tree) + ")")
     parser.add_argument("--acceptance", default="exact", choices=list(ACCEPTANCE),
                         help="exact (default, lossless) or typical: Medusa's typical acceptance, "
                         "LOSSY under sampling (the output no longer follows the target's "
                         "distribution; under greedy decoding it is exact)")
 
 
-def tree_settings(text: str) -> TreeSettings:
-    """'4x16' -> TreeSettings(topk=4, nodes=16)."""
+def tree_settings(text: str) -> TreeSettings | str:
+    """'4x16' -> TreeSettings(topk=4, nodes=16); 'default' stays: each method's default tree."""
+    if text.lower() == DEFAULT_TREE:
+        return DEFAULT_TREE
     try:
         topk, nodes = (int(part) for part in text.lower().split("x"))
         return TreeSettings(topk, nodes)
     except (ValueError, VerispecError):
         raise argparse.ArgumentTypeError(
-            f"expected a tree as TOPKxNODES with both >= 1, e.g. 4x16; got {text!r}") from None
+            f"expected a tree as TOPKxNODES with both >= 1, e.g. 4x16, or {DEFAULT_TREE!r}; "
+            f"got {text!r}") from None
 
 
-def tree_list(text: str) -> list[TreeSettings]:
+def tree_list(text: str) -> list[TreeSettings | str]:
     return [tree_settings(item) for item in comma_list(text)]
 
 
@@ -279,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--k", type=comma_ints, help="draft lengths to sweep, e.g. 4,8,16")
     bench.add_argument("--trees", type=tree_list, metavar="TOPKxNODES,...",
                       help="also run each tree-capable method (" + ", ".join(TREE_METHODS) + ") "
-                      "with these trees, beside its chain, e.g. 4x8,4x16,8x32")
+                      "with these trees, beside its chain, e.g. 4x8,4x16,8x32 ('default': each "
+                      "method's default tree)")
     bench.add_argument("--typical", action="store_true",
                        help="with --temperature > 0: also run each method with typical acceptance "
                        "(LOSSY; labelled so in the report)")

@@ -26,7 +26,7 @@ from verispec.api import encode_prompt
 from verispec.bench.questions import Question, load_questions
 from verispec.bench.report import summarize, theory, write_report
 from verispec.cached_model import CachedModel
-from verispec.drafters import METHODS, TREE_METHODS, DraftOptions, build_engine
+from verispec.drafters import DEFAULT_TREE, METHODS, TREE_METHODS, DraftOptions, build_engine, resolve_tree
 from verispec.drafters.early_exit import default_exit_layer
 from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
 from verispec.engine import context_length
@@ -63,7 +63,8 @@ class BenchConfig:
     warmup: int = 1
     dtype: str = "float32"
     device: str = "cpu"
-    trees: list[TreeSettings] | None = None  # also run tree-capable methods with these trees
+    # also run tree-capable methods with these trees (DEFAULT_TREE: each method's own)
+    trees: list[TreeSettings | str] | None = None
     typical: bool = False  # also run each method with typical acceptance (lossy; sampling only)
 
 
@@ -194,7 +195,11 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
             contenders.append(hf_contender(method, target, draft, config, sampling, eos))
             continue
         ks = [None] if method == "ar" else (config.ks or [METHODS[method].default_k])
-        trees = [None] + (config.trees or []) if method in TREE_METHODS else [None]
+        trees: list[TreeSettings | None] = [None]
+        if method in TREE_METHODS:  # 'default' stands for the method's tree, where it has one
+            trees += [resolve_tree(method, tree) for tree in config.trees or []
+                      if tree != DEFAULT_TREE or METHODS[method].default_tree is not None]
+            trees = list(dict.fromkeys(trees))
         rules = ["exact", "typical"] if config.typical and method != "ar" else ["exact"]  # typical: lossy
         for k, tree, rule in itertools.product(ks, trees, rules):
             label = " ".join([method] + ([f"k={k}"] if len(ks) > 1 else [])

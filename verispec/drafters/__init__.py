@@ -6,7 +6,7 @@ Adding a drafter is one new file plus one entry in METHODS; the engine never cha
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from verispec.drafters.base import Drafter, DraftRequest
@@ -39,8 +39,9 @@ class DraftOptions:
     exit_layer: int | None = None  # early exit: layers kept (default: the trained exit's, or half)
     max_ngram: int = 4  # prompt lookup: longest n-gram matched (tried first: the surest drafts)
     min_ngram: int = 2  # prompt lookup: shortest n-gram matched (1 drafts too often to pay on CPU)
-    # Draft a token tree of depth k instead of a chain (methods in TREE_METHODS); None: a chain.
-    tree: TreeSettings | None = None
+    # Draft a token tree of depth k instead of a chain (methods in TREE_METHODS); None: a chain;
+    # DEFAULT_TREE: the method's own default tree (Method.default_tree).
+    tree: TreeSettings | str | None = None
     # "exact" (lossless) or "typical" (Medusa's typical acceptance: LOSSY under sampling)
     acceptance: str = "exact"
 
@@ -118,6 +119,9 @@ def _dtype_name(target: LoadedModel) -> str:
     return str(target.model.dtype).removeprefix("torch.")
 
 
+DEFAULT_TREE = "default"
+
+
 @dataclass(frozen=True)
 class Method:
     name: str
@@ -125,6 +129,9 @@ class Method:
     default_k: int
     build: Callable[[LoadedModel, DraftOptions], Drafter] | None  # None: plain decoding
     trained_kind: str | None = None  # the trained drafter (`verispec train KIND`) it runs, if any
+    # The tree `--tree` alone drafts (depth default_k): the fastest measured on held-out prompts
+    # on a CPU (scripts/tune_trees.py); None where no tree pays enough to measure.
+    default_tree: TreeSettings | None = None
 
 
 METHODS: dict[str, Method] = {m.name: m for m in [
@@ -134,24 +141,48 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     # k = 7: first set from Spec-Bench dev runs (k = 7 beat 3, 8 and 15, with 4-row padding);
     # confirmed on held-out training-family prompts with the lean forward (lookup k 7 and 5 tie
     # inside eagle-pld, 3 is worse: scripts/tune_draft_lengths.py).
-    Method("pld", "prompt lookup: n-gram matches in the prompt and output", 7, _prompt_lookup),
+    # Default trees (all methods): scripts/tune_trees.py on held-out prompts, seeds 779 (8
+    # prompts) and 780 (10), lean CPU forward, speedup over ar, chain -> tree. pld: 1.33 -> 1.39
+    # (4x16), 1.32 -> 1.34 (4x16) / 1.37 (4x24). eagle: 1.14 -> 1.17 (2x3; 2x4, 4x7 and deeper
+    # trees slower), 1.27 -> 1.25. medusa: 0.96 -> 0.95 (2x4; larger slower). eagle-pld: 1.47 ->
+    # 1.48 (2x3) / 1.49 (4x7), 1.45 -> 1.45 (2x3) / 1.40 (4x7). Chains stay the methods'
+    # defaults: on a 2-core CPU no tree beat them by more than the runs' noise.
+    Method("pld", "prompt lookup: n-gram matches in the prompt and output", 7, _prompt_lookup,
+           default_tree=TreeSettings(4, 16)),
     Method("early-exit", "the target's first layers draft, through a trained exit when one "
            "exists (LayerSkip-style)", 5, _early_exit, "early-exit"),
     # k = 2: on held-out training-family prompts (scripts/tune_draft_lengths.py, seeds 777 and
     # 778), k = 2 beat 1 and 3 for eagle and inside eagle-pld, with the lean CPU forward.
     Method("eagle", "EAGLE-style feature drafter: one layer predicts the target's next hidden "
            "state", 2, _learned("eagle", lambda path, target, options: EagleDrafter.load(
-               path, target.model, options.confidence_threshold, options.tree)), "eagle"),
+               path, target.model, options.confidence_threshold, options.tree)), "eagle",
+           TreeSettings(2, 3)),
     Method("medusa", "Medusa-1 heads on the target's last hidden state", 3, _learned(
         "medusa", lambda path, target, options: MedusaDrafter.load(path, target.model, options.tree)),
-        "medusa"),
+        "medusa", TreeSettings(2, 4)),
     # k is the lookup's (7, as pld); the EAGLE drafter drafts up to its own default (2).
     Method("eagle-pld", "prompt lookup where the context repeats, the EAGLE drafter elsewhere "
-           "(SAMD-style hybrid)", 7, _lookup_then("eagle"), "eagle"),
+           "(SAMD-style hybrid)", 7, _lookup_then("eagle"), "eagle", TreeSettings(2, 3)),
 ]}
 
 
 TREE_METHODS = ("eagle", "medusa", "pld", "draft", "early-exit", "eagle-pld")
+
+
+def resolve_tree(method: str, tree: TreeSettings | str | None) -> TreeSettings | None:
+    """The tree settings `tree` stands for: DEFAULT_TREE becomes the method's default tree."""
+    if tree is None or isinstance(tree, TreeSettings):
+        return tree
+    if tree != DEFAULT_TREE:
+        raise VerispecError(f"a tree is TreeSettings(topk, nodes) or {DEFAULT_TREE!r}, got {tree!r}")
+    if method not in TREE_METHODS:
+        raise VerispecError(f"method {method!r} drafts chains only; trees: {', '.join(TREE_METHODS)}")
+    default = METHODS[method].default_tree
+    if default is None:
+        measured = ", ".join(m for m in TREE_METHODS if METHODS[m].default_tree is not None)
+        raise VerispecError(f"method {method!r} has no measured default tree (those with one: "
+                            f"{measured}); give its size as TOPKxNODES")
+    return default
 
 
 def build_engine(target: LoadedModel, method: str = "ar",
@@ -168,12 +199,13 @@ def build_engine(target: LoadedModel, method: str = "ar",
             f"unknown draft-length schedule {options.schedule!r}; choose from {', '.join(SCHEDULES)}")
     if options.tree is not None and method not in TREE_METHODS:
         raise VerispecError(f"method {method!r} drafts chains only; trees: {', '.join(TREE_METHODS)}")
+    options = replace(options, tree=resolve_tree(method, options.tree))
     if spec.build is None or k == 0:
         return SpeculativeEngine(target.model, acceptance=options.acceptance)
     return SpeculativeEngine(target.model, spec.build(target, options), SCHEDULES[options.schedule](k),
                              options.acceptance)
 
 
-__all__ = ["Drafter", "DraftRequest", "DraftOptions", "EagleDrafter", "LookupThenModel", "METHODS",
-           "MedusaDrafter", "Method", "ModelDrafter", "PromptLookupDrafter", "build_engine",
-           "early_exit_drafter"]
+__all__ = ["DEFAULT_TREE", "Drafter", "DraftRequest", "DraftOptions", "EagleDrafter", "LookupThenModel",
+           "METHODS", "MedusaDrafter", "Method", "ModelDrafter", "PromptLookupDrafter", "build_engine",
+           "early_exit_drafter", "resolve_tree"]

@@ -1,0 +1,51 @@
+"""Shared by the tuning scripts: held-out prompts and an interleaved timing comparison.
+
+Defaults are chosen on prompts from verispec.training.prompts with a seed the shipped drafters
+were not trained with (training used seed 0), never on the Spec-Bench questions, which are for
+evaluation only.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from verispec.api import encode_prompt
+from verispec.engine import SpeculativeEngine
+from verispec.models import DEFAULT_MODEL, LoadedModel, load_model
+from verispec.stopping import StoppingRules
+from verispec.training.prompts import make_prompts
+
+
+def held_out(count: int, seed: int) -> tuple[LoadedModel, list[list[int]]]:
+    """The built-in target in float32 on CPU and `count` chat-encoded held-out prompts."""
+    target = load_model(DEFAULT_MODEL, "float32", "cpu")
+    return target, [encode_prompt(target, p, chat=True) for p in make_prompts(count, seed)]
+
+
+def compare(engines: dict[str, SpeculativeEngine], prompts: list[list[int]],
+            max_new_tokens: int = 128) -> None:
+    """Run every engine on every prompt, greedy, the order rotating per prompt so that the
+    machine's drifts in speed fall on all alike; print ms per token, tau and the ratio to the
+    first engine (the baseline). Outputs must equal the baseline's: a difference is an error."""
+    names = list(engines)
+    seconds, tokens, steps = collections.Counter(), collections.Counter(), collections.Counter()
+    engines[names[0]].generate(prompts[0], StoppingRules.build(32))  # warm-up
+    for i, ids in enumerate(prompts):
+        outputs = {}
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            started = time.perf_counter()
+            result = engines[name].generate(ids, StoppingRules.build(max_new_tokens))
+            seconds[name] += time.perf_counter() - started
+            tokens[name] += len(result.token_ids)
+            steps[name] += len(result.steps)
+            outputs[name] = result.token_ids
+        differing = [name for name in names if outputs[name] != outputs[names[0]]]
+        if differing:
+            raise SystemExit(f"prompt {i}: {', '.join(differing)} differ from {names[0]}")
+        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+    base = names[0]
+    for name in names:
+        print(f"{name:40s} {1000 * seconds[name] / tokens[name]:6.1f} ms/token  "
+              f"tau {tokens[name] / steps[name]:.2f}  vs {base} {seconds[base] / seconds[name]:.2f}x",
+              flush=True)

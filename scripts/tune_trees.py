@@ -1,0 +1,40 @@
+"""Sweep tree sizes on held-out training-family prompts, never on Spec-Bench questions.
+
+Runs each configuration (METHOD[@K]:TREE, TREE = chain or TOPKxNODES, depth K, default K the
+method's) interleaved with plain decoding prompt by prompt, greedy, 128 new tokens, float32. Each
+method's default tree (`--tree` without a size) is the fastest tree found here; whether a tree
+beats the chain at all is the other thing it shows.
+
+    python scripts/tune_trees.py [count=8] [seed=779] [configs=the first round's]
+"""
+
+from __future__ import annotations
+
+import sys
+
+from held_out import compare, held_out
+
+from verispec.drafters import METHODS, DraftOptions, build_engine
+from verispec.tree import TreeSettings
+
+# The first round: each tree-capable method worth speculating with on a CPU, chain first.
+FIRST_ROUND = ("pld:chain,pld:2x8,pld:2x12,pld:4x16,"
+               "eagle:chain,eagle:2x3,eagle:2x4,eagle:4x7,eagle@3:2x5,eagle@3:3x8,eagle@4:4x12,"
+               "medusa:chain,medusa:2x4,medusa:2x6,medusa:4x10,"
+               "eagle-pld:chain,eagle-pld:2x3,eagle-pld:2x4,eagle-pld:4x7")
+
+
+def main(count: int = 8, seed: int = 779, configs: str = FIRST_ROUND) -> None:
+    target, prompts = held_out(count, seed)
+    engines = {"ar": build_engine(target, "ar")}
+    for config in configs.split(","):
+        method_k, tree = config.split(":")
+        method, _, k = method_k.partition("@")
+        settings = None if tree == "chain" else TreeSettings(*map(int, tree.split("x")))
+        k = int(k) if k else METHODS[method].default_k
+        engines[f"{method} k={k} {tree}"] = build_engine(target, method, DraftOptions(k=k, tree=settings))
+    compare(engines, prompts)
+
+
+if __name__ == "__main__":
+    main(*(int(a) for a in sys.argv[1:3]), *sys.argv[3:4])
