@@ -37,7 +37,8 @@ class CachedModel:
         """
         self.model = model
         self.lean = LeanDecoder(model) if pack and lean_supported(model) else None
-        self.cache = DynamicCache(config=model.config)
+        # Hugging Face's cache, for the models that run through their own forward.
+        self.cache = DynamicCache(config=model.config) if self.lean is None else None
         if pad_to_multiple is None:
             pad_to_multiple = 4 if model.device.type == "cpu" and self.lean is None else 1
         self.pad_to_multiple = pad_to_multiple
