@@ -214,29 +214,29 @@ def measure_forward(target: LoadedModel, context: list[int], sizes=(1, 2, 4, 8, 
                     repeats: int = 7) -> dict:
     """Median time of one target forward over n new tokens with the context cached, as the engine
     runs it (prepacked weights where they apply) and, for comparison, through the model's own
-    linear layers as Hugging Face generate() runs it."""
-    result = {"context_tokens": len(context)}
-    for key, pack in (("by_tokens", True), ("unpacked_by_tokens", False)):
-        if not pack and packed_view(target.model) is target.model:
-            break  # nothing was packed: the two would be the same measurement
-        lm = CachedModel(target.model, pack=pack)
-        if pack:
-            result["lean"] = lm.lean is not None  # which packed path ran (verispec.lean or .packed)
+    linear layers as Hugging Face generate() runs it. The two are timed in turn, forward by
+    forward, so that the machine's drifts in speed fall on both alike."""
+    variants = {"by_tokens": CachedModel(target.model, pack=True)}
+    if packed_view(target.model) is not target.model:  # else both would be the same measurement
+        variants["unpacked_by_tokens"] = CachedModel(target.model, pack=False)
+    # which packed path ran (verispec.lean or verispec.packed)
+    result = {"context_tokens": len(context), "lean": variants["by_tokens"].lean is not None}
+    for lm in variants.values():
         lm.forward(torch.tensor(context, device=lm.device))
-        by_tokens = {}
-        generator = torch.Generator().manual_seed(0)
+    times: dict[str, dict[int, list[float]]] = {key: {n: [] for n in sizes} for key in variants}
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(repeats):
         for n in sizes:
-            times = []
-            for _ in range(repeats):
-                tokens = torch.randint(0, target.vocab_size, (n,), generator=generator).to(lm.device)
+            tokens = torch.randint(0, target.vocab_size, (n,), generator=generator)
+            for key, lm in variants.items():
                 started = time.perf_counter()
-                lm.forward(tokens)
+                lm.forward(tokens.to(lm.device))
                 if lm.device.type == "cuda":
                     torch.cuda.synchronize()  # GPU work is asynchronous: time it to the end
-                times.append(time.perf_counter() - started)
+                times[key][n].append(time.perf_counter() - started)
                 lm.rewind(len(context))
-            by_tokens[str(n)] = statistics.median(times)
-        result[key] = by_tokens
+    for key in variants:
+        result[key] = {str(n): statistics.median(times[key][n]) for n in sizes}
     result["bare_forward_seconds"] = result["by_tokens"]["1"]
     return result
 
