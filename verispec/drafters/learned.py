@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from verispec.errors import VerispecError
+from verispec.packed import can_pack, pack_weight, packed_linear
 
 CONFIG_FILE = "drafter.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -111,9 +112,14 @@ class ReducedHead:
         self.vocab_size = int(head.shape[0])
         self.vocab_ids = vocab_ids.to(head.device)
         self.weight_t = head[self.vocab_ids].t().contiguous()  # [hidden, reduced]
+        # Prepacked for drafting on CPU: over 4 rows (Medusa's heads, a tree level) a plain
+        # product takes ~4 ms here, the packed one ~0.5 ms; over 1 row 0.6 against 0.4 ms.
+        self.packed = pack_weight(self.weight_t.t()) if can_pack(target) else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> reduced logits [..., reduced]."""
+        if self.packed is not None and not torch.is_grad_enabled():
+            return packed_linear(hidden, self.packed, None)
         return hidden @ self.weight_t
 
     def full(self, reduced_logits: torch.Tensor) -> torch.Tensor:
