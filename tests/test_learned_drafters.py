@@ -351,3 +351,16 @@ def test_drafter_layer_cache_feeds_incrementally_as_one_pass():
         rest = layer(x[:, 200:], torch.arange(200, 300), cache)
     assert cache.length == 300
     torch.testing.assert_close(torch.cat([first, rest], dim=1), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_reduced_head_scores_its_tokens_as_the_targets_head_does():
+    # Drafting runs the head prepacked on CPU; its logits must be the target's own for those ids.
+    model = tiny_llama(seed=3)
+    vocab_ids = torch.tensor([0, 3, 7, 11, 40])
+    head = ReducedHead(model, vocab_ids)
+    assert head.packed is not None  # float32 on CPU: the packed path is the one drafting uses
+    hidden = torch.randn(4, model.config.hidden_size)  # [rows, hidden]: Medusa's heads, a tree level
+    with torch.inference_mode():
+        expected = model.get_output_embeddings()(hidden)[:, vocab_ids]
+        torch.testing.assert_close(head.logits(hidden), expected)
+        torch.testing.assert_close(head.logits(hidden[0]), expected[0])
