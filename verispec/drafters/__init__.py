@@ -130,7 +130,7 @@ class Method:
     build: Callable[[LoadedModel, DraftOptions], Drafter] | None  # None: plain decoding
     trained_kind: str | None = None  # the trained drafter (`verispec train KIND`) it runs, if any
     # The tree `--tree` alone drafts (depth default_k): the fastest measured on held-out prompts
-    # on a CPU (scripts/tune_trees.py); None where no tree pays enough to measure.
+    # on a CPU (scripts/tune_trees.py); None: not swept (slower than plain decoding here).
     default_tree: TreeSettings | None = None
 
 
@@ -170,13 +170,16 @@ TREE_METHODS = ("eagle", "medusa", "pld", "draft", "early-exit", "eagle-pld")
 
 
 def resolve_tree(method: str, tree: TreeSettings | str | None) -> TreeSettings | None:
-    """The tree settings `tree` stands for: DEFAULT_TREE becomes the method's default tree."""
-    if tree is None or isinstance(tree, TreeSettings):
+    """The tree settings `tree` stands for (DEFAULT_TREE: the method's default tree), after
+    checking that `method` drafts trees at all."""
+    if tree is None:
+        return None
+    if method not in TREE_METHODS:
+        raise VerispecError(f"method {method!r} drafts chains only; trees: {', '.join(TREE_METHODS)}")
+    if isinstance(tree, TreeSettings):
         return tree
     if tree != DEFAULT_TREE:
         raise VerispecError(f"a tree is TreeSettings(topk, nodes) or {DEFAULT_TREE!r}, got {tree!r}")
-    if method not in TREE_METHODS:
-        raise VerispecError(f"method {method!r} drafts chains only; trees: {', '.join(TREE_METHODS)}")
     default = METHODS[method].default_tree
     if default is None:
         measured = ", ".join(m for m in TREE_METHODS if METHODS[m].default_tree is not None)
@@ -197,8 +200,6 @@ def build_engine(target: LoadedModel, method: str = "ar",
     if options.schedule not in SCHEDULES:
         raise VerispecError(
             f"unknown draft-length schedule {options.schedule!r}; choose from {', '.join(SCHEDULES)}")
-    if options.tree is not None and method not in TREE_METHODS:
-        raise VerispecError(f"method {method!r} drafts chains only; trees: {', '.join(TREE_METHODS)}")
     options = replace(options, tree=resolve_tree(method, options.tree))
     if spec.build is None or k == 0:
         return SpeculativeEngine(target.model, acceptance=options.acceptance)
