@@ -153,8 +153,8 @@ class LeanDecoder:
             positions = torch.arange(past, end, device=tokens.device)
         # A first block over an empty cache is plain causal attention, which SDPA runs without
         # materialising a mask (its flash kernel: ~35% less attention time on long prompts).
-        causal = mask is None and past == 0 and n > 1
-        if mask is None and n > 1 and not causal:
+        causal = mask is None and n > 1 and past == 0
+        if mask is None and n > 1 and past > 0:
             mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device).tril(past)
         x = w.embed(tokens)[None]  # [1, n, hidden]
         cos, sin = (t[0] for t in w.rotary(x, positions[None]))  # each [n, head_dim]

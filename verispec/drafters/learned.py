@@ -117,8 +117,9 @@ class ReducedHead:
         self.packed = pack_weight(self.weight_t.t()) if can_pack(target) else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., hidden] -> reduced logits [..., reduced]."""
-        if self.packed is not None and not torch.is_grad_enabled():
+        """hidden [..., hidden] -> reduced logits [..., reduced]. For drafting: the packed product
+        has no gradient (training reads weight_t instead)."""
+        if self.packed is not None:
             return packed_linear(hidden, self.packed, None)
         return hidden @ self.weight_t
 
