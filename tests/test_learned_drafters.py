@@ -29,7 +29,7 @@ from verispec.errors import VerispecError
 from verispec.models import load_model
 from verispec.policies import ConstantK
 from verispec.stopping import StoppingRules
-from verispec.training.data import build_dataset, load_dataset
+from verispec.training.data import build_dataset, build_text_dataset, load_dataset
 from verispec.training.recipes import KINDS, PREFIX, Recipe, RecipeOptions, train_drafter
 from verispec.training.trainer import TrainConfig
 from verispec.tree import TreeSettings
@@ -54,7 +54,7 @@ def data(loaded, tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(loaded, data, tmp_path_factory):
     config = TrainConfig(steps=4, warmup=1, batch_size=4, eval_every=2, checkpoint_every=2)
-    return {kind: train_drafter(kind, loaded, data, tmp_path_factory.mktemp(kind), config, OPTIONS)
+    return {kind: train_drafter(kind, loaded, [data], tmp_path_factory.mktemp(kind), config, OPTIONS)
             for kind in KINDS}
 
 
@@ -299,6 +299,53 @@ def test_cli_continues_a_drafter_and_records_how(loaded, data, trained, tmp_path
     assert main(["train", "eagle", "--target", str(loaded.name), "--out", str(tmp_path / "bad"),
                  "--data", str(data), "--steps", "2", "--init", str(trained["medusa"])]) == 2
     assert "holds a 'medusa' drafter, not 'eagle'" in capsys.readouterr().err
+
+
+def _corpus(path, lines: list[str]):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_text_corpus_gives_the_targets_states_over_each_passage(loaded, tmp_path):
+    words = " ".join(f"w{5 + i % 50}" for i in range(90))  # 90 tokens: chunks of 40, 40, 10
+    corpus = _corpus(tmp_path / "c.jsonl", [json.dumps({"title": "w8", "text": words}),
+                                            json.dumps({"text": "w6 w7 " * 20})])
+    out = build_text_dataset(loaded, corpus, tmp_path / "text", chunk_tokens=40, batch_size=2,
+                             exit_layer=1)
+    meta, sequences = load_dataset(out)
+    assert meta["corpus"] == "c.jsonl" and len(meta["corpus_sha256"]) == 16
+    # 40 + 40 from the first document (its last 10 tokens are too short a passage), 40 from the second
+    assert sorted(len(s.tokens) - s.prompt_len for s in sequences) == [40, 40, 40]
+    tok = loaded.tokenizer
+    passages = {tok.decode(s.tokens[s.prompt_len:]) for s in sequences}
+    assert " ".join(words.split()[:40]) in passages and " ".join(("w6 w7 " * 20).split()) in passages
+    s = sequences[0]
+    with torch.no_grad():
+        states = loaded.model.model(input_ids=s.tokens[None], output_hidden_states=True)
+    torch.testing.assert_close(s.hidden.float(), states.last_hidden_state[0], atol=1e-2, rtol=1e-2)
+    # The same directory with another corpus is refused, not mixed.
+    other = _corpus(tmp_path / "c.jsonl", [json.dumps({"text": "w9 " * 50})])
+    with pytest.raises(VerispecError, match="other settings"):
+        build_text_dataset(loaded, other, out, chunk_tokens=40, exit_layer=1)
+
+
+def test_cli_trains_on_self_distillation_and_a_corpus(loaded, data, tmp_path, capsys):
+    corpus = _corpus(tmp_path / "corpus.txt", ["w5 w6 w7 w8 " * 12, "w9 w10 w11 " * 15])
+    out = tmp_path / "eagle"
+    code = main(["train", "eagle", "--target", str(loaded.name), "--out", str(out), "--data", str(data),
+                 "--text", str(corpus), "--steps", "2", "--exit-layer", "1", "--vocab", "40"])
+    assert code == 0
+    recorded = json.loads((out / "drafter.json").read_text())["training"]
+    assert [m.get("corpus") for m in recorded["data"]["sources"]] == [None, "corpus.txt"]
+    assert recorded["sequences"] == 12 + 2  # the 12 answers and one passage per line
+    assert main(["train", "eagle", "--target", str(loaded.name), "--out", str(tmp_path / "x"),
+                 "--data", str(data), "--text-data", str(tmp_path / "t")]) == 2
+    assert "give --text too" in capsys.readouterr().err
+    bad = _corpus(tmp_path / "bad.jsonl", ['{"text": "w5 w6"}', "not json"])
+    assert main(["train", "eagle", "--target", str(loaded.name), "--out", str(tmp_path / "y"),
+                 "--data", str(tmp_path / "unbuilt"), "--text", str(bad)]) == 2
+    assert "bad.jsonl:2 is not JSON" in capsys.readouterr().err
+    assert not (tmp_path / "unbuilt").exists() and not (tmp_path / "y").exists()  # checked first
 
 
 def test_cli_train_rejects_bad_settings(tmp_path, capsys):

@@ -211,7 +211,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from verispec.training.data import build_dataset, is_complete
+    from verispec.training.data import (
+        build_dataset,
+        build_text_dataset,
+        is_complete,
+        read_documents,
+    )
     from verispec.training.recipes import RecipeOptions, train_drafter
     from verispec.training.trainer import TrainConfig
 
@@ -220,6 +225,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise VerispecError(f"--out {out} exists and is not a directory")
+    if args.text_data and not args.text:
+        raise VerispecError("--text-data is where --text FILE's hidden states go: give --text too")
+    if args.text:
+        read_documents(args.text)  # a bad corpus fails here, before any data is built
     target = load_model(args.target, args.dtype, args.device)
     data = Path(args.data) if args.data else out / "data"
     if is_complete(data):
@@ -227,12 +236,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:  # builds it, or resumes an interrupted build
         build_dataset(target, data, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                       exit_layer=args.exit_layer, max_batches=args.data_batches)
+    data_dirs = [data]
+    if args.text:  # checked against its meta.json (same file, same settings) when reused
+        text_data = Path(args.text_data) if args.text_data else out / "text-data"
+        data_dirs.append(build_text_dataset(target, args.text, text_data,
+                                            exit_layer=args.exit_layer))
     config = TrainConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                          seed=args.seed, bf16={"auto": None, "on": True, "off": False}[args.bf16])
     options = RecipeOptions(loss=args.loss, vocab=args.vocab, medusa_heads=args.heads,
                             unroll=args.unroll, exit_layer=args.exit_layer,
                             draft_layers=args.layers, init=args.init)
-    saved = train_drafter(args.kind, target, data, out, config, options)
+    saved = train_drafter(args.kind, target, data_dirs, out, config, options)
     print(f"verispec: {args.kind} drafter written to {saved} (loss curve: {saved / 'run' / 'loss.png'}); "
           f"use it with --method {args.kind} --draft {saved}")
     return 0
@@ -320,6 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", help="data directory, shared between kinds; reused as it is once "
                        "complete (default: OUT/data)")
     train.add_argument("--prompts", type=int, default=1000, help="training prompts (default: 1000)")
+    train.add_argument("--text", metavar="FILE",
+                       help="also train on the target's states over this text corpus (.jsonl of "
+                       '{"text", "title"} objects, or one document per line): real prose, read '
+                       "in one forward pass per batch, no generation")
+    train.add_argument("--text-data", metavar="DIR",
+                       help="where --text's hidden states are written and reused (default: "
+                       "OUT/text-data)")
     train.add_argument("--data-batches", type=int,
                        help="build only this many of the data's batches of 64 prompts (a "
                        "representative subset: batches come in a fixed random order)")

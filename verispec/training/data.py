@@ -9,6 +9,7 @@ Shards already written are kept, so an interrupted build resumes where it stoppe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -89,21 +90,8 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1
     max_batches: stop after this many shards (of num_prompts / batch_size, in their fixed random
     order) and call the data complete: a smaller dataset that is still a mix of every prompt kind.
     """
-    if target.tokenizer is None:
-        raise VerispecError(f"{target.name} has no tokenizer: training prompts are text")
-    exit_layer = default_exit_layer(target.model) if exit_layer is None else exit_layer
-    if not 1 <= exit_layer < len(decoder_layers(target.model)):
-        raise VerispecError(f"exit layer {exit_layer} is outside the target's layers")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"target": target.name, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
-            "seed": seed, "exit_layer": exit_layer, "hidden_size": target.model.config.hidden_size,
-            "dtype": str(target.model.dtype).removeprefix("torch.")}
-    meta_file = out / "meta.json"
-    if meta_file.exists() and json.loads(meta_file.read_text()) != meta:
-        raise VerispecError(f"{out} holds data built with other settings ({meta_file}); "
-                            "use another directory")
-    meta_file.write_text(json.dumps(meta, indent=1))
+    out, exit_layer = _start(target, out_dir, exit_layer, {
+        "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "seed": seed})
     prompts = [_encode(target, p) for p in make_prompts(num_prompts, seed)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding per batch
     batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
@@ -118,12 +106,111 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1
             continue
         chosen = [prompts[i] for i in batch]
         sequences = answer(target, chosen, max_new_tokens)
-        records = features(target, sequences, exit_layer)
-        payload = [{"tokens": r.tokens.to(torch.int32), "prompt_len": len(p), "hidden": r.hidden,
-                    "exit_hidden": r.exit_hidden} for r, p in zip(records, chosen)]
-        tmp = shard.with_suffix(f".tmp{os.getpid()}")
-        torch.save(payload, tmp)
-        os.replace(tmp, shard)
+        _write_shard(shard, features(target, sequences, exit_layer), [len(p) for p in chosen])
+    (out / COMPLETE).touch()
+    return out
+
+
+def _start(target: LoadedModel, out_dir: str | Path, exit_layer: int | None,
+           settings: dict) -> tuple[Path, int]:
+    """Check the target and the exit layer, and create out_dir with its meta.json, refusing a
+    directory that holds data built with other settings (shards already there are kept)."""
+    if target.tokenizer is None:
+        raise VerispecError(f"{target.name} has no tokenizer: training data is text")
+    exit_layer = default_exit_layer(target.model) if exit_layer is None else exit_layer
+    if not 1 <= exit_layer < len(decoder_layers(target.model)):
+        raise VerispecError(f"exit layer {exit_layer} is outside the target's layers")
+    out = Path(out_dir)
+    meta = {"target": target.name, **settings, "exit_layer": exit_layer,
+            "hidden_size": target.model.config.hidden_size,
+            "dtype": str(target.model.dtype).removeprefix("torch.")}
+    meta_file = out / "meta.json"
+    if meta_file.exists() and json.loads(meta_file.read_text()) != meta:
+        raise VerispecError(f"{out} holds data built with other settings ({meta_file}); "
+                            "use another directory")
+    out.mkdir(parents=True, exist_ok=True)
+    meta_file.write_text(json.dumps(meta, indent=1))
+    return out, exit_layer
+
+
+def _write_shard(shard: Path, records: list[Sequence], prompt_lens: list[int]) -> None:
+    payload = [{"tokens": r.tokens.to(torch.int32), "prompt_len": n, "hidden": r.hidden,
+                "exit_hidden": r.exit_hidden} for r, n in zip(records, prompt_lens)]
+    tmp = shard.with_suffix(f".tmp{os.getpid()}")
+    torch.save(payload, tmp)
+    os.replace(tmp, shard)
+
+
+# Requests a corpus passage answers: the target reads the passage as its own reply, as it reads
+# the answers it writes. {title} is the document's title, where it has one.
+TEXT_REQUESTS = (["Tell me about {title}.", "Write an encyclopedia article about {title}.",
+                  "What should I know about {title}?"],
+                 ["Write a short article.", "Write a news report.", "Tell me what happened."])
+
+
+def read_documents(path: str | Path) -> list[dict]:
+    """Documents of a text corpus: a .jsonl file of {"text", optional "title"} objects, or any
+    other text file with one document per non-empty line."""
+    path = Path(path)
+    if not path.is_file():
+        raise VerispecError(f"no corpus file at {path}")
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if path.suffix != ".jsonl":
+        return [{"title": "", "text": line.strip()} for line in lines]
+    docs = []
+    for number, line in enumerate(lines, 1):
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise VerispecError(f"{path}:{number} is not JSON ({e.msg})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
+            raise VerispecError(f'{path}:{number} has no "text" string')
+        docs.append({"title": str(doc.get("title") or ""), "text": doc["text"]})
+    if not docs:
+        raise VerispecError(f"{path} holds no documents")
+    return docs
+
+
+def text_sequences(target: LoadedModel, docs: list[dict], chunk_tokens: int,
+                   seed: int = 0) -> list[tuple[list[int], int]]:
+    """(ids, prompt length) per corpus chunk: each document cut into chunk_tokens pieces, each
+    piece the reply to a chat request (a seeded choice from TEXT_REQUESTS)."""
+    rng = random.Random(seed)
+    out = []
+    for doc in docs:
+        ids = target.tokenizer(doc["text"], add_special_tokens=False)["input_ids"]
+        requests = TEXT_REQUESTS[0 if doc["title"] else 1]
+        for start in range(0, len(ids), chunk_tokens):
+            piece = ids[start: start + chunk_tokens]
+            if len(piece) < 32:
+                continue
+            prompt = _encode(target, rng.choice(requests).format(title=doc["title"]))
+            out.append((prompt + piece, len(prompt)))
+    return out
+
+
+def build_text_dataset(target: LoadedModel, corpus: str | Path, out_dir: str | Path,
+                       chunk_tokens: int = 320, batch_size: int = 16, seed: int = 0,
+                       exit_layer: int | None = None) -> Path:
+    """Write shards of the target's hidden states over a text corpus into out_dir (resumable).
+
+    Teacher forcing: one forward pass per batch of passages, no generation, so a corpus gives
+    several times more training positions per hour than self-distillation (EAGLE trains on fixed
+    text too). The passages are real prose the template prompts lack.
+    """
+    docs = read_documents(corpus)
+    digest = hashlib.sha256(Path(corpus).read_bytes()).hexdigest()[:16]
+    settings = {"corpus": Path(corpus).name, "corpus_sha256": digest,
+                "chunk_tokens": chunk_tokens, "seed": seed}
+    out, exit_layer = _start(target, out_dir, exit_layer, settings)
+    chunks = text_sequences(target, docs, chunk_tokens, seed)
+    random.Random(seed).shuffle(chunks)
+    batches = [chunks[i: i + batch_size] for i in range(0, len(chunks), batch_size)]
+    for index, batch in enumerate(tqdm(batches, desc="corpus hidden states", unit="batch")):
+        shard = out / f"shard-{index:05d}.pt"
+        if not shard.exists():
+            _write_shard(shard, features(target, [ids for ids, _ in batch], exit_layer),
+                         [n for _, n in batch])
     (out / COMPLETE).touch()
     return out
 

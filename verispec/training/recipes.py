@@ -232,15 +232,30 @@ def calibrate_medusa(drafter_dir: Path, target: LoadedModel, data_dir: Path,
     return config["rank_accuracy"]
 
 
-def train_drafter(kind: str, target: LoadedModel, data_dir: Path, out_dir: Path,
+def load_datasets(data_dirs: list[Path], target: LoadedModel) -> tuple[dict, list[Sequence]]:
+    """The sequences of every data directory, checked to be the target's states at one exit
+    layer. The metadata returned is the first directory's, with a "sources" list of them all."""
+    metas, sequences = [], []
+    for data_dir in data_dirs:
+        meta, found = load_dataset(data_dir)
+        if meta.get("hidden_size") != target.model.config.get_text_config(decoder=True).hidden_size:
+            raise VerispecError(f"the data in {data_dir} was made for another target")
+        if metas and meta["exit_layer"] != metas[0]["exit_layer"]:
+            raise VerispecError(f"the data in {data_dir} holds layer {meta['exit_layer']} states, "
+                                f"the data in {data_dirs[0]} layer {metas[0]['exit_layer']}")
+        metas.append(meta)
+        sequences += found
+    return ({**metas[0], "sources": metas} if len(metas) > 1 else metas[0]), sequences
+
+
+def train_drafter(kind: str, target: LoadedModel, data_dirs: list[Path], out_dir: Path,
                   config: TrainConfig, options: RecipeOptions = RecipeOptions(),
                   eval_fraction: float = 0.05) -> Path:
-    """Train a drafter of `kind` on the data in data_dir; write it (and its run files) to out_dir."""
+    """Train a drafter of `kind` on the data in data_dirs (self-distillation and corpus data
+    mixed); write it (and its run files) to out_dir."""
     if config.bf16 is None:  # recorded as decided
         config = replace(config, bf16=bf16_is_fast(target.model.device.type))
-    meta, sequences = load_dataset(data_dir)
-    if meta.get("hidden_size") != target.model.config.get_text_config(decoder=True).hidden_size:
-        raise VerispecError(f"the data in {data_dir} was made for another target")
+    meta, sequences = load_datasets(data_dirs, target)
     torch.manual_seed(config.seed)
     recipe = Recipe(kind, target, meta, sequences, options)
     train_items, eval_items = split(sequences, config.seed, eval_fraction)
