@@ -341,10 +341,14 @@ def test_cli_trains_on_self_distillation_and_a_corpus(loaded, data, tmp_path, ca
     assert main(["train", "eagle", "--target", str(loaded.name), "--out", str(tmp_path / "x"),
                  "--data", str(data), "--text-data", str(tmp_path / "t")]) == 2
     assert "give --text too" in capsys.readouterr().err
-    bad = _corpus(tmp_path / "bad.jsonl", ['{"text": "w5 w6"}', "not json"])
+    bad = _corpus(tmp_path / "bad.jsonl", ['{"text": "w5 w6"}', "", "not json"])
     assert main(["train", "eagle", "--target", str(loaded.name), "--out", str(tmp_path / "y"),
                  "--data", str(tmp_path / "unbuilt"), "--text", str(bad)]) == 2
-    assert "bad.jsonl:2 is not JSON" in capsys.readouterr().err
+    assert "bad.jsonl:3 is not JSON" in capsys.readouterr().err  # the file's own line number
+    empty = _corpus(tmp_path / "empty.txt", ["", "  "])
+    assert main(["train", "eagle", "--target", str(loaded.name), "--out", str(tmp_path / "y"),
+                 "--data", str(tmp_path / "unbuilt"), "--text", str(empty)]) == 2
+    assert "empty.txt holds no documents" in capsys.readouterr().err
     assert not (tmp_path / "unbuilt").exists() and not (tmp_path / "y").exists()  # checked first
 
 

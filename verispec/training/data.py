@@ -1,4 +1,5 @@
-"""Self-distillation data: the target's own answers to training prompts, with its hidden states.
+"""Training data: the target's own answers to training prompts (self-distillation), or passages
+of a text corpus read as its replies, with its hidden states.
 
 Each shard file holds one generation batch: for every sequence the token ids (prompt + answer),
 the prompt length, the target's final hidden state at every position (what EAGLE and Medusa
@@ -154,11 +155,14 @@ def read_documents(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise VerispecError(f"no corpus file at {path}")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = list(enumerate(path.read_text(encoding="utf-8").splitlines(), 1))
+    lines = [(number, line) for number, line in lines if line.strip()]
+    if not lines:
+        raise VerispecError(f"{path} holds no documents")
     if path.suffix != ".jsonl":
-        return [{"title": "", "text": line.strip()} for line in lines]
+        return [{"title": "", "text": line.strip()} for _, line in lines]
     docs = []
-    for number, line in enumerate(lines, 1):
+    for number, line in lines:
         try:
             doc = json.loads(line)
         except json.JSONDecodeError as e:
@@ -166,8 +170,6 @@ def read_documents(path: str | Path) -> list[dict]:
         if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
             raise VerispecError(f'{path}:{number} has no "text" string')
         docs.append({"title": str(doc.get("title") or ""), "text": doc["text"]})
-    if not docs:
-        raise VerispecError(f"{path} holds no documents")
     return docs
 
 
