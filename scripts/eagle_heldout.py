@@ -14,11 +14,11 @@ import json
 import random
 import sys
 
+from held_out import held_out
+
 from verispec.api import encode_prompt
 from verispec.drafters import DraftOptions, build_engine
-from verispec.models import DEFAULT_MODEL, load_model
 from verispec.stopping import StoppingRules
-from verispec.training.prompts import make_prompts
 from verispec.types import GenerationStats
 
 
@@ -37,15 +37,15 @@ def corpus_prompts(path: str, count: int) -> list[str]:
 
 
 def main(count: int, corpus: str, drafters: list[str]) -> None:
-    target = load_model(DEFAULT_MODEL, "float32", "cpu")
-    sets = {"templated": make_prompts(count, 785), "corpus": corpus_prompts(corpus, count)}
+    target, templated = held_out(count, 785)
+    sets = {"templated": templated,
+            "corpus": [encode_prompt(target, p, chat=True) for p in corpus_prompts(corpus, count)]}
     for path in drafters:  # "shipped": the drafter shipped for the built-in model
         options = DraftOptions(k=3, draft=None if path == "shipped" else path)
         engine = build_engine(target, "eagle", options)
         for name, prompts in sets.items():
-            stats = GenerationStats.total([engine.generate(encode_prompt(target, p, chat=True),
-                                                           StoppingRules.build(96)).stats
-                                           for p in prompts])
+            stats = GenerationStats.total([engine.generate(ids, StoppingRules.build(96)).stats
+                                           for ids in prompts])
             alpha = [round(a / max(1, r), 3)
                      for a, r in zip(stats.accepted_by_position, stats.reached_by_position)]
             print(f"{path:28s} {name:10s} tau {stats.new_tokens / stats.target_forwards:.3f} "

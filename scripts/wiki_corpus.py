@@ -62,8 +62,9 @@ def clean_wikitext(text: str) -> str:
     text = re.sub(r"\[https?://\S+\]", "", text)
     text = re.sub(r"'{2,}", "", text)
     text = re.sub(r"<[^>]+>", "", text)
-    text = re.sub(r"\((?:[;,]\s*)*\)\s?|\(\s*[;,]\s*", lambda m: "" if m.group(0).startswith("()") or
-                  m.group(0).rstrip().endswith(")") else "(", text)  # parentheses emptied above
+    # Parentheses the template removal emptied: "()" and "(; )" go, "(; 22 February" -> "(22 February".
+    text = re.sub(r"\((?:[;,]\s*)*\)\s?", "", text)
+    text = re.sub(r"\(\s*[;,]\s*", "(", text)
     paragraphs = []
     for para in text.split("\n"):
         para = para.strip()

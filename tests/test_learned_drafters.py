@@ -329,6 +329,13 @@ def test_text_corpus_gives_the_targets_states_over_each_passage(loaded, tmp_path
         build_text_dataset(loaded, other, out, chunk_tokens=40, exit_layer=1)
 
 
+def test_data_at_another_exit_layer_is_not_mixed_in(loaded, data, tmp_path):
+    corpus = _corpus(tmp_path / "c.txt", ["w5 w6 w7 " * 20])
+    layer2 = build_text_dataset(loaded, corpus, tmp_path / "text", chunk_tokens=40, exit_layer=2)
+    with pytest.raises(VerispecError, match="holds layer 2 states"):
+        train_drafter("eagle", loaded, [data, layer2], tmp_path / "out", TrainConfig(steps=1), OPTIONS)
+
+
 def test_cli_trains_on_self_distillation_and_a_corpus(loaded, data, tmp_path, capsys):
     corpus = _corpus(tmp_path / "corpus.txt", ["w5 w6 w7 w8 " * 12, "w9 w10 w11 " * 15])
     out = tmp_path / "eagle"

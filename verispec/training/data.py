@@ -144,9 +144,9 @@ def _write_shard(shard: Path, records: list[Sequence], prompt_lens: list[int]) -
 
 # Requests a corpus passage answers: the target reads the passage as its own reply, as it reads
 # the answers it writes. {title} is the document's title, where it has one.
-TEXT_REQUESTS = (["Tell me about {title}.", "Write an encyclopedia article about {title}.",
-                  "What should I know about {title}?"],
-                 ["Write a short article.", "Write a news report.", "Tell me what happened."])
+TITLED_REQUESTS = ["Tell me about {title}.", "Write an encyclopedia article about {title}.",
+                   "What should I know about {title}?"]
+UNTITLED_REQUESTS = ["Write a short article.", "Write a news report.", "Tell me what happened."]
 
 
 def read_documents(path: str | Path) -> list[dict]:
@@ -176,12 +176,12 @@ def read_documents(path: str | Path) -> list[dict]:
 def text_sequences(target: LoadedModel, docs: list[dict], chunk_tokens: int,
                    seed: int = 0) -> list[tuple[list[int], int]]:
     """(ids, prompt length) per corpus chunk: each document cut into chunk_tokens pieces, each
-    piece the reply to a chat request (a seeded choice from TEXT_REQUESTS)."""
+    piece the reply to a chat request (a seeded choice of the requests above)."""
     rng = random.Random(seed)
     out = []
     for doc in docs:
         ids = target.tokenizer(doc["text"], add_special_tokens=False)["input_ids"]
-        requests = TEXT_REQUESTS[0 if doc["title"] else 1]
+        requests = TITLED_REQUESTS if doc["title"] else UNTITLED_REQUESTS
         for start in range(0, len(ids), chunk_tokens):
             piece = ids[start: start + chunk_tokens]
             if len(piece) < 32:
