@@ -15,6 +15,7 @@ import torch
 
 from tests.tiny import VOCAB, plain_greedy, save_tiny, tiny_llama
 from verispec.bench.runner import BenchConfig, run_bench
+from verispec.cached_model import CachedModel
 from verispec.cli import main
 from verispec.drafters import DraftOptions, EagleDrafter, LookupThenModel, MedusaDrafter, build_engine
 from verispec.drafters.base import DraftRequest
@@ -135,6 +136,9 @@ def _drafters(loaded, trained):
     random_eagle = EagleNet(**eagle_settings(model))
     for p in random_eagle.parameters():
         torch.nn.init.normal_(p, std=0.3)
+    mid_eagle = EagleNet(**eagle_settings(model), mid_layer=1)  # also reads layer 1's state
+    for p in mid_eagle.parameters():
+        torch.nn.init.normal_(p, std=0.3)
     random_medusa = MedusaNet(**medusa_settings(model, 3))
     torch.nn.init.normal_(random_medusa.weight, std=0.3)
     return {
@@ -154,6 +158,11 @@ def _drafters(loaded, trained):
                                      3),
         "random-eagle-pld": LookupThenModel(
             PromptLookupDrafter(2, 1), EagleDrafter(model, random_eagle, ReducedHead(model, vocab_ids)), 2),
+        "mid-eagle": EagleDrafter(model, mid_eagle, ReducedHead(model, vocab_ids)),
+        "mid-eagle-tree": EagleDrafter(model, mid_eagle, ReducedHead(model, vocab_ids),
+                                       tree=TreeSettings(3, 10)),
+        "mid-eagle-pld": LookupThenModel(
+            PromptLookupDrafter(2, 1), EagleDrafter(model, mid_eagle, ReducedHead(model, vocab_ids)), 2),
     }
 
 
@@ -201,11 +210,13 @@ def test_hybrid_takes_the_lookup_draft_when_there_is_one():
     assert model.asked == [2] and model.committed == [1]
 
 
-def test_engine_hands_drafters_the_targets_hidden_states(loaded):
+@pytest.mark.parametrize("layers", [(), (1,)])
+def test_engine_hands_drafters_the_targets_hidden_states(loaded, layers):
     seen: list[DraftRequest] = []
 
     class Recorder:
         needs_hidden = True
+        hidden_layers = layers
 
         def reset(self):
             pass
@@ -222,9 +233,24 @@ def test_engine_hands_drafters_the_targets_hidden_states(loaded):
     assert len(seen) > 3
     for request in seen:
         with torch.no_grad():
-            full = loaded.model.model(input_ids=request.tokens[None]).last_hidden_state[0]
-        assert request.target_hidden.shape == (len(request.tokens) - 1, 32)
+            out = loaded.model.model(input_ids=request.tokens[None], output_hidden_states=True)
+        # the final (normed) state, then the residual state after each of the layers asked for
+        full = torch.cat([out.last_hidden_state[0], *(out.hidden_states[i][0] for i in layers)], -1)
+        assert request.target_hidden.shape == (len(request.tokens) - 1, 32 * (1 + len(layers)))
         torch.testing.assert_close(request.target_hidden, full[:-1], atol=1e-4, rtol=1e-4)
+
+
+def test_intermediate_states_agree_between_the_lean_and_the_models_own_forward(loaded):
+    tokens = torch.tensor(PROMPTS[0])
+    lean, own = CachedModel(loaded.model), CachedModel(loaded.model, pack=False)
+    assert lean.lean is not None and own.lean is None
+    for model in (lean, own):  # a prompt, then a block after it
+        model.prefill(tokens[:5], (1,))
+    logits_lean, hidden_lean = lean.forward_hidden(tokens[5:], None, (1,))
+    logits_own, hidden_own = own.forward_hidden(tokens[5:], None, (1,))
+    assert hidden_lean.shape == hidden_own.shape == (3, 64)
+    torch.testing.assert_close(hidden_lean, hidden_own, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits_lean, logits_own, atol=1e-4, rtol=1e-4)
 
 
 def test_sampled_drafts_report_their_q(loaded, trained):
@@ -285,6 +311,46 @@ def test_cli_trains_and_generates_with_the_result(loaded, data, tmp_path, capsys
                  "--draft", str(out), "--max-new-tokens", "12", "--json"])
     assert code == 0
     assert json.loads(capsys.readouterr().out)["stats"]["new_tokens"] == 12
+
+
+def test_mid_state_eagle_starts_as_the_drafter_it_widens_then_learns(loaded, data, trained):
+    meta, sequences = load_dataset(data)
+    plain = Recipe("eagle", loaded, meta, sequences, replace(OPTIONS, init=str(trained["eagle"])))
+    torch.manual_seed(0)
+    widened = Recipe("eagle", loaded, meta, sequences,
+                     replace(OPTIONS, init=str(trained["eagle"]), mid_state=True))
+    assert widened.settings["mid_layer"] == meta["exit_layer"] == 1
+    with torch.no_grad():  # the mid-layer input starts with zero weight: the same losses
+        assert widened.loss(sequences, 64)[0].item() == pytest.approx(plain.loss(sequences, 64)[0].item(),
+                                                                       rel=1e-5)
+    optimizer = torch.optim.AdamW(widened.module.parameters(), lr=3e-3)
+    before = widened.loss(sequences, 64)[0].item()
+    for _ in range(25):
+        loss = widened.loss(sequences, 64)[0]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert widened.loss(sequences, 64)[0].item() < 0.8 * before
+    assert widened.module.fuse.weight[:, 64:].abs().max() > 0  # the mid-layer input is used
+
+
+def test_cli_trains_a_mid_state_eagle_that_decodes_exactly(loaded, data, trained, tmp_path, capsys):
+    out = tmp_path / "mid"
+    code = main(["train", "eagle", "--target", str(loaded.name), "--out", str(out), "--data", str(data),
+                 "--steps", "2", "--exit-layer", "1", "--vocab", "48", "--mid-state",
+                 "--init", str(trained["eagle"])])
+    assert code == 0
+    assert json.loads((out / "drafter.json").read_text())["settings"]["mid_layer"] == 1
+    assert EagleDrafter.load(out, loaded.model).hidden_layers == (1,)
+    for method in ("eagle", "eagle-pld"):
+        engine = build_engine(loaded, method, DraftOptions(k=3, draft=str(out)))
+        for prompt in PROMPTS:
+            result = engine.generate(prompt, StoppingRules.build(NEW))
+            assert result.token_ids == plain_greedy(loaded.model, prompt, NEW), method
+    capsys.readouterr()
+    assert main(["train", "medusa", "--target", str(loaded.name), "--out", str(tmp_path / "m"),
+                 "--data", str(data), "--steps", "2", "--mid-state"]) == 2
+    assert "--mid-state is an EAGLE option" in capsys.readouterr().err
 
 
 def test_cli_continues_a_drafter_and_records_how(loaded, data, trained, tmp_path, capsys):

@@ -76,16 +76,19 @@ class CachedModel:
         return self._forward(tokens, tokens.shape[0], None, None, slice(-1, None))[0][0]
 
     @torch.inference_mode()
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append tokens [n] to the cache; return their final hidden states [n, hidden], without
-        reading any logits (for a 500-token prompt the LM head would be a fifth of the work)."""
-        return self._forward(tokens, tokens.shape[0], None, None, slice(0))[1]
+    def prefill(self, tokens: torch.Tensor, layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """Append tokens [n] to the cache; return their final hidden states [n, hidden] (and
+        those after `layers`, as in forward_hidden), without reading any logits (for a 500-token
+        prompt the LM head would be a fifth of the work)."""
+        return self._forward(tokens, tokens.shape[0], None, None, slice(0), layers)[1]
 
     @torch.inference_mode()
-    def forward_hidden(self, tokens: torch.Tensor,
-                       parents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_hidden(self, tokens: torch.Tensor, parents: torch.Tensor | None = None,
+                       layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Append tokens [n] to the cache; return logits [n, vocab] (float32) and the final
-        (normed) hidden states [n, hidden] that the logits were read from.
+        (normed) hidden states [n, hidden] that the logits were read from, followed by the
+        residual states after the first L layers for each L in `layers` (increasing; Hugging
+        Face's hidden_states[L]): [n, hidden * (1 + len(layers))].
 
         parents: [n - 1], the tree of tokens[1:] under tokens[0] (see verispec.tree); None or a
         chain is plain causal attention. A tree goes through the model's own attention as a 4D
@@ -99,7 +102,7 @@ class CachedModel:
         if not is_chain(parents):
             past = self.length
             mask, positions = attention_mask(parents, past, padding), position_ids(parents, past, padding)
-        return self._forward(tokens, n, mask, positions)
+        return self._forward(tokens, n, mask, positions, layers=layers)
 
     @torch.inference_mode()
     def forward_masked(self, tokens: torch.Tensor, mask: torch.Tensor,
@@ -109,25 +112,31 @@ class CachedModel:
         return self._forward(tokens, tokens.shape[0], mask[None, None], positions)[0]
 
     def _forward(self, tokens: torch.Tensor, n: int, mask: torch.Tensor | None,
-                 positions: torch.Tensor | None,
-                 rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+                 positions: torch.Tensor | None, rows: slice = slice(None),
+                 layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Run tokens [n + padding] through the model; keep the first n in the cache. Returns the
-        logits of the rows `rows` of those n, and all n hidden states."""
+        logits of the rows `rows` of those n, and all n hidden states (with those after
+        `layers`)."""
         padding = tokens.shape[0] - n
         if self.lean is not None:
-            hidden = self.lean.forward(tokens, positions, None if mask is None else mask[0, 0])[:n]
+            hidden = self.lean.forward(tokens, positions, None if mask is None else mask[0, 0],
+                                       layers)[:n]
             self.lean.rewind(self.lean.length - padding)
-            return self.lean.logits(hidden[rows]).float(), hidden
+            final = hidden[:, : hidden.shape[1] // (1 + len(layers))]
+            return self.lean.logits(final[rows]).float(), hidden
         inputs = {"input_ids": tokens.unsqueeze(0), "past_key_values": self.cache, "use_cache": True}
         if mask is not None:
             inputs["attention_mask"] = mask
             inputs["position_ids"] = positions.unsqueeze(0)
         if self.plain_head:
-            hidden = self.runner.model(**inputs).last_hidden_state[0, :n]
+            out = self.runner.model(**inputs, output_hidden_states=bool(layers))
+            hidden = out.last_hidden_state[0, :n]
             logits = self.runner.get_output_embeddings()(hidden[rows])
         else:
             out = self.runner(**inputs, output_hidden_states=True)
             logits, hidden = out.logits[0, :n][rows], out.hidden_states[-1][0, :n]
+        if layers:
+            hidden = torch.cat([hidden, *(out.hidden_states[layer][0, :n] for layer in layers)], -1)
         if padding:
             self.cache.crop(-padding)
         return logits.float(), hidden

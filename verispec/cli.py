@@ -225,6 +225,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise VerispecError(f"--out {out} exists and is not a directory")
+    if args.mid_state and args.kind != "eagle":
+        raise VerispecError(f"--mid-state is an EAGLE option; a {args.kind} drafter has no use for it")
     if args.text_data and not args.text:
         raise VerispecError("--text-data is where --text FILE's hidden states go: give --text too")
     if args.text:
@@ -245,7 +247,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                          seed=args.seed, bf16={"auto": None, "on": True, "off": False}[args.bf16])
     options = RecipeOptions(loss=args.loss, vocab=args.vocab, medusa_heads=args.heads,
                             unroll=args.unroll, exit_layer=args.exit_layer,
-                            draft_layers=args.layers, init=args.init)
+                            draft_layers=args.layers, init=args.init, mid_state=args.mid_state)
     saved = train_drafter(args.kind, target, data_dirs, out, config, options)
     print(f"verispec: {args.kind} drafter written to {saved} (loss curve: {saved / 'run' / 'loss.png'}); "
           f"use it with --method {args.kind} --draft {saved}")
@@ -360,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--unroll", type=int, default=RecipeOptions.unroll,
                        help="EAGLE: train on its own predictions this many steps deep")
     train.add_argument("--exit-layer", type=int, help="early exit layer (default: half the target's)")
+    train.add_argument("--mid-state", action="store_true",
+                       help="EAGLE: also feed the drafter the target's state at the exit layer "
+                       "(EAGLE-3-style fused features; the target hands it over while drafting)")
     train.add_argument("--init", help="start from the weights of this trained drafter directory "
                        "(same kind, trained for the same target), e.g. to continue on new data")
     train.add_argument("--dtype", default="float32", choices=list(DTYPES),

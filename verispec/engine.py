@@ -80,11 +80,12 @@ class SpeculativeEngine:
             self.drafter.reset()
         # The target's hidden state per committed position, for drafters that read it.
         hidden = None
+        layers = tuple(getattr(self.drafter, "hidden_layers", ()))  # intermediate states wanted
         if getattr(self.drafter, "needs_hidden", False):
-            hidden = torch.empty(buffer.shape[0], self.hidden_size, device=device,
-                                 dtype=self.target.model.dtype)  # [prompt + new, hidden]
+            hidden = torch.empty(buffer.shape[0], self.hidden_size * (1 + len(layers)),
+                                 device=device, dtype=self.target.model.dtype)  # [prompt + new, .]
         if length > 1:
-            prefill_hidden = self.target.prefill(buffer[: length - 1])
+            prefill_hidden = self.target.prefill(buffer[: length - 1], layers)
             if hidden is not None:
                 hidden[: length - 1] = prefill_hidden
         while True:
@@ -104,7 +105,7 @@ class SpeculativeEngine:
             if tree is not None:  # a drafter's tree must be well formed before the target sees it
                 check_parents(tree)
             logits, block_hidden = self.target.forward_hidden(
-                torch.cat([buffer[length - 1: length], proposal.tokens]), tree)
+                torch.cat([buffer[length - 1: length], proposal.tokens]), tree, layers)
             verdict = verifier.verify(proposal, logits, sampling, generator)
             path, accepted = list(verdict.path), verdict.num_accepted
             rows = [0] + [node + 1 for node in path]  # block rows to keep: root + accepted path

@@ -141,8 +141,10 @@ class LeanDecoder:
         self.rewind(0)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Append tokens [n] to the cache; return the final normed hidden states [n, hidden].
+                mask: torch.Tensor | None = None, layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """Append tokens [n] to the cache; return the final normed hidden states [n, hidden],
+        followed by the residual states after the first L layers for each L in `layers`
+        (increasing; Hugging Face's hidden_states[L]): [n, hidden * (1 + len(layers))].
 
         positions: [n] (default: the next n positions); mask: [n, length + n] bool (True =
         attend), default causal.
@@ -159,7 +161,10 @@ class LeanDecoder:
         x = w.embed(tokens)[None]  # [1, n, hidden]
         cos, sin = (t[0] for t in w.rotary(x, positions[None]))  # each [n, head_dim]
         q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
-        for layer, cache in zip(w.layers, self.caches):
+        captured = []
+        for index, (layer, cache) in enumerate(zip(w.layers, self.caches)):
+            if index in layers:
+                captured.append(x[0])
             q, k, v = layer.qkv(layer.attn_norm(x)).split([q_size, kv_size, kv_size], dim=-1)
             q = rotate(q.view(1, n, w.heads, w.head_dim).transpose(1, 2), cos, sin)
             k = rotate(k.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2), cos, sin)
@@ -170,7 +175,7 @@ class LeanDecoder:
             x = x + layer.out(attended.transpose(1, 2).reshape(1, n, q_size))
             gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
             x = x + layer.down(nn.functional.silu(gate) * up)
-        return w.norm(x)[0]
+        return torch.cat([w.norm(x)[0], *captured], dim=-1) if captured else w.norm(x)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] through the model's LM head."""

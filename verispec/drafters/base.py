@@ -19,15 +19,17 @@ class DraftRequest:
     sampling: SamplingParams
     generator: torch.Generator | None
     # The target's final hidden state at every committed position but the last, for drafters
-    # that declare `needs_hidden` (EAGLE, Medusa); None for the others.
-    target_hidden: torch.Tensor | None = None  # [context_len - 1, hidden]
+    # that declare `needs_hidden` (EAGLE, Medusa), followed by its residual state after the first
+    # L layers for each L in the drafter's `hidden_layers` (if it has any); None for the others.
+    target_hidden: torch.Tensor | None = None  # [context_len - 1, hidden * (1 + len(layers))]
 
 
 class Drafter(Protocol):
     """A drafter owns its state (a KV cache, say) and keeps it in step with the committed text.
 
     A drafter may set a class attribute `needs_hidden = True` to receive the target's hidden
-    states in DraftRequest.target_hidden.
+    states in DraftRequest.target_hidden, and `hidden_layers` (increasing layer counts) to receive
+    intermediate states there too.
     """
 
     def reset(self) -> None:

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.learned import ReducedHead, load_drafter
-from verispec.drafters.nn import DecoderLayer, KVCache
+from verispec.drafters.nn import DecoderLayer, KVCache, RMSNorm
 from verispec.errors import VerispecError
 from verispec.packed import packed_view
 from verispec.sampling import sample, warp_probs
@@ -26,17 +26,40 @@ from verispec.types import Proposal
 
 
 class EagleNet(nn.Module):
-    """[embedding of x_{i+1} ; h_i] -> predicted h_{i+1}. Shapes: [batch, T, hidden]."""
+    """[embedding of x_{i+1} ; h_i (; m_i)] -> predicted h_{i+1}. Shapes: [batch, T, hidden].
 
-    def __init__(self, hidden: int, heads: int, intermediate: int) -> None:
+    With `mid_layer`, the input also holds m_i, the target's residual state after its first
+    mid_layer layers (RMS-normed here): EAGLE-3 fuses such lower-level states because the last
+    layer's state is specialised to the very next token. A position drafted from a predicted
+    feature has no such state: it gets zeros there, in training as in drafting.
+    """
+
+    def __init__(self, hidden: int, heads: int, intermediate: int,
+                 mid_layer: int | None = None) -> None:
         super().__init__()
-        self.fuse = nn.Linear(2 * hidden, hidden)
+        self.mid_layer = mid_layer
+        self.fuse = nn.Linear((2 if mid_layer is None else 3) * hidden, hidden)
+        self.mid_norm = None if mid_layer is None else RMSNorm(hidden)
         self.layer = DecoderLayer(hidden, heads, intermediate)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        # embeds, hidden: [batch, T, hidden]; positions: [T]; mask: [T, cached + T] or None
-        return self.layer(self.fuse(torch.cat([embeds, hidden], dim=-1)), positions, cache, mask)
+                cache: KVCache | None = None, mask: torch.Tensor | None = None,
+                mid: torch.Tensor | None = None) -> torch.Tensor:
+        # embeds, hidden, mid: [batch, T, hidden] (mid None: zeros); positions: [T];
+        # mask: [T, cached + T] or None
+        parts = [embeds, hidden]
+        if self.mid_norm is not None:
+            parts.append(torch.zeros_like(hidden) if mid is None else self.mid_norm(mid))
+        return self.layer(self.fuse(torch.cat(parts, dim=-1)), positions, cache, mask)
+
+    def load_unfused(self, state: dict[str, torch.Tensor]) -> None:
+        """Start from the weights of a net without the mid-layer input: the same function until
+        training gives the new input weight (its fuse columns start at zero)."""
+        fuse = state["fuse.weight"]
+        widened = torch.zeros_like(self.fuse.weight)
+        widened[:, : fuse.shape[1]] = fuse
+        self.load_state_dict({**state, "fuse.weight": widened,
+                              "mid_norm.weight": torch.ones_like(self.mid_norm.weight)})
 
 
 def eagle_settings(target: PreTrainedModel) -> dict:
@@ -61,6 +84,8 @@ class EagleDrafter:
         self.tree = tree
         self.cache = KVCache()
         self.real = 0  # positions in the cache built from the target's own hidden states
+        # The target hands over its state after these layers too (see EagleNet's mid_layer).
+        self.hidden_layers = () if net.mid_layer is None else (net.mid_layer,)
 
     @classmethod
     def load(cls, path: str | Path, target: PreTrainedModel,
@@ -79,17 +104,20 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> Proposal:
-        hidden = request.target_hidden  # [context_len - 1, hidden]
-        if hidden is None:
+        states = request.target_hidden  # [context_len - 1, hidden * (1 + len(hidden_layers))]
+        if states is None:
             raise VerispecError("the EAGLE drafter needs the target's hidden states")
-        tokens, sampling, n = request.tokens, request.sampling, hidden.shape[0]
+        tokens, sampling, n = request.tokens, request.sampling, states.shape[0]
         if n == 0:
             return Proposal(tokens[:0])
         device = tokens.device
+        size = self.embed.embedding_dim
+        hidden = states[self.real: n, :size][None]
+        mid = states[self.real: n, size:][None] if self.hidden_layers else None
         # Pairs (h_i, x_{i+1}) for every position not yet in the cache.
         positions = torch.arange(self.real, n, device=device)
-        feature = self.net(self.embed(tokens[self.real + 1: n + 1])[None], hidden[self.real: n][None],
-                           positions, self.cache)[0, -1]
+        feature = self.net(self.embed(tokens[self.real + 1: n + 1])[None], hidden, positions,
+                           self.cache, mid=mid)[0, -1]
         self.real = n
         if self.tree is not None:
             return self._propose_tree(feature, n, request.k)

@@ -29,6 +29,7 @@ class LookupThenModel:
         self.model = model
         self.model_k = model_k
         self.needs_hidden = getattr(model, "needs_hidden", False)
+        self.hidden_layers = getattr(model, "hidden_layers", ())
         self.last: Drafter = lookup  # the drafter whose proposal is being verified
 
     def reset(self) -> None:

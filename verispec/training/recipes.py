@@ -73,6 +73,7 @@ class RecipeOptions:
     exit_layer: int | None = None  # early exit: default from the data
     draft_layers: int = 2  # distilled draft model: its own layers
     init: str | None = None  # start from this trained drafter's weights (same kind and target)
+    mid_state: bool = False  # EAGLE: also read the target's state at the data's exit layer
 
 
 class Recipe:
@@ -92,6 +93,8 @@ class Recipe:
         self.embed = model.get_input_embeddings().weight.detach().float()  # [vocab, hidden]
         if kind == "eagle":
             self.settings = eagle_settings(model)
+            if options.mid_state:
+                self.settings["mid_layer"] = int(meta["exit_layer"])
             self.module = EagleNet(**self.settings)
         elif kind == "draft":
             self.settings = draft_settings(options.draft_layers)
@@ -113,12 +116,16 @@ class Recipe:
         """Load a trained drafter's own weights (its vocabulary is not kept: the network does not
         depend on it, and the reduced vocabulary follows the new data)."""
         config, weights = load_drafter(path, self.target, self.kind)
+        prefix = PREFIX[self.kind]
+        own = {k.removeprefix(prefix): v.float() for k, v in weights.items() if k.startswith(prefix)}
+        unfused = {k: v for k, v in self.settings.items() if k != "mid_layer"}
+        if self.kind == "eagle" and unfused != self.settings and config["settings"] == unfused:
+            self.module.load_unfused(own)  # an EAGLE drafter without the mid-layer input
+            return
         if config["settings"] != self.settings:
             raise VerispecError(f"the {self.kind} drafter in {path} has settings {config['settings']}, "
                                 f"not {self.settings}: it cannot start this run")
-        prefix = PREFIX[self.kind]
-        self.module.load_state_dict({k.removeprefix(prefix): v.float() for k, v in weights.items()
-                                     if k.startswith(prefix)})
+        self.module.load_state_dict(own)
 
     def teacher(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits over the reduced vocabulary. hidden [..., hidden] -> [..., reduced]."""
@@ -131,14 +138,17 @@ class Recipe:
 
     def _eagle(self, b: Batch) -> tuple[torch.Tensor, dict]:
         # Position i: (h_i, x_{i+1}) -> h_{i+1}. Unrolled step s feeds back the step s-1 predictions.
+        # A predicted feature has no mid-layer state: from step 2 on, mid is None (zeros).
         mask = b.mask[:, 1:]
         actual = b.hidden[:, 1:]
         features = b.hidden[:, :-1]
+        mid = b.exit_hidden[:, :-1] if self.module.mid_layer is not None else None
         total, metrics = 0.0, {}
         for step in range(self.options.unroll):
             width = features.shape[1]
             embeds = self.embed[b.tokens[:, step + 1: step + 1 + width]]
-            predicted = self.module(embeds, features, torch.arange(width))
+            predicted = self.module(embeds, features, torch.arange(width), mid=mid)
+            mid = None
             target_h = actual[:, step: step + width]
             m = mask[:, step: step + width]
             student, teacher = self.teacher(predicted), self.teacher(target_h)
