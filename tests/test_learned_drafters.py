@@ -258,12 +258,15 @@ def test_sampled_drafts_report_their_q(loaded, trained):
     generator = torch.Generator().manual_seed(0)
     tokens = torch.tensor(PROMPTS[0])
     with torch.no_grad():
-        hidden = loaded.model.model(input_ids=tokens[None]).last_hidden_state[0, :-1]
+        out = loaded.model.model(input_ids=tokens[None], output_hidden_states=True)
+    hidden = out.last_hidden_state[0, :-1]
+    with_mid = torch.cat([hidden, out.hidden_states[1][0, :-1]], -1)  # for drafters reading layer 1
     for name, drafter in _drafters(loaded, trained).items():
         if name in ("early-exit", "draft"):
             continue
         drafter.reset()
-        proposal = drafter.propose(DraftRequest(tokens, 3, sampling, generator, hidden))
+        states = with_mid if getattr(drafter, "hidden_layers", ()) else hidden
+        proposal = drafter.propose(DraftRequest(tokens, 3, sampling, generator, states))
         q = proposal.draft_probs
         if name.endswith("-tree"):  # trees are chosen by rank: deterministic, q one-hot
             assert q is None and proposal.parents is not None
@@ -341,7 +344,11 @@ def test_cli_trains_a_mid_state_eagle_that_decodes_exactly(loaded, data, trained
                  "--init", str(trained["eagle"])])
     assert code == 0
     assert json.loads((out / "drafter.json").read_text())["settings"]["mid_layer"] == 1
-    assert EagleDrafter.load(out, loaded.model).hidden_layers == (1,)
+    drafter = EagleDrafter.load(out, loaded.model)
+    assert drafter.hidden_layers == (1,)
+    tokens = torch.tensor(PROMPTS[0])
+    with pytest.raises(VerispecError, match="reads the target's final state and its state after"):
+        drafter.propose(DraftRequest(tokens, 2, SamplingParams(), None, torch.zeros(len(tokens) - 1, 32)))
     for method in ("eagle", "eagle-pld"):
         engine = build_engine(loaded, method, DraftOptions(k=3, draft=str(out)))
         for prompt in PROMPTS:

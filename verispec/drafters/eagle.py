@@ -112,6 +112,11 @@ class EagleDrafter:
             return Proposal(tokens[:0])
         device = tokens.device
         size = self.embed.embedding_dim
+        width = size * (1 + len(self.hidden_layers))
+        if states.shape[1] != width:
+            raise VerispecError(f"this EAGLE drafter reads the target's final state and its state "
+                                f"after layers {list(self.hidden_layers)}: {width} values a "
+                                f"position, got {states.shape[1]}")
         hidden = states[self.real: n, :size][None]
         mid = states[self.real: n, size:][None] if self.hidden_layers else None
         # Pairs (h_i, x_{i+1}) for every position not yet in the cache.
