@@ -77,19 +77,24 @@ def test_dataset_holds_answers_and_hidden_states(loaded, data):
     assert answer == plain.token_ids
 
 
+def _fit(recipe, sequences, steps: int = 25) -> tuple[float, float]:
+    """The recipe's loss before and after `steps` AdamW steps on all of `sequences`."""
+    optimizer = torch.optim.AdamW(recipe.module.parameters(), lr=3e-3)
+    before = recipe.loss(sequences, 64)[0].item()
+    for _ in range(steps):
+        loss = recipe.loss(sequences, 64)[0]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return before, recipe.loss(sequences, 64)[0].item()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_training_steps_reduce_the_loss(loaded, data, kind):
     meta, sequences = load_dataset(data)
     torch.manual_seed(0)
     recipe = Recipe(kind, loaded, meta, sequences, OPTIONS)
-    optimizer = torch.optim.AdamW(recipe.module.parameters(), lr=3e-3)
-    before = recipe.loss(sequences, 64)[0].item()
-    for _ in range(25):
-        loss = recipe.loss(sequences, 64)[0]
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    after = recipe.loss(sequences, 64)[0].item()
+    before, after = _fit(recipe, sequences)
     assert after < 0.8 * before, f"{kind}: loss {before:.4f} -> {after:.4f}"
 
 
@@ -326,14 +331,8 @@ def test_mid_state_eagle_starts_as_the_drafter_it_widens_then_learns(loaded, dat
     with torch.no_grad():  # the mid-layer input starts with zero weight: the same losses
         assert widened.loss(sequences, 64)[0].item() == pytest.approx(plain.loss(sequences, 64)[0].item(),
                                                                        rel=1e-5)
-    optimizer = torch.optim.AdamW(widened.module.parameters(), lr=3e-3)
-    before = widened.loss(sequences, 64)[0].item()
-    for _ in range(25):
-        loss = widened.loss(sequences, 64)[0]
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert widened.loss(sequences, 64)[0].item() < 0.8 * before
+    before, after = _fit(widened, sequences)
+    assert after < 0.8 * before
     assert widened.module.fuse.weight[:, 64:].abs().max() > 0  # the mid-layer input is used
 
 
