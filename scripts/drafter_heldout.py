@@ -1,0 +1,70 @@
+"""Held-out acceptance of trained drafters: how a drafter is chosen without Spec-Bench.
+
+Greedy, a chain of k drafts, 96 new tokens, on prompt sets the drafters never trained on: COUNT
+templated prompts from verispec.training.prompts with seed 785 (training used seed 0) and, with
+--corpus, COUNT prompts over the held-out corpus documents written by scripts/wiki_corpus.py
+(summarise the passage, list its main points, or, for an article, "Tell me about TITLE.").
+Prints tau and acceptance by position for each drafter directory ("shipped": the one shipped for
+the built-in model).
+
+    python scripts/drafter_heldout.py eagle 20 shipped runs/eagle-text --k 3 \
+        --corpus runs/corpus/heldout.jsonl
+    python scripts/drafter_heldout.py draft 20 runs/draft-fkl runs/draft-rkl runs/draft-tvd
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+from held_out import held_out
+
+from verispec.api import encode_prompt
+from verispec.drafters import METHODS, DraftOptions, build_engine
+from verispec.stopping import StoppingRules
+from verispec.types import GenerationStats
+
+
+def corpus_prompts(path: str, count: int) -> list[str]:
+    rng = random.Random(5)
+    prompts = []
+    for line in open(path, encoding="utf-8"):
+        doc = json.loads(line)
+        passage = " ".join(doc["text"].split()[:300])
+        kinds = ["Summarize the following article in a few sentences.\n\n" + passage,
+                 passage + "\n\nWhat are the main points of the passage above?"]
+        if doc["title"]:
+            kinds.append(f"Tell me about {doc['title']}.")
+        prompts.append(rng.choice(kinds))
+    return prompts[:count]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("method", choices=[m.name for m in METHODS.values() if m.trained_kind])
+    parser.add_argument("count", type=int, help="prompts per set")
+    parser.add_argument("drafters", nargs="+", help='trained drafter directories, or "shipped"')
+    parser.add_argument("--k", type=int, help="draft length (default: the method's)")
+    parser.add_argument("--corpus", help="held-out documents (.jsonl) for the second prompt set")
+    args = parser.parse_args()
+    target, templated = held_out(args.count, 785)
+    sets = {"templated": templated}
+    if args.corpus:
+        sets["corpus"] = [encode_prompt(target, p, chat=True)
+                          for p in corpus_prompts(args.corpus, args.count)]
+    for path in args.drafters:
+        options = DraftOptions(k=args.k, draft=None if path == "shipped" else path)
+        engine = build_engine(target, args.method, options)
+        for name, prompts in sets.items():
+            stats = GenerationStats.total([engine.generate(ids, StoppingRules.build(96)).stats
+                                           for ids in prompts])
+            alpha = [round(a / max(1, r), 3)
+                     for a, r in zip(stats.accepted_by_position, stats.reached_by_position)]
+            print(f"{path:28s} {name:10s} tau {stats.new_tokens / stats.target_forwards:.3f} "
+                  f"acceptance by position {alpha}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
