@@ -30,8 +30,8 @@ from verispec.errors import VerispecError
 from verispec.models import load_model
 from verispec.policies import ConstantK
 from verispec.stopping import StoppingRules
-from verispec.training.data import build_dataset, build_text_dataset, load_dataset
-from verispec.training.recipes import KINDS, PREFIX, Recipe, RecipeOptions, train_drafter
+from verispec.training.data import Sequence, build_dataset, build_text_dataset, load_dataset
+from verispec.training.recipes import KINDS, PREFIX, Recipe, RecipeOptions, agreement, collate, train_drafter
 from verispec.training.trainer import TrainConfig
 from verispec.tree import TreeSettings
 from verispec.types import Proposal, SamplingParams
@@ -89,6 +89,26 @@ def _fit(recipe, sequences, steps: int = 25) -> tuple[float, float]:
     return before, recipe.loss(sequences, 64)[0].item()
 
 
+def test_answer_positions_are_those_that_predict_an_answer_token():
+    def seq(length: int, prompt_len: int) -> Sequence:
+        return Sequence(torch.arange(length), prompt_len, torch.zeros(length, 2), torch.zeros(length, 2))
+
+    # Position i predicts token i + 1: the answer's first prediction comes from the prompt's
+    # last position. The second sequence is cut to its last 5 tokens, 2 of them prompt.
+    batch = collate([seq(6, 3), seq(8, 5)], max_len=5)
+    assert batch.mask.tolist() == [[True] * 5, [True] * 5]
+    assert batch.answer.tolist() == [[False, True, True, True, True], [False, True, True, True, True]]
+    batch = collate([seq(3, 2), seq(6, 4)], max_len=8)
+    assert batch.answer.tolist() == [[False, True, True, False, False, False],
+                                     [False, False, False, True, True, True]]
+    teacher = torch.eye(3)[None].expand(2, 3, 3)  # argmax 0, 1, 2 at the three positions
+    student = torch.eye(3)[[0, 2, 2]][None].expand(2, 3, 3)  # right at positions 0 and 2 only
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    answer = torch.tensor([[False, True, True], [False, False, True]])
+    assert agreement("top1", student, teacher, mask, answer) == pytest.approx(
+        {"top1": 4 / 6, "top1_answer": 2 / 3})
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_training_steps_reduce_the_loss(loaded, data, kind):
     meta, sequences = load_dataset(data)
@@ -130,6 +150,9 @@ def test_trained_drafters_are_written_with_their_run(trained):
             accuracy = torch.tensor(config["rank_accuracy"])
             assert accuracy.shape == (3, 8) and accuracy.min() >= 0 and accuracy.sum(1).max() <= 1
         assert config["training"]["sequences"] == 12
+        final = config["training"]["final_eval"]  # over every position, and the answers' only
+        assert any(name.endswith("_answer") for name in final)
+        assert all(0 <= value <= 1 for name, value in final.items() if name.startswith("eval_top1"))
         assert (path / "weights.safetensors").is_file()
         assert (path / "run" / "loss.png").is_file() and (path / "run" / "checkpoint.pt").is_file()
 

@@ -44,23 +44,37 @@ class Batch:
     hidden: torch.Tensor  # [B, T, hidden] float32: the target's final hidden states
     exit_hidden: torch.Tensor  # [B, T, hidden] float32
     mask: torch.Tensor  # [B, T] bool: real (not padding) positions
+    # [B, T] bool: real positions whose next token belongs to the answer (or corpus passage):
+    # the predictions a drafter makes while decoding; the prompt's are trained on, not drafted.
+    answer: torch.Tensor
 
 
 def collate(items: list[Sequence], max_len: int) -> Batch:
     """Right-pad sequences (each cut to its last max_len tokens) into one batch."""
-    items = [Sequence(s.tokens[-max_len:], 0, s.hidden[-max_len:], s.exit_hidden[-max_len:])
-             for s in items]
+    items = [Sequence(s.tokens[-max_len:], max(0, s.prompt_len - max(0, len(s.tokens) - max_len)),
+                      s.hidden[-max_len:], s.exit_hidden[-max_len:]) for s in items]
     width = max(len(s.tokens) for s in items)
     size = items[0].hidden.shape[-1]
     tokens = torch.zeros(len(items), width, dtype=torch.int64)
     hidden = torch.zeros(len(items), width, size)
     exit_hidden = torch.zeros(len(items), width, size)
     mask = torch.zeros(len(items), width, dtype=torch.bool)
+    answer = torch.zeros_like(mask)
     for row, s in enumerate(items):
         n = len(s.tokens)
         tokens[row, :n], mask[row, :n] = s.tokens, True
+        answer[row, max(0, s.prompt_len - 1): n] = True
         hidden[row, :n], exit_hidden[row, :n] = s.hidden.float(), s.exit_hidden.float()
-    return Batch(tokens, hidden, exit_hidden, mask)
+    return Batch(tokens, hidden, exit_hidden, mask, answer)
+
+
+def agreement(name: str, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+              answer: torch.Tensor) -> dict[str, float]:
+    """Top-1 agreement over every real position (`name`, what the loss covers) and over the
+    answer's only (`name_answer`, what decoding drafts). student, teacher: [B, T, vocab];
+    mask, answer: [B, T] bool."""
+    return {name: top1_agreement(student, teacher, mask),
+            f"{name}_answer": top1_agreement(student, teacher, mask & answer)}
 
 
 @dataclass(frozen=True)
@@ -139,7 +153,7 @@ class Recipe:
     def _eagle(self, b: Batch) -> tuple[torch.Tensor, dict]:
         # Position i: (h_i, x_{i+1}) -> h_{i+1}. Unrolled step s feeds back the step s-1 predictions.
         # A predicted feature has no mid-layer state: from step 2 on, mid is None (zeros).
-        mask = b.mask[:, 1:]
+        mask, answer = b.mask[:, 1:], b.answer[:, 1:]
         actual = b.hidden[:, 1:]
         features = b.hidden[:, :-1]
         mid = b.exit_hidden[:, :-1] if self.module.mid_layer is not None else None
@@ -155,7 +169,8 @@ class Recipe:
             loss = (self.options.feature_weight * feature_loss(predicted, target_h, m)
                     + 0.1 * distill_loss(student, teacher, self.options.loss, m))
             total = total + loss
-            metrics[f"top1_step{step + 1}"] = top1_agreement(student, teacher, m)
+            metrics.update(agreement(f"top1_step{step + 1}", student, teacher, m,
+                                     answer[:, step: step + width]))
             features = predicted[:, :-1]  # predicted h_{i+1}, paired next with x_{i+2}
         metrics["loss"] = float(total.detach())
         return total, metrics
@@ -170,7 +185,7 @@ class Recipe:
             teacher = teacher_all[:, k:]
             m = b.mask[:, k:]
             total = total + distill_loss(student, teacher, self.options.loss, m)
-            metrics[f"top1_head{k}"] = top1_agreement(student, teacher, m)
+            metrics.update(agreement(f"top1_head{k}", student, teacher, m, b.answer[:, k:]))
         metrics["loss"] = float(total.detach())
         return total, metrics
 
@@ -178,13 +193,13 @@ class Recipe:
         student = self.teacher(self.module(b.exit_hidden))
         teacher = self.teacher(b.hidden)
         loss = distill_loss(student, teacher, self.options.loss, b.mask)
-        return loss, {"loss": float(loss.detach()), "top1": top1_agreement(student, teacher, b.mask)}
+        return loss, {"loss": float(loss.detach()), **agreement("top1", student, teacher, b.mask, b.answer)}
 
     def _draft(self, b: Batch) -> tuple[torch.Tensor, dict]:
         student = self.teacher(self.module(b.tokens))
         teacher = self.teacher(b.hidden)
         loss = distill_loss(student, teacher, self.options.loss, b.mask)
-        return loss, {"loss": float(loss.detach()), "top1": top1_agreement(student, teacher, b.mask)}
+        return loss, {"loss": float(loss.detach()), **agreement("top1", student, teacher, b.mask, b.answer)}
 
     @torch.no_grad()
     def rank_accuracy(self, items: list[Sequence], max_len: int, ranks: int = 8,

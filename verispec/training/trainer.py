@@ -152,6 +152,7 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
     evals = [h for h in history if any(k.startswith("eval_") for k in h)]
     for name in sorted({k for h in evals for k in h if k.startswith("eval_top1")}):
         right.plot([h["step"] for h in evals], [h[name] for h in evals], marker="o",
+                   linestyle="--" if name.endswith("_answer") else "-",  # answer positions only
                    label=name.removeprefix("eval_"))
     right.set_xlabel("step")
     right.set_ylabel("held-out top-1 agreement with the target")
