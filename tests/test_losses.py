@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verispec.training import trainer
-from verispec.training.losses import distill_loss, feature_loss, top1_agreement
+from verispec.training.losses import agreement, distill_loss, feature_loss
 
 P = torch.tensor([0.5, 0.5])
 Q = torch.tensor([0.9, 0.1])
@@ -38,8 +38,18 @@ def test_mask_leaves_out_positions():
     mask = torch.tensor([[True, False, False], [False, False, False]])
     assert distill_loss(student, teacher, "tvd", mask).item() == pytest.approx(
         distill_loss(student[0, :1], teacher[0, :1], "tvd").item(), rel=1e-6)
-    assert top1_agreement(teacher, teacher, mask) == 1.0
     assert feature_loss(teacher, teacher + 1, mask).item() == pytest.approx(0.5)
+
+
+def test_agreement_counts_every_position_and_the_answers_apart():
+    teacher = torch.eye(3)[None].expand(2, 3, 3)  # argmax 0, 1, 2 at the three positions
+    student = torch.eye(3)[[0, 2, 2]][None].expand(2, 3, 3)  # right at positions 0 and 2 only
+    mask = torch.tensor([[True, True, True], [True, True, False]])  # row 1's last is padding
+    answer = torch.tensor([[False, True, True], [False, True, True]])
+    assert agreement("top1", student, teacher, mask, answer) == pytest.approx(
+        {"top1": 3 / 5, "top1_answer": 1 / 3})
+    assert agreement("x", teacher, teacher, mask, answer) == {"x": 1.0, "x_answer": 1.0}
+    assert agreement("x", student, teacher, mask, torch.zeros_like(mask))["x_answer"] == 0.0
 
 
 def test_unknown_loss_is_refused():

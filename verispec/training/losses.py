@@ -49,8 +49,14 @@ def feature_loss(predicted: torch.Tensor, actual: torch.Tensor,
     return _masked_mean(per_position, mask)
 
 
-def top1_agreement(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-                   mask: torch.Tensor | None = None) -> float:
-    """Fraction of positions where both argmaxes agree: the greedy acceptance rate."""
-    same = (student_logits.argmax(-1) == teacher_logits.argmax(-1)).float()
-    return float(_masked_mean(same, mask))
+def agreement(name: str, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+              answer: torch.Tensor) -> dict[str, float]:
+    """Top-1 agreement over every real position (`name`, what the loss covers) and over the
+    answer's only (`name_answer`, what decoding drafts). student, teacher: [B, T, vocab];
+    mask, answer: [B, T] bool."""
+    same = student.argmax(-1) == teacher.argmax(-1)  # [B, T], each argmax taken once
+
+    def rate(where: torch.Tensor) -> float:
+        return float((same & where).sum() / where.sum().clamp_min(1))
+
+    return {name: rate(mask), f"{name}_answer": rate(mask & answer)}

@@ -30,7 +30,7 @@ from verispec.drafters.trained_exit import exit_settings, new_adapter
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel
 from verispec.training.data import Sequence, load_dataset
-from verispec.training.losses import distill_loss, feature_loss, top1_agreement
+from verispec.training.losses import agreement, distill_loss, feature_loss
 from verispec.training.trainer import TrainConfig, bf16_is_fast, train
 
 KINDS = ("eagle", "medusa", "early-exit", "draft")
@@ -51,8 +51,9 @@ class Batch:
 
 def collate(items: list[Sequence], max_len: int) -> Batch:
     """Right-pad sequences (each cut to its last max_len tokens) into one batch."""
-    items = [Sequence(s.tokens[-max_len:], max(0, s.prompt_len - max(0, len(s.tokens) - max_len)),
-                      s.hidden[-max_len:], s.exit_hidden[-max_len:]) for s in items]
+    cut = [max(0, len(s.tokens) - max_len) for s in items]  # tokens dropped from each start
+    items = [Sequence(s.tokens[-max_len:], max(0, s.prompt_len - dropped), s.hidden[-max_len:],
+                      s.exit_hidden[-max_len:]) for s, dropped in zip(items, cut)]
     width = max(len(s.tokens) for s in items)
     size = items[0].hidden.shape[-1]
     tokens = torch.zeros(len(items), width, dtype=torch.int64)
@@ -66,15 +67,6 @@ def collate(items: list[Sequence], max_len: int) -> Batch:
         answer[row, max(0, s.prompt_len - 1): n] = True
         hidden[row, :n], exit_hidden[row, :n] = s.hidden.float(), s.exit_hidden.float()
     return Batch(tokens, hidden, exit_hidden, mask, answer)
-
-
-def agreement(name: str, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
-              answer: torch.Tensor) -> dict[str, float]:
-    """Top-1 agreement over every real position (`name`, what the loss covers) and over the
-    answer's only (`name_answer`, what decoding drafts). student, teacher: [B, T, vocab];
-    mask, answer: [B, T] bool."""
-    return {name: top1_agreement(student, teacher, mask),
-            f"{name}_answer": top1_agreement(student, teacher, mask & answer)}
 
 
 @dataclass(frozen=True)
