@@ -8,7 +8,7 @@ early exit; none of them -> plain decoding. Outputs are the target's own (lossle
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -26,12 +26,12 @@ ModelLike = str | LoadedModel | PreTrainedModel
 
 def _as_loaded(model: ModelLike, tokenizer=None) -> LoadedModel:
     if isinstance(model, LoadedModel):
-        return model if tokenizer is None else LoadedModel(model.model, tokenizer, model.name)
+        return model if tokenizer is None else replace(model, tokenizer=tokenizer)
     if isinstance(model, PreTrainedModel):
         return LoadedModel(model.eval(), tokenizer, type(model).__name__)
     if isinstance(model, str):
         loaded = load(model)
-        return loaded if tokenizer is None else LoadedModel(loaded.model, tokenizer, loaded.name)
+        return loaded if tokenizer is None else replace(loaded, tokenizer=tokenizer)
     raise VerispecError(f"model must be a name, a path, a LoadedModel or a PreTrainedModel, "
                         f"got {type(model).__name__}")
 

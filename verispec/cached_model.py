@@ -21,11 +21,13 @@ class CachedModel:
     """Feeds tokens through `model`, keeping their keys and values; `rewind` drops the newest."""
 
     def __init__(self, model: PreTrainedModel, pad_to_multiple: int | None = None,
-                 pack: bool = True) -> None:
+                 pack: bool = True, lean: LeanDecoder | None = None) -> None:
         """pad_to_multiple: feed multi-token blocks padded to a multiple of this many tokens.
         pack: run on CPU with prepacked weights where the model allows: Llama-shaped decoders
         through verispec.lean (fused products, a preallocated cache), others through their own
         forward with prepacked linear layers (verispec.packed).
+        lean: run this lean decoder instead of one over `model`'s own weights (a low-precision
+        copy of them, say: verispec.drafters.self_spec).
 
         On CPU through F.linear, matrix products over 2, 3, 7 or 11 rows take up to twice as long
         as over 4, 8 or 12 (measured here: the LM head takes 15 ms for 2 rows, 12.5 ms for 4), so
@@ -36,7 +38,9 @@ class CachedModel:
         tokens cost less than 4 (51, 54 and 57 ms for SmolLM2-135M here).
         """
         self.model = model
-        self.lean = LeanDecoder(model) if pack and lean_supported(model) else None
+        if lean is None and pack and lean_supported(model):
+            lean = LeanDecoder.of(model)
+        self.lean = lean
         # Hugging Face's cache, for the models that run through their own forward.
         self.cache = DynamicCache(config=model.config) if self.lean is None else None
         if pad_to_multiple is None:
@@ -73,7 +77,12 @@ class CachedModel:
     def forward_last(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append tokens [n] to the cache; return the last one's logits [vocab] (float32).
         The LM head reads one row, not n: a prompt's logits are mostly never looked at."""
-        return self._forward(tokens, tokens.shape[0], None, None, slice(-1, None))[0][0]
+        return self.forward_tail(tokens, 1)[0]
+
+    @torch.inference_mode()
+    def forward_tail(self, tokens: torch.Tensor, count: int) -> torch.Tensor:
+        """Append tokens [n] to the cache; return the logits of the last `count` [count, vocab]."""
+        return self._forward(tokens, tokens.shape[0], None, None, slice(-count, None))[0]
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, layers: tuple[int, ...] = ()) -> torch.Tensor:

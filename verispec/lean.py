@@ -19,6 +19,7 @@ through its own forward (verispec.cached_model).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,20 +81,30 @@ class Linear:
         return packed_linear(x, self.packed, self.bias)
 
 
+# A product over one or more linear layers' weights (fused by rows): x [..., in] -> [..., out].
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class Layer:
     attn_norm: nn.Module
-    qkv: Linear
-    out: Linear
+    qkv: Product
+    out: Product
     mlp_norm: nn.Module
-    gate_up: Linear
-    down: Linear
+    gate_up: Product
+    down: Product
 
 
 class LeanWeights:
-    """The packed, fused weights of one model, shared by every decoder that runs it."""
+    """The fused weights of one model, shared by every decoder that runs it.
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    linear: builds one product from linear layers over the same input (default: their float
+    weights prepacked; verispec.drafters.self_spec stores them in low precision). layers: the
+    decoder layers kept, in order (default: all; fewer skips the others, Draft & Verify style).
+    """
+
+    def __init__(self, model: PreTrainedModel, linear: Callable[[list[nn.Linear]], Product] = Linear.fuse,
+                 layers: Sequence[int] | None = None) -> None:
         config = model.config.get_text_config(decoder=True)
         body = model.model
         attention = body.layers[0].self_attn
@@ -104,14 +115,15 @@ class LeanWeights:
         self.embed = body.embed_tokens
         self.rotary = body.rotary_emb
         self.norm = body.norm
-        self.head = Linear.fuse([model.get_output_embeddings()])
+        self.head = linear([model.get_output_embeddings()])
+        kept = range(len(body.layers)) if layers is None else layers
         self.layers = [Layer(
             layer.input_layernorm,
-            Linear.fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-            Linear.fuse([layer.self_attn.o_proj]),
+            linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+            linear([layer.self_attn.o_proj]),
             layer.post_attention_layernorm,
-            Linear.fuse([layer.mlp.gate_proj, layer.mlp.up_proj]),
-            Linear.fuse([layer.mlp.down_proj])) for layer in body.layers]
+            linear([layer.mlp.gate_proj, layer.mlp.up_proj]),
+            linear([layer.mlp.down_proj])) for layer in (body.layers[i] for i in kept)]
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> LeanWeights:
@@ -128,10 +140,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class LeanDecoder:
     """One sequence's KV cache over shared LeanWeights; feeds blocks of tokens, rewinds, compacts."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.weights = LeanWeights.of(model)
-        self.device = model.device
+    def __init__(self, weights: LeanWeights, device: torch.device) -> None:
+        self.weights = weights
+        self.device = device
         self.caches = [KVCache() for _ in self.weights.layers]
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> LeanDecoder:
+        """A decoder over `model`'s own (prepacked float) weights."""
+        return cls(LeanWeights.of(model), model.device)
 
     @property
     def length(self) -> int:

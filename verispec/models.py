@@ -38,6 +38,7 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: object | None
     name: str
+    gguf: Path | None = None  # the GGUF file the weights were dequantized from, if any
 
     @property
     def vocab_size(self) -> int:
@@ -109,6 +110,14 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def gguf_source(spec: str) -> Path | None:
+    """The GGUF file a built-in name or a .gguf path stands for (None for a directory)."""
+    if spec in BUILTIN_MODELS:
+        return builtin_gguf(spec)
+    path = Path(spec).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def resolve(spec: str) -> Path:
     """A built-in name, directory or GGUF file -> a Hugging Face model directory."""
     if spec in BUILTIN_MODELS:
@@ -150,7 +159,7 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu") -> Loaded
         tokenizer = AutoTokenizer.from_pretrained(directory)
     except (ValueError, OSError, TypeError):
         tokenizer = None
-    return LoadedModel(model.to(device).eval(), tokenizer, spec)
+    return LoadedModel(model.to(device).eval(), tokenizer, spec, gguf_source(spec))
 
 
 @lru_cache(maxsize=2)

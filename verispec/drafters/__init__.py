@@ -18,9 +18,11 @@ from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_dr
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.model import ModelDrafter, check_same_vocabulary
 from verispec.drafters.ngram import PromptLookupDrafter
+from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
+from verispec.lowbit import FORMATS
 from verispec.models import LoadedModel, load
 from verispec.policies import SCHEDULES
 from verispec.tree import TreeSettings
@@ -44,6 +46,8 @@ class DraftOptions:
     tree: TreeSettings | str | None = None
     # "exact" (lossless) or "typical" (Medusa's typical acceptance: LOSSY under sampling)
     acceptance: str = "exact"
+    group: int = SelfSettings.group  # self-int4: input columns sharing a scale (32, 64 or 128)
+    skip_layers: tuple[int, ...] = SelfSettings.skip  # self-*: decoder layers the drafter leaves out
 
 
 def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
@@ -115,6 +119,15 @@ def _lookup_then(method: str) -> Callable[[LoadedModel, DraftOptions], Drafter]:
     return build
 
 
+def _self(fmt: str, staged: bool) -> Callable[[LoadedModel, DraftOptions], Drafter]:
+    """A builder for the target's own weights in `fmt` drafting (behind prompt lookup if staged)."""
+    def build(target: LoadedModel, options: DraftOptions) -> Drafter:
+        settings = SelfSettings(fmt, options.group, tuple(options.skip_layers))
+        return SelfDrafter(target, settings, options.confidence_threshold, options.tree,
+                           _prompt_lookup(target, options) if staged else None)
+    return build
+
+
 def _dtype_name(target: LoadedModel) -> str:
     return str(target.model.dtype).removeprefix("torch.")
 
@@ -163,10 +176,15 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     # k is the lookup's (7, as pld); the EAGLE drafter drafts up to its own default (2).
     Method("eagle-pld", "prompt lookup where the context repeats, the EAGLE drafter elsewhere "
            "(SAMD-style hybrid)", 7, _lookup_then("eagle"), "eagle", TreeSettings(2, 3)),
+    *(Method(f"self-{fmt}", f"the target's own weights in {fmt} draft (no training; Llama-shaped "
+             "models on CPU)", 6, _self(fmt, False)) for fmt in FORMATS),
+    *(Method(f"self-{fmt}-pld", f"staged: prompt lookup guesses, the target's own weights in {fmt} "
+             "check and extend them, the target verifies", 6, _self(fmt, True)) for fmt in FORMATS),
 ]}
 
 
-TREE_METHODS = ("eagle", "medusa", "pld", "draft", "early-exit", "eagle-pld")
+TREE_METHODS = ("eagle", "medusa", "pld", "draft", "early-exit", "eagle-pld",
+                *(f"self-{fmt}" for fmt in FORMATS))
 
 
 def resolve_tree(method: str, tree: TreeSettings | str | None) -> TreeSettings | None:
