@@ -88,6 +88,8 @@ class SpeculativeEngine:
             prefill_hidden = self.target.prefill(buffer[: length - 1], layers)
             if hidden is not None:
                 hidden[: length - 1] = prefill_hidden
+            if getattr(self.drafter, "adopts_prefill", False):
+                self.drafter.adopt_prefill(self.target)
         while True:
             remaining = stopping.max_new_tokens - len(generated)
             # Never draft past the budget: the step always adds one target token after the draft.

@@ -101,10 +101,12 @@ class LeanWeights:
     linear: builds one product from linear layers over the same input (default: their float
     weights prepacked; verispec.drafters.self_spec stores them in low precision). layers: the
     decoder layers kept, in order (default: all; fewer skips the others, Draft & Verify style).
+    norm: what runs each RMSNorm module (default: the module itself, as the model computes it).
     """
 
     def __init__(self, model: PreTrainedModel, linear: Callable[[list[nn.Linear]], Product] = Linear.fuse,
-                 layers: Sequence[int] | None = None) -> None:
+                 layers: Sequence[int] | None = None,
+                 norm: Callable[[nn.Module], Product] = lambda module: module) -> None:
         config = model.config.get_text_config(decoder=True)
         body = model.model
         attention = body.layers[0].self_attn
@@ -114,14 +116,14 @@ class LeanWeights:
         self.scaling = float(attention.scaling)
         self.embed = body.embed_tokens
         self.rotary = body.rotary_emb
-        self.norm = body.norm
+        self.norm = norm(body.norm)
         self.head = linear([model.get_output_embeddings()])
         kept = range(len(body.layers)) if layers is None else layers
         self.layers = [Layer(
-            layer.input_layernorm,
+            norm(layer.input_layernorm),
             linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
             linear([layer.self_attn.o_proj]),
-            layer.post_attention_layernorm,
+            norm(layer.post_attention_layernorm),
             linear([layer.mlp.gate_proj, layer.mlp.up_proj]),
             linear([layer.mlp.down_proj])) for layer in (body.layers[i] for i in kept)]
 
@@ -129,6 +131,13 @@ class LeanWeights:
     def of(cls, model: PreTrainedModel) -> LeanWeights:
         """The (cached) weights of `model`; renewed when a linear weight was replaced or changed."""
         return per_model(_WEIGHTS, model, cls)
+
+
+def fused_rms_norm(module: nn.Module) -> Product:
+    """A Llama RMSNorm as one fused op (torch's rms_norm) instead of the module's seven: about
+    twice as fast for one row. Rounding may differ from the module's, so only drafters use it."""
+    weight, eps = module.weight.detach(), float(module.variance_epsilon)
+    return lambda x: nn.functional.rms_norm(x, weight.shape, weight, eps)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

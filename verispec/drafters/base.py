@@ -29,7 +29,10 @@ class Drafter(Protocol):
 
     A drafter may set a class attribute `needs_hidden = True` to receive the target's hidden
     states in DraftRequest.target_hidden, and `hidden_layers` (increasing layer counts) to receive
-    intermediate states there too.
+    intermediate states there too. A drafter that runs the target's own layers may set
+    `adopts_prefill = True`: after prefilling the prompt, the engine then calls
+    `adopt_prefill(target)` with its CachedModel, whose keys and values the drafter may copy
+    instead of prefilling the prompt itself.
     """
 
     def reset(self) -> None:
