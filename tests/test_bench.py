@@ -40,9 +40,12 @@ def test_bench_writes_every_field_report_and_plots(tiny_dir, questions, tmp_path
     assert on_disk["summary"] == json.loads(json.dumps(results["summary"]))
     assert {"config", "machine", "runs", "summary"} <= set(on_disk)
     labels = {r["label"] for r in on_disk["runs"]}
-    assert {"hf", "ar", "hf-pld", "hf-early-exit", "pld k=2", "pld k=4", "early-exit k=2"} <= labels
+    assert {"hf", "ar", "hf-pld", "hf-early-exit", "pld k=2", "pld k=4", "early-exit k=2",
+            "self-int4 k=2", "self-int4-pld k=4", "self-int8 k=2", "self-bf16 k=4"} <= labels
+    assert "int4 g32" in on_disk["config"]["drafters"]["self-int4 k=2"]["runs"]  # the kernel it chose
+    assert on_disk["summary"]["self-int4-pld k=4"]["overall"]["identical"] == "2/2"
     for run in on_disk["runs"]:
-        assert RUN_FIELDS <= set(run)
+        assert RUN_FIELDS <= set(run) and run["peak_rss_mib"] > 0
         assert run["new_tokens"] == 12 and run["seconds"] > 0
     assert {r["task"] for r in on_disk["runs"]} == {"mt_bench", "qa"}
     for label, tasks in on_disk["summary"].items():
@@ -53,6 +56,7 @@ def test_bench_writes_every_field_report_and_plots(tiny_dir, questions, tmp_path
     assert on_disk["summary"]["hf"]["overall"]["identical"] == "2/2"
     report = (out / "report.md").read_text()
     assert "pld k=4" in report and "hf-pld" in report
+    assert "## Drafters and memory" in report and "avx" in on_disk["machine"]["processor"].lower()
     # A float32 model on CPU runs prepacked; the report compares with its own linear layers.
     forward = on_disk["forward"]
     assert set(forward["by_tokens"]) == set(forward["unpacked_by_tokens"]) == {"1", "2", "4", "8", "16"}

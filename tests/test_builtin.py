@@ -7,12 +7,13 @@ import torch
 
 import verispec
 from verispec.cli import main
-from verispec.drafters import build_engine
+from verispec.drafters import DraftOptions, build_engine
 from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.models import cache_root
 from verispec.stopping import StoppingRules
+from verispec.tree import TreeSettings
 
 NEW = 24
 
@@ -77,3 +78,33 @@ def test_trained_exit_agrees_with_the_target_more_than_the_plain_exit(smollm, pr
                      for name, lm in [("trained", trained.lm.model),
                                       ("plain", early_exit_model(smollm.model, exit_layer))]}
     assert agreement["trained"] > agreement["plain"] + 0.1, agreement
+
+
+def test_builtin_gguf_blocks_are_the_weights_the_target_runs(smollm):
+    """The Q4_1 blocks of the built-in GGUF file, repacked as int4 groups of 32 (q/k rows in
+    Hugging Face's order), dequantize to exactly the weights transformers loaded."""
+    from verispec.lowbit import gguf_int4
+
+    blocks = gguf_int4(smollm.gguf, smollm.model.config)
+    assert len(blocks) == 7 * len(smollm.model.model.layers)
+    weights = dict(smollm.model.named_parameters())
+    for name, stored in blocks.items():
+        assert torch.equal(stored.dequantize(), weights[name]), name
+
+
+@pytest.mark.parametrize("method", ["self-int4", "self-int4-pld", "self-int8", "self-bf16"])
+def test_builtin_self_speculation_is_exact(smollm, prompt_ids, method):
+    reference = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW).token_ids
+    engine = build_engine(smollm, method)
+    result = engine.generate(prompt_ids, StoppingRules.build(NEW))
+    assert result.token_ids == reference
+    assert result.stats.mean_accepted_tokens > 3, method  # the target's own weights agree
+    tree = build_engine(smollm, "self-int4", DraftOptions(k=4, tree=TreeSettings(2, 8)))
+    assert tree.generate(prompt_ids, StoppingRules.build(NEW)).token_ids == reference
+
+
+def test_builtin_int4_drafter_is_small(smollm):
+    target_bytes = sum(p.numel() * p.element_size() for p in smollm.model.parameters())
+    drafter = build_engine(smollm, "self-int4").drafter
+    assert drafter.weights.nbytes <= 0.30 * target_bytes
+    assert drafter.weights.from_gguf  # the file's own blocks, not a second quantization

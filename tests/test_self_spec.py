@@ -260,3 +260,25 @@ def test_drafter_weights_are_a_fraction_of_the_target():
     for fmt, share in (("int4", 0.30), ("int8", 0.30)):
         weights = SelfDrafter(loaded, SelfSettings(fmt)).weights
         assert weights.nbytes <= share * target_bytes, (fmt, weights.nbytes, target_bytes)
+
+
+def test_api_and_cli_reach_self_methods(tiny_dir, capsys):
+    import json
+
+    from verispec.api import generate
+    from verispec.cli import main
+
+    result = generate(str(tiny_dir), [1, 17, 42, 9], method="self-int4-pld", num_assistant_tokens=4,
+                      max_new_tokens=12)
+    plain = generate(str(tiny_dir), [1, 17, 42, 9], max_new_tokens=12)
+    assert result.token_ids == plain.token_ids and result.stats.target_forwards < 12
+    with pytest.raises(VerispecError, match="choose one speculation method"):
+        generate(str(tiny_dir), [1, 2], method="self-int4", prompt_lookup_num_tokens=3)
+    # The CLI's default method is the fastest measured where the model runs it.
+    assert main(["generate", "--model", str(tiny_dir), "--prompt", "w5 w6 w5 w6", "--raw",
+                 "--max-new-tokens", "8", "--json", "--skip-layers", "1", "--group", "32"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 8
+    with pytest.raises(SystemExit) as bad:
+        main(["generate", "--model", str(tiny_dir), "--prompt", "w5", "--skip-layers", "x"])
+    assert bad.value.code == 2 and "expected integers" in capsys.readouterr().err

@@ -103,6 +103,7 @@ def prepare(
     assistant_early_exit: int | None = None,
     tree: TreeSettings | str | None = None,
     acceptance: str = "exact",
+    method: str | None = None,
     eos_token_id: int | Iterable[int] | None = None,
     stop_strings: str | Iterable[str] | None = None,
     tokenizer=None,
@@ -114,11 +115,15 @@ def prepare(
                                        ("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
                                        ("assistant_early_exit", assistant_early_exit)]
               if value is not None]
+    if method is not None:
+        chosen.append(f"method={method!r}")
     if len(chosen) > 1:
         raise VerispecError(f"choose one speculation method, got {' and '.join(chosen)}")
     common = {"schedule": num_assistant_tokens_schedule,
               "confidence_threshold": assistant_confidence_threshold, "acceptance": acceptance, "tree": tree}
-    method, options = "ar", DraftOptions(**common)
+    options = DraftOptions(num_assistant_tokens, **common)
+    if method is None:
+        method, options = "ar", DraftOptions(**common)
     if assistant_model is not None:
         draft = assistant_model if isinstance(assistant_model, (str, LoadedModel)) else _as_loaded(
             assistant_model, target.tokenizer)
@@ -159,13 +164,12 @@ def generate(model: ModelLike, inputs: str | list[int] | torch.Tensor, *, stream
     do_sample, temperature, top_k, top_p, seed, assistant_model, num_assistant_tokens,
     num_assistant_tokens_schedule ("constant" | "heuristic"), assistant_confidence_threshold,
     prompt_lookup_num_tokens, max_matching_ngram_size, assistant_early_exit, eos_token_id,
-    stop_strings, tokenizer. verispec adds tree=TreeSettings(topk, nodes) or tree="default" (the
-    method's measured default tree; prompt lookup then drafts the trie of several matches;
-    eagle / medusa trees through make_job) and
+    stop_strings, tokenizer. verispec adds method=NAME (any registered method, e.g. "self-int4-pld",
+    "eagle"; num_assistant_tokens is then its k; instead of the keywords above), tree=
+    TreeSettings(topk, nodes) or tree="default" (the method's measured default tree) and
     acceptance="typical" (Medusa's typical acceptance: LOSSY under sampling, the output no longer
     follows the target's distribution; default "exact"). A Hugging Face-style `streamer`
-    (put/end) receives the prompt, then
-    each committed block of tokens.
+    (put/end) receives the prompt, then each committed block of tokens.
 
     Returns a GenerationResult: new token ids, text, the steps with each token's fate, and stats.
     """

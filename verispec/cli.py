@@ -9,7 +9,15 @@ import sys
 
 from verispec.api import make_job, run
 from verispec.display import LEGEND, acceptance_line, render_steps, render_tree, stats_table
-from verispec.drafters import DEFAULT_TREE, METHODS, TREE_METHODS, DraftOptions
+from verispec.drafters import (
+    DEFAULT_TREE,
+    FALLBACK,
+    FASTEST,
+    METHODS,
+    TREE_METHODS,
+    DraftOptions,
+    fastest_method,
+)
 from verispec.errors import VerispecError
 from verispec.models import BUILTIN_MODELS, DEFAULT_MODEL, DTYPES, load_model
 from verispec.policies import SCHEDULES
@@ -30,10 +38,6 @@ DEMO_PROMPTS = [
     "Put this list in alphabetical order, one item per line: pears, apples, plums, figs, cherries, "
     "dates, bananas.",
 ]
-# Prompt lookup backed by the shipped EAGLE drafter: the most tokens per target forward measured
-# on the built-in model (tau 2.23 against prompt lookup's 1.68) and at least as fast (see the
-# README's benchmark); prompts that repeat nothing still get drafts.
-DEMO_METHOD = "eagle-pld"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,10 +49,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
 
 
-def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -> None:
-    parser.add_argument("--method", default=default, choices=list(METHODS),
+def add_method_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--method", choices=list(METHODS),
                         help="; ".join(f"{m.name}: {m.description}" for m in METHODS.values())
-                        + f" (default: {default})")
+                        + f" (default: {FASTEST}, the fastest measured here, where the model can "
+                        f"run it; else {FALLBACK})")
     parser.add_argument("--draft", help="draft model for --method draft (name, directory or .gguf); "
                         "for eagle, medusa, early-exit: a trained drafter directory (default: the "
                         "one shipped for the model)")
@@ -71,6 +76,10 @@ def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -
                         "the method's default tree, the fastest measured on a CPU ("
                         + ", ".join(f"{m.name} {m.default_tree.topk}x{m.default_tree.nodes}"
                                     for m in METHODS.values() if m.default_tree) + ")")
+    parser.add_argument("--group", type=int, default=DraftOptions.group,
+                        help="self-int4: input columns sharing one scale (32, 64 or 128; default 32)")
+    parser.add_argument("--skip-layers", type=int_list, default=(), metavar="I,J,...",
+                        help="self-*: decoder layers the low-precision drafter leaves out (default: none)")
     parser.add_argument("--acceptance", default="exact", choices=list(ACCEPTANCE),
                         help="exact (default, lossless) or typical: Medusa's typical acceptance, "
                         "LOSSY under sampling (the output no longer follows the target's "
@@ -90,6 +99,13 @@ def tree_settings(text: str) -> TreeSettings | str:
             f"got {text!r}") from None
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(item) for item in comma_list(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+
+
 def tree_list(text: str) -> list[TreeSettings | str]:
     return [tree_settings(item) for item in comma_list(text)]
 
@@ -97,7 +113,8 @@ def tree_list(text: str) -> list[TreeSettings | str]:
 def draft_options(args: argparse.Namespace) -> DraftOptions:
     return DraftOptions(k=args.k, schedule=args.schedule, confidence_threshold=args.confidence_threshold,
                         draft=args.draft, exit_layer=args.exit_layer, max_ngram=args.max_ngram,
-                        min_ngram=args.min_ngram, tree=args.tree, acceptance=args.acceptance)
+                        min_ngram=args.min_ngram, tree=args.tree, acceptance=args.acceptance,
+                        group=args.group, skip_layers=args.skip_layers)
 
 
 def use_colour(choice: str) -> bool:
@@ -112,6 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise VerispecError("the prompt is empty")
     target = load_model(args.model, args.dtype, args.device)
+    args.method = args.method or fastest_method(target)
     job = make_job(target, args.prompt, method=args.method, options=draft_options(args),
                    sampling=sampling, max_new_tokens=args.max_new_tokens, stop_strings=args.stop,
                    chat=not args.raw, seed=args.seed)
@@ -139,6 +157,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     target = load_model(args.model, args.dtype, args.device)
+    args.method = args.method or fastest_method(target)
     colour = use_colour(args.color)
     totals: dict[str, list] = {"ar": [], args.method: []}
     for method in totals:  # warm-up: the first forward passes are slow; keep them out of timings
@@ -282,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                                description="A few built-in prompts, decoded plainly and with "
                                "speculation, side by side: coloured output, speedup and tau.")
     add_model_arguments(demo)
-    add_method_arguments(demo, default=DEMO_METHOD)
+    add_method_arguments(demo)
     demo.add_argument("--max-new-tokens", type=int, default=96, help="default: 96")
     demo.add_argument("--color", default="auto", choices=["auto", "always", "never"])
     demo.set_defaults(func=cmd_demo)

@@ -303,7 +303,7 @@ def q4_blocks(raw, qtype: str, rows: int, columns: int) -> Int4Groups:
     raw: uint8 [rows, columns // 32 * block_bytes]. A block is fp16 d (Q4_1: then fp16 m), then 16
     bytes whose low nibbles are the block's first 16 codes and high nibbles the last 16.
     """
-    data = torch.as_tensor(raw).reshape(rows, columns // Q4_BLOCK, -1)
+    data = torch.tensor(raw).reshape(rows, columns // Q4_BLOCK, -1)  # a copy: the file is read-only
     header = 4 if qtype == "Q4_1" else 2
     d = data[..., :2].contiguous().view(torch.float16)[..., 0].float()  # [rows, groups]
     mins = data[..., 2:4].contiguous().view(torch.float16)[..., 0].float() if qtype == "Q4_1" else -8 * d

@@ -631,15 +631,41 @@ def expected_figures(runs: list[Run], summary: dict) -> list[str]:
     return names
 
 
+def _memory_section(results: dict, runs: list[Run]) -> list[str]:
+    """Per method: what its drafter runs (kernels, where it says), the resident memory its engine
+    added when built (weight copies; a copy shared with another method counts for the first),
+    and the process's peak resident memory during its runs."""
+    drafters = (results.get("config") or {}).get("drafters") or {}
+    peaks: dict[str, float] = {}
+    for run in runs:
+        if run.get("peak_rss_mib") is not None:
+            peaks[run["label"]] = max(peaks.get(run["label"], 0.0), run["peak_rss_mib"])
+    if not peaks and not drafters:
+        return []
+    rows = []
+    for label in labels_in_order(runs):
+        entry = drafters.get(label) or {}
+        built = entry.get("built_mib")
+        rows.append([_name(label), entry.get("runs") or "–",
+                     "–" if built is None else f"{built:.0f}",
+                     "–" if label not in peaks else f"{peaks[label]:.0f}"])
+    return ["", "## Drafters and memory", "",
+            "`built`: resident memory (MiB) the method's engine added when it was built, i.e. its "
+            "drafter's own weights (a copy two methods share counts for the first built). `peak`: "
+            "the process's most resident memory (MiB) during the method's runs; every method's "
+            "weights are loaded at once, so it differs between methods by their working memory.",
+            ""] + _table(["method", "drafter runs", "built", "peak"], rows)
+
+
 def render_markdown(results: dict, figures: list[str] | None = None) -> str:
     """A Spec-Bench-style Markdown report of a results dict.
 
     Sections: header (model, dtype, device, machine, settings, questions per task); speedup table
     (tasks and overall vs hf, overall vs ar, τ, tok/s, identical n/m) with a note on `ar` against
-    the bare-forward limit; theory vs measurement; exactness (every non-identical run, its first
-    difference and logit gap); acceptance per draft position; links to the figures. `figures` are
-    the PNG names to link (default: those `write_report` would draw). Summary and theory are
-    recomputed from results["runs"].
+    the bare-forward limit; theory vs measurement; drafters and memory; exactness (every
+    non-identical run, its first difference and logit gap); acceptance per draft position; links
+    to the figures. `figures` are the PNG names to link (default: those `write_report` would
+    draw). Summary and theory are recomputed from results["runs"].
     """
     runs = results.get("runs") or []
     summary = summarize(runs) if runs else (results.get("summary") or {})
@@ -651,6 +677,7 @@ def render_markdown(results: dict, figures: list[str] | None = None) -> str:
     lines += _ar_note(summary, forward)
     lines += _tree_section(runs, summary)
     lines += _theory_section(theory(runs, forward))
+    lines += _memory_section(results, runs)
     lines += _exactness_section(runs, greedy, config.get("dtype") or "float32")
     speculative = [lb for lb in labels_in_order(runs)
                    if is_speculative_method(next(r["method"] for r in runs if r["label"] == lb))]

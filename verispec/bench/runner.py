@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,8 @@ from verispec.cached_model import CachedModel
 from verispec.drafters import DEFAULT_TREE, METHODS, TREE_METHODS, DraftOptions, build_engine, resolve_tree
 from verispec.drafters.early_exit import default_exit_layer
 from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
+from verispec.drafters.self_spec import SelfSettings
+from verispec.drafters.self_spec import check as check_self
 from verispec.engine import context_length
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel, load_model
@@ -38,6 +41,8 @@ from verispec.tree import TreeSettings
 from verispec.types import GenerationStats, SamplingParams
 
 BASELINES = ("hf", "ar")
+# Self-speculation methods in the default set (the other formats' staged variants: on request).
+SELF_DEFAULTS = ("self-int4", "self-int8", "self-bf16", "self-int4-pld")
 HF_METHODS = ("hf", "hf-pld", "hf-assisted", "hf-early-exit")
 NEEDS_DRAFT = ("draft", "hf-assisted")
 # Trained kinds run by default when the model has one; early-exit runs by default anyway (with its
@@ -74,6 +79,7 @@ class Outcome:
     seconds: float
     target_forwards: int | None
     stats: GenerationStats | None = None
+    peak_rss_mib: float | None = None  # the process's most resident memory during the run
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,8 @@ class Contender:
     k: int | None
     generate: Callable[[list[int]], Outcome] = field(compare=False)
     tree: str | None = None  # "TOPKxNODES" for a tree drafter
+    drafter: str | None = None  # what the drafter runs, where it says (low-precision kernels...)
+    built_mib: float | None = None  # resident memory the contender added when it was built
 
 
 def trained_drafters(config: BenchConfig) -> dict[str, str]:
@@ -98,16 +106,18 @@ def trained_drafters(config: BenchConfig) -> dict[str, str]:
     return found
 
 
-def choose_methods(config: BenchConfig, learned: list[str] = ()) -> list[str]:
+def choose_methods(config: BenchConfig, learned: list[str] = (), self_methods: list[str] = ()) -> list[str]:
     """Baselines first, then the requested (or every available) method, validated.
 
-    learned: the trained-drafter methods available for the model (shipped or --trained).
+    learned: the trained-drafter methods available for the model (shipped or --trained);
+    self_methods: the low-precision self-speculation methods the model can run.
     """
     known = set(METHODS) | set(HF_METHODS)
     if config.methods is None:
         methods = ["hf-pld", "pld", "hf-early-exit", "early-exit", *learned]
         if "eagle" in learned:
             methods.append("eagle-pld")
+        methods += list(self_methods)
         if config.draft:
             methods += ["hf-assisted", "draft"]
         methods = list(dict.fromkeys(methods))
@@ -159,6 +169,15 @@ def hf_contender(method: str, target: LoadedModel, draft: LoadedModel | None, co
     return Contender(method, method, k, generate)
 
 
+def available_self_methods(target: LoadedModel) -> list[str]:
+    """The self-speculation methods `target` can run (none for models off the lean CPU path)."""
+    try:
+        check_self(target, SelfSettings())
+    except VerispecError:
+        return []
+    return list(SELF_DEFAULTS)
+
+
 def exit_layer(target: LoadedModel, config: BenchConfig) -> int:
     """The layer both early-exit methods use, so verispec and HF are compared like for like."""
     return default_exit_layer(target.model) if config.exit_layer is None else config.exit_layer
@@ -171,7 +190,10 @@ def verispec_contender(method: str, k: int | None, label: str, target: LoadedMod
     trained = trained_drafters(config).get(METHODS[method].trained_kind)
     options = DraftOptions(k=k, draft=draft if method == "draft" and draft is not None else trained,
                            exit_layer=exit_layer(target, config), tree=tree, acceptance=acceptance)
+    before = resident_mib()
     engine = build_engine(target, method, options)
+    built = resident_mib() - before
+    describe = getattr(engine.drafter, "describe", None)
 
     def generate(prompt_ids: list[int]) -> Outcome:
         started = time.perf_counter()
@@ -180,7 +202,8 @@ def verispec_contender(method: str, k: int | None, label: str, target: LoadedMod
         return Outcome(result.token_ids, seconds, result.stats.target_forwards, result.stats)
 
     return Contender(label, method, k if method != "ar" else None, generate,
-                     None if tree is None else f"{tree.topk}x{tree.nodes}")
+                     None if tree is None else f"{tree.topk}x{tree.nodes}",
+                     describe() if describe else None, built)
 
 
 def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
@@ -190,7 +213,7 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
     given = trained_drafters(config)
     learned = [kind for kind in LEARNED
                if kind in given or shipped_drafter(target.model, kind) is not None]
-    for method in choose_methods(config, learned):
+    for method in choose_methods(config, learned, available_self_methods(target)):
         if method in HF_METHODS:
             contenders.append(hf_contender(method, target, draft, config, sampling, eos))
             continue
@@ -260,8 +283,54 @@ def first_difference(target: LoadedModel, prompt_ids: list[int], ours: list[int]
             "logit_gap": gap, "baseline_logit": float(logits[baseline[position]])}
 
 
+# CPU features that decide which kernels are fast (bfloat16 and integer paths).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def cpu_description() -> str:
+    """The CPU's model name and its relevant flags, from /proc/cpuinfo (Linux), else the arch."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    have = [flag for flag in CPU_FLAGS if flag in flags]
+    return f"{fields.get('model name', platform.machine())} ({', '.join(have) or 'no AVX2'})"
+
+
+def resident_mib() -> float:
+    """This process's resident memory now, in MiB (Linux; 0 elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class PeakResident:
+    """The most resident memory seen while the block runs (a thread samples every 5 ms)."""
+
+    def __enter__(self) -> PeakResident:
+        self.peak = resident_mib()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.005):
+            self.peak = max(self.peak, resident_mib())
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, resident_mib())
+
+
 def machine_info(device: str) -> dict:
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+    info = {"platform": platform.platform(), "processor": cpu_description(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__}
@@ -285,6 +354,7 @@ def run_record(contender: Contender, question: Question, outcome: Outcome) -> di
         "draft_seconds": stats.draft_seconds if stats else None,
         "verify_seconds": stats.verify_seconds if stats else None,
         "identical_to_baseline": None, "first_difference": None,
+        "peak_rss_mib": outcome.peak_rss_mib,
     }
 
 
@@ -330,6 +400,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     results = {"config": {**{k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
                           "methods": list(dict.fromkeys(c.method for c in contenders)),
                           "labels": [c.label for c in contenders],
+                          "drafters": {c.label: {"runs": c.drafter, "built_mib": c.built_mib}
+                                       for c in contenders if c.built_mib is not None},
                           "questions": str(config.questions or "built-in"),
                           "num_questions": len(questions), "interrupted": False},
                "machine": machine_info(config.device), "forward": {}, "runs": [],
@@ -351,7 +423,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
             outputs = {}
             for contender in order:
                 bar.set_postfix_str(f"{question.task} #{question.question_id} {contender.label}")
-                outputs[contender] = contender.generate(prompt_ids)
+                with PeakResident() as memory:
+                    outputs[contender] = contender.generate(prompt_ids)
+                outputs[contender].peak_rss_mib = memory.peak
                 bar.update()
             baseline = next((o.tokens for c, o in outputs.items() if c.label == "ar"), None)
             for contender in contenders:  # records in a stable order

@@ -19,6 +19,7 @@ from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.model import ModelDrafter, check_same_vocabulary
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
+from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
@@ -206,6 +207,21 @@ def resolve_tree(method: str, tree: TreeSettings | str | None) -> TreeSettings |
     return default
 
 
+# The fastest combination measured on the built-in model (README "Results"), and what models that
+# cannot run it (off the lean CPU path) get instead.
+FASTEST = "self-int4-pld"
+FALLBACK = "pld"
+
+
+def fastest_method(target: LoadedModel) -> str:
+    """The default method for `target`: FASTEST where it can run it, else FALLBACK."""
+    try:
+        check_self(target, SelfSettings())
+    except VerispecError:
+        return FALLBACK
+    return FASTEST
+
+
 def build_engine(target: LoadedModel, method: str = "ar",
                  options: DraftOptions = DraftOptions()) -> SpeculativeEngine:
     """An engine for `target` speculating with `method`; validates every option."""
@@ -225,6 +241,6 @@ def build_engine(target: LoadedModel, method: str = "ar",
                              options.acceptance)
 
 
-__all__ = ["DEFAULT_TREE", "Drafter", "DraftRequest", "DraftOptions", "EagleDrafter", "LookupThenModel",
-           "METHODS", "MedusaDrafter", "Method", "ModelDrafter", "PromptLookupDrafter", "build_engine",
-           "early_exit_drafter", "resolve_tree"]
+__all__ = ["DEFAULT_TREE", "FALLBACK", "FASTEST", "Drafter", "DraftRequest", "DraftOptions", "EagleDrafter",
+           "LookupThenModel", "METHODS", "MedusaDrafter", "Method", "ModelDrafter", "PromptLookupDrafter",
+           "SelfDrafter", "build_engine", "early_exit_drafter", "fastest_method", "resolve_tree"]
