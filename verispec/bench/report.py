@@ -632,9 +632,8 @@ def expected_figures(runs: list[Run], summary: dict) -> list[str]:
 
 
 def _memory_section(results: dict, runs: list[Run]) -> list[str]:
-    """Per method: what its drafter runs (kernels, where it says), the resident memory its engine
-    added when built (weight copies; a copy shared with another method counts for the first),
-    and the process's peak resident memory during its runs."""
+    """Per method: what its drafter runs (kernels, where it says), the size of the drafter's own
+    weights (where it reports it), and the process's peak resident memory during its runs."""
     drafters = (results.get("config") or {}).get("drafters") or {}
     peaks: dict[str, float] = {}
     for run in runs:
@@ -645,16 +644,16 @@ def _memory_section(results: dict, runs: list[Run]) -> list[str]:
     rows = []
     for label in labels_in_order(runs):
         entry = drafters.get(label) or {}
-        built = entry.get("built_mib")
+        weights = entry.get("weights_mib")
         rows.append([_name(label), entry.get("runs") or "–",
-                     "–" if built is None else f"{built:.0f}",
+                     "–" if weights is None else f"{weights:.0f}",
                      "–" if label not in peaks else f"{peaks[label]:.0f}"])
     return ["", "## Drafters and memory", "",
-            "`built`: resident memory (MiB) the method's engine added when it was built, i.e. its "
-            "drafter's own weights (a copy two methods share counts for the first built). `peak`: "
-            "the process's most resident memory (MiB) during the method's runs; every method's "
-            "weights are loaded at once, so it differs between methods by their working memory.",
-            ""] + _table(["method", "drafter runs", "built", "peak"], rows)
+            "`weights`: the drafter's own weights in MiB (shared tensors, such as the target's "
+            "embedding, not counted). `peak`: the process's most resident memory (MiB) during the "
+            "method's runs; every method's weights are loaded at once, so it differs between "
+            "methods only by their working memory.", ""
+            ] + _table(["method", "drafter runs", "weights", "peak"], rows)
 
 
 def render_markdown(results: dict, figures: list[str] | None = None) -> str:

@@ -90,7 +90,7 @@ class Contender:
     generate: Callable[[list[int]], Outcome] = field(compare=False)
     tree: str | None = None  # "TOPKxNODES" for a tree drafter
     drafter: str | None = None  # what the drafter runs, where it says (low-precision kernels...)
-    built_mib: float | None = None  # resident memory the contender added when it was built
+    weights_mib: float | None = None  # the drafter's own weights, where it reports them
 
 
 def trained_drafters(config: BenchConfig) -> dict[str, str]:
@@ -190,10 +190,9 @@ def verispec_contender(method: str, k: int | None, label: str, target: LoadedMod
     trained = trained_drafters(config).get(METHODS[method].trained_kind)
     options = DraftOptions(k=k, draft=draft if method == "draft" and draft is not None else trained,
                            exit_layer=exit_layer(target, config), tree=tree, acceptance=acceptance)
-    before = resident_mib()
     engine = build_engine(target, method, options)
-    built = resident_mib() - before
     describe = getattr(engine.drafter, "describe", None)
+    nbytes = getattr(engine.drafter, "nbytes", None)
 
     def generate(prompt_ids: list[int]) -> Outcome:
         started = time.perf_counter()
@@ -203,7 +202,7 @@ def verispec_contender(method: str, k: int | None, label: str, target: LoadedMod
 
     return Contender(label, method, k if method != "ar" else None, generate,
                      None if tree is None else f"{tree.topk}x{tree.nodes}",
-                     describe() if describe else None, built)
+                     describe() if describe else None, None if nbytes is None else nbytes / 2**20)
 
 
 def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
@@ -400,8 +399,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     results = {"config": {**{k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
                           "methods": list(dict.fromkeys(c.method for c in contenders)),
                           "labels": [c.label for c in contenders],
-                          "drafters": {c.label: {"runs": c.drafter, "built_mib": c.built_mib}
-                                       for c in contenders if c.built_mib is not None},
+                          "drafters": {c.label: {"runs": c.drafter, "weights_mib": c.weights_mib}
+                                       for c in contenders if c.drafter is not None},
                           "questions": str(config.questions or "built-in"),
                           "num_questions": len(questions), "interrupted": False},
                "machine": machine_info(config.device), "forward": {}, "runs": [],

@@ -191,5 +191,10 @@ class SelfDrafter(ModelDrafter):
             mine.rewind(0)
             mine.append(theirs.keys[:, :, : theirs.length], theirs.values[:, :, : theirs.length])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this drafter's own weights."""
+        return self.weights.nbytes
+
     def describe(self) -> str:
         return self.weights.describe() + (", staged behind prompt lookup" if self.lookup else "")

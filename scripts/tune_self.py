@@ -1,0 +1,40 @@
+"""Choose the self-speculation defaults on held-out training-family prompts, never on Spec-Bench.
+
+Runs plain decoding and the low-precision self drafters at several draft lengths (and, with
+--skip, with decoder layers left out), interleaved prompt by prompt, greedy, 128 new tokens,
+float32, and prints milliseconds per token, tau and the ratio to plain decoding; outputs must
+equal plain decoding's. The defaults in verispec.drafters.METHODS came from seeds 791 and 792:
+
+    python scripts/tune_self.py 8 792 self-int4@8 self-int4@10 self-int4-pld@10 self-int4-pld@16
+    python scripts/tune_self.py 8 793 self-int4 self-int4/skip=28,29   # layer skipping
+
+Each spec is METHOD[@K][/skip=I,J,...].
+"""
+
+from __future__ import annotations
+
+import sys
+
+from held_out import compare, held_out
+
+from verispec.drafters import DraftOptions, build_engine
+
+
+def engine_for(target, spec: str):
+    method, _, skip = spec.partition("/skip=")
+    method, _, k = method.partition("@")
+    layers = tuple(int(i) for i in skip.split(",")) if skip else ()
+    return build_engine(target, method, DraftOptions(k=int(k) if k else None, skip_layers=layers))
+
+
+def main(count: int, seed: int, specs: list[str]) -> None:
+    target, prompts = held_out(count, seed)
+    engines = {"ar": build_engine(target, "ar")}
+    engines |= {spec: engine_for(target, spec) for spec in specs}
+    compare(engines, prompts)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4:
+        raise SystemExit(__doc__)
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
