@@ -87,10 +87,10 @@ Product = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class Layer:
-    attn_norm: nn.Module
+    attn_norm: Product
     qkv: Product
     out: Product
-    mlp_norm: nn.Module
+    mlp_norm: Product
     gate_up: Product
     down: Product
 
