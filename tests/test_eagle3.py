@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from tests.tiny import save_tiny, tiny_llama, tiny_tokenizer
 from verispec.cli import main
+from verispec.drafters import DraftOptions, build_engine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, default_aux_layers, eagle3_settings
 from verispec.drafters.learned import save_drafter
@@ -32,6 +33,8 @@ from verispec.export import export_eagle3
 from verispec.models import load_model
 from verispec.policies import ConstantK
 from verispec.stopping import StoppingRules
+from verispec.training.data import build_dataset
+from verispec.tree import TreeSettings
 from verispec.types import SamplingParams
 
 # Float32 on both sides, different operation order (fused SDPA and a KV cache against explicit
@@ -351,3 +354,26 @@ def test_eagle3_sampling_emits_the_targets_distribution(tmp_path):
     for position, p in enumerate((p1, p2)):
         tv = 0.5 * (counts[position] / runs - p).abs().sum()
         assert tv < eps, f"position {position + 1}: TV {tv:.4f} >= {eps:.4f}"
+
+
+def test_cli_trains_an_eagle3_that_decodes_exactly(target, tmp_path, capsys):
+    """`verispec train eagle3` builds data with the aux-layer states and trains on it; method
+    eagle3 with that drafter is plain greedy decoding token for token, as a chain and a tree."""
+    out = tmp_path / "e3"
+    assert main(["train", "eagle3", "--target", target.name, "--out", str(out), "--prompts", "4",
+                 "--max-new-tokens", "10", "--steps", "3", "--vocab", "40"]) == 0
+    meta = json.loads((out / "data" / "meta.json").read_text())
+    assert meta["aux_layers"] == [0, 1, 2]
+    settings = json.loads((out / "drafter.json").read_text())["settings"]
+    assert settings["aux_layers"] == [0, 1, 2] and settings["draft_vocab"] == 40
+    prompt = [1, 17, 42, 9, 33, 17, 42, 5]
+    plain = build_engine(target, "ar").generate(prompt, StoppingRules.build(30)).token_ids
+    for tree in (None, TreeSettings(3, 8)):
+        options = DraftOptions(k=3, draft=str(out), tree=tree)
+        assert build_engine(target, "eagle3", options).generate(
+            prompt, StoppingRules.build(30)).token_ids == plain, tree
+    # Data built without aux states (an eagle run's) is refused with what to do.
+    plain_data = build_dataset(target, tmp_path / "plain", num_prompts=2, max_new_tokens=4)
+    assert main(["train", "eagle3", "--target", target.name, "--out", str(tmp_path / "x"),
+                 "--data", str(plain_data), "--steps", "1"]) == 2
+    assert "has none" in capsys.readouterr().err
