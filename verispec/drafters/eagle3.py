@@ -92,12 +92,11 @@ class Eagle3Attention(nn.Module):
         if cache is not None:
             past = cache.length
             k, v = cache.append(k, v)
-        if self.kv_heads != self.heads:  # grouped-query attention: each k/v head serves a group
-            k = k.repeat_interleave(self.heads // self.kv_heads, 1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, 1)
         if mask is None and length > 1:
             mask = torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(past)
-        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # grouped-query attention: each key/value head serves heads // kv_heads query heads
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                         enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
