@@ -1,4 +1,5 @@
-"""Trained drafters (EAGLE, Medusa, trained early exit): training, loading, target check, exactness.
+"""Trained drafters (EAGLE, EAGLE-3, Medusa, trained early exit): training, loading, target check,
+exactness.
 
 Everything runs on a tiny random target the tests build themselves: a few training steps must
 lower the loss, every drafter (trained or freshly initialised) must reproduce plain greedy
@@ -21,6 +22,7 @@ from verispec.drafters import DraftOptions, EagleDrafter, LookupThenModel, Medus
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.distilled import distilled_drafter
 from verispec.drafters.eagle import EagleNet, eagle_settings
+from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
 from verispec.drafters.learned import ReducedHead, load_drafter, target_identity
 from verispec.drafters.medusa import MedusaNet, medusa_settings
 from verispec.drafters.ngram import PromptLookupDrafter
@@ -48,8 +50,9 @@ def loaded(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(loaded, tmp_path_factory):
+    # aux layers (0, 1, 2): the engines' default (2, N // 2, N - 3) for this 3-layer target
     return build_dataset(loaded, tmp_path_factory.mktemp("data"), num_prompts=12,
-                         max_new_tokens=16, batch_size=4, exit_layer=1)
+                         max_new_tokens=16, batch_size=4, exit_layer=1, aux_layers=(0, 1, 2))
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +166,14 @@ def _drafters(loaded, trained):
         torch.nn.init.normal_(p, std=0.3)
     random_medusa = MedusaNet(**medusa_settings(model, 3))
     torch.nn.init.normal_(random_medusa.weight, std=0.3)
+    random_eagle3 = Eagle3Net(**eagle3_settings(model, None, len(vocab_ids)))
+    for p in random_eagle3.parameters():
+        torch.nn.init.normal_(p, std=0.3)
     return {
+        "eagle3": Eagle3Drafter.load(trained["eagle3"], model),
+        "eagle3-tree": Eagle3Drafter.load(trained["eagle3"], model, tree=TreeSettings(3, 10)),
+        "random-eagle3": Eagle3Drafter(model, random_eagle3, vocab_ids),
+        "random-eagle3-tree": Eagle3Drafter(model, random_eagle3, vocab_ids, tree=TreeSettings(4, 12)),
         "eagle": EagleDrafter.load(trained["eagle"], model),
         "medusa": MedusaDrafter.load(trained["medusa"], model),
         "early-exit": trained_exit_drafter(trained["early-exit"], model, VOCAB),
@@ -282,12 +292,13 @@ def test_sampled_drafts_report_their_q(loaded, trained):
     with torch.no_grad():
         out = loaded.model.model(input_ids=tokens[None], output_hidden_states=True)
     hidden = out.last_hidden_state[0, :-1]
-    with_mid = torch.cat([hidden, out.hidden_states[1][0, :-1]], -1)  # for drafters reading layer 1
     for name, drafter in _drafters(loaded, trained).items():
         if name in ("early-exit", "draft"):
             continue
         drafter.reset()
-        states = with_mid if getattr(drafter, "hidden_layers", ()) else hidden
+        # the final state, then those after the layers the drafter reads (mid-eagle: 1; eagle3: 0-2)
+        layers = getattr(drafter, "hidden_layers", ())
+        states = torch.cat([hidden, *(out.hidden_states[i][0, :-1] for i in layers)], -1)
         proposal = drafter.propose(DraftRequest(tokens, 3, sampling, generator, states))
         q = proposal.draft_probs
         if name.endswith("-tree"):  # trees are chosen by rank: deterministic, q one-hot

@@ -1,4 +1,4 @@
-"""The `verispec` command: generate, demo, bench, train."""
+"""The `verispec` command: generate, demo, bench, train, export."""
 
 from __future__ import annotations
 
@@ -251,17 +251,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.text:
         read_documents(args.text)  # a bad corpus fails here, before any data is built
     target = load_model(args.target, args.dtype, args.device)
+    aux_layers = ()  # EAGLE-3 reads the target's states after the engines' default aux layers
+    if args.kind == "eagle3":
+        from verispec.drafters.eagle3 import default_aux_layers
+
+        aux_layers = default_aux_layers(target.model.config.get_text_config(decoder=True)
+                                        .num_hidden_layers)
     data = Path(args.data) if args.data else out / "data"
     if is_complete(data):
         print(f"verispec: training on the existing data in {data}", file=sys.stderr)
     else:  # builds it, or resumes an interrupted build
         build_dataset(target, data, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                      exit_layer=args.exit_layer, max_batches=args.data_batches)
+                      exit_layer=args.exit_layer, max_batches=args.data_batches,
+                      aux_layers=aux_layers)
     data_dirs = [data]
     if args.text:  # checked against its meta.json (same file, same settings) when reused
         text_data = Path(args.text_data) if args.text_data else out / "text-data"
         data_dirs.append(build_text_dataset(target, args.text, text_data,
-                                            exit_layer=args.exit_layer))
+                                            exit_layer=args.exit_layer, aux_layers=aux_layers))
     config = TrainConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                          seed=args.seed, bf16={"auto": None, "on": True, "off": False}[args.bf16])
     options = RecipeOptions(loss=args.loss, vocab=args.vocab, medusa_heads=args.heads,
@@ -270,6 +277,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     saved = train_drafter(args.kind, target, data_dirs, out, config, options)
     print(f"verispec: {args.kind} drafter written to {saved} (loss curve: {saved / 'run' / 'loss.png'}); "
           f"use it with --method {args.kind} --draft {saved}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from verispec.drafters.learned import shipped_drafter
+    from verispec.export import export_eagle3
+
+    if args.method != "eagle3":
+        raise VerispecError(f"only eagle3 drafters export (vLLM and SGLang load no other kind "
+                            f"verispec trains), not {args.method!r}")
+    target = load_model(args.model, args.dtype, args.device)
+    drafter = args.drafter or shipped_drafter(target.model, "eagle3")
+    if drafter is None:
+        raise VerispecError(f"no trained eagle3 drafter ships for {target.name}: train one with "
+                            f"`verispec train eagle3 --target {target.name} --out DIR` and pass "
+                            "--drafter DIR")
+    k = args.num_speculative_tokens or METHODS["eagle3"].default_k
+    out = export_eagle3(drafter, target, args.out, args.format, k, args.verifier)
+    print(f"verispec: {args.format} EAGLE-3 drafter written to {out}; serve it with:\n"
+          + (out / "README.md").read_text().split("```")[1].strip())
     return 0
 
 
@@ -393,6 +420,23 @@ def build_parser() -> argparse.ArgumentParser:
                        "native bfloat16 instructions, where it is faster)")
     train.add_argument("--device", default="cpu")
     train.set_defaults(func=cmd_train)
+
+    export = commands.add_parser(
+        "export", help="write a trained EAGLE-3 drafter as vLLM or SGLang loads it",
+        description="Writes config.json, model.safetensors and a README with the launch line to "
+        "--out, in the layout the chosen engine loads (see docs/eagle3.md).")
+    add_model_arguments(export)
+    export.add_argument("--method", default="eagle3", help="the drafter kind (eagle3)")
+    export.add_argument("--drafter", help="a trained eagle3 drafter directory (default: the one "
+                        "shipped for --model)")
+    export.add_argument("--format", required=True, choices=["vllm", "sglang"])
+    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument("--num-speculative-tokens", type=int,
+                        help="draft length written into the config and launch line (default: "
+                        "the method's)")
+    export.add_argument("--verifier", help="the target's name as the engine loads it (default: "
+                        "its Hugging Face hub name for a built-in model, else --model)")
+    export.set_defaults(func=cmd_export)
     return parser
 
 

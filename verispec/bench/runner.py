@@ -47,7 +47,7 @@ HF_METHODS = ("hf", "hf-pld", "hf-assisted", "hf-early-exit")
 NEEDS_DRAFT = ("draft", "hf-assisted")
 # Trained kinds run by default when the model has one; early-exit runs by default anyway (with its
 # trained exit if there is one).
-LEARNED = ("eagle", "medusa", "draft")
+LEARNED = ("eagle", "medusa", "draft", "eagle3")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.distilled import distilled_drafter
 from verispec.drafters.eagle import EagleDrafter
+from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.drafters.early_exit import default_exit_layer, early_exit_drafter
 from verispec.drafters.hybrid import LookupThenModel
 from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
@@ -177,6 +178,12 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     # k is the lookup's (7, as pld); the EAGLE drafter drafts up to its own default (2).
     Method("eagle-pld", "prompt lookup where the context repeats, the EAGLE drafter elsewhere "
            "(SAMD-style hybrid)", 7, _lookup_then("eagle"), "eagle", TreeSettings(2, 3)),
+    # The structure vLLM and SGLang run (verispec export writes it for them). No default tree:
+    # none was swept for it.
+    Method("eagle3", "EAGLE-3 drafter: three of the target's layers fused, its own reduced-vocabulary "
+           "head (exportable to vLLM / SGLang)", 2, _learned("eagle3", lambda path, target, options:
+               Eagle3Drafter.load(path, target.model, options.confidence_threshold, options.tree)),
+           "eagle3"),
     # k: held-out prompts (seeds 791, 792; scripts/held_out.py), lean CPU forward, ms per token:
     # self-int4 k 6 / 8 / 10 / 12 / 14 within 10% of each other (acceptance ~99%: the draft
     # cost, not tau, decides), 8 chosen; staged k 10 best or tied with 14 and 16.
@@ -187,7 +194,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
 ]}
 
 
-TREE_METHODS = ("eagle", "medusa", "pld", "draft", "early-exit", "eagle-pld",
+TREE_METHODS = ("eagle", "medusa", "pld", "draft", "early-exit", "eagle-pld", "eagle3",
                 *(f"self-{fmt}" for fmt in FORMATS))
 
 
@@ -244,6 +251,7 @@ def build_engine(target: LoadedModel, method: str = "ar",
                              options.acceptance)
 
 
-__all__ = ["DEFAULT_TREE", "FALLBACK", "FASTEST", "Drafter", "DraftRequest", "DraftOptions", "EagleDrafter",
-           "LookupThenModel", "METHODS", "MedusaDrafter", "Method", "ModelDrafter", "PromptLookupDrafter",
-           "SelfDrafter", "build_engine", "early_exit_drafter", "fastest_method", "resolve_tree"]
+__all__ = ["DEFAULT_TREE", "FALLBACK", "FASTEST", "Drafter", "DraftRequest", "DraftOptions", "Eagle3Drafter",
+           "EagleDrafter", "LookupThenModel", "METHODS", "MedusaDrafter", "Method", "ModelDrafter",
+           "PromptLookupDrafter", "SelfDrafter", "build_engine", "early_exit_drafter", "fastest_method",
+           "resolve_tree"]

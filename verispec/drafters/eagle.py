@@ -75,7 +75,7 @@ class EagleDrafter:
 
     needs_hidden = True
 
-    def __init__(self, target: PreTrainedModel, net: EagleNet, head: ReducedHead,
+    def __init__(self, target: PreTrainedModel, net: nn.Module, head: ReducedHead | None,
                  confidence_threshold: float | None = None, tree: TreeSettings | None = None) -> None:
         self.net = packed_view(net.to(device=target.device, dtype=target.dtype).eval())
         self.embed = target.get_input_embeddings()
@@ -85,7 +85,7 @@ class EagleDrafter:
         self.cache = KVCache()
         self.real = 0  # positions in the cache built from the target's own hidden states
         # The target hands over its state after these layers too (see EagleNet's mid_layer).
-        self.hidden_layers = () if net.mid_layer is None else (net.mid_layer,)
+        self.hidden_layers = () if getattr(net, "mid_layer", None) is None else (net.mid_layer,)
 
     @classmethod
     def load(cls, path: str | Path, target: PreTrainedModel,
@@ -111,18 +111,7 @@ class EagleDrafter:
         if n == 0:
             return Proposal(tokens[:0])
         device = tokens.device
-        size = self.embed.embedding_dim
-        width = size * (1 + len(self.hidden_layers))
-        if states.shape[1] != width:
-            raise VerispecError(f"this EAGLE drafter reads the target's final state and its state "
-                                f"after layers {list(self.hidden_layers)}: {width} values a "
-                                f"position, got {states.shape[1]}")
-        hidden = states[self.real: n, :size][None]
-        mid = states[self.real: n, size:][None] if self.hidden_layers else None
-        # Pairs (h_i, x_{i+1}) for every position not yet in the cache.
-        positions = torch.arange(self.real, n, device=device)
-        feature = self.net(self.embed(tokens[self.real + 1: n + 1])[None], hidden, positions,
-                           self.cache, mid=mid)[0, -1]
+        feature = self._extend(tokens, states, n)
         self.real = n
         if self.tree is not None:
             return self._propose_tree(feature, n, request.k)
@@ -144,6 +133,22 @@ class EagleDrafter:
                 feature = self.net(self.embed(token.view(1, 1)), feature.view(1, 1, -1),
                                    torch.tensor([n + i], device=device), self.cache)[0, -1]
         return Proposal(torch.stack(drafted), torch.stack(probs) if probs else None)
+
+    def _extend(self, tokens: torch.Tensor, states: torch.Tensor, n: int) -> torch.Tensor:
+        """Run the pairs (h_i, x_{i+1}) of every real position not yet cached (self.real..n-1)
+        into the cache; return the last one's predicted feature [hidden].
+        tokens: [context_len]; states: [n, hidden * (1 + len(hidden_layers))]."""
+        size = self.embed.embedding_dim
+        width = size * (1 + len(self.hidden_layers))
+        if states.shape[1] != width:
+            raise VerispecError(f"this EAGLE drafter reads the target's final state and its state "
+                                f"after layers {list(self.hidden_layers)}: {width} values a "
+                                f"position, got {states.shape[1]}")
+        hidden = states[self.real: n, :size][None]
+        mid = states[self.real: n, size:][None] if self.hidden_layers else None
+        positions = torch.arange(self.real, n, device=tokens.device)
+        return self.net(self.embed(tokens[self.real + 1: n + 1])[None], hidden, positions,
+                        self.cache, mid=mid)[0, -1]
 
     def _propose_tree(self, feature: torch.Tensor, n: int, depth: int) -> Proposal:
         """A dynamic tree grown from the root's predicted feature [hidden] (position n)."""

@@ -3,7 +3,9 @@ of a text corpus read as its replies, with its hidden states.
 
 Each shard file holds one generation batch: for every sequence the token ids (prompt + answer),
 the prompt length, the target's final hidden state at every position (what EAGLE and Medusa
-drafters read) and the hidden state after the early-exit layer (what a trained exit reads).
+drafters read), the hidden state after the early-exit layer (what a trained exit reads) and,
+where the data was built with `aux_layers`, the states after those layers side by side (what an
+EAGLE-3 drafter reads).
 Logits are not stored: they are `final_hidden @ lm_head.T`, recomputed when a loss needs them.
 Shards already written are kept, so an interrupted build resumes where it stopped.
 """
@@ -34,6 +36,9 @@ class Sequence:
     prompt_len: int
     hidden: torch.Tensor  # [T, hidden] float16: final (normed) hidden state per position
     exit_hidden: torch.Tensor  # [T, hidden] float16: hidden state after the first exit_layer layers
+    # [T, hidden * len(aux_layers)] float16: Hugging Face hidden_states[L] for each L in the
+    # data's aux_layers (meta.json), side by side; None for data built without them
+    aux_hidden: torch.Tensor | None = None
 
 
 def _encode(target: LoadedModel, prompt: str) -> list[int]:
@@ -67,8 +72,10 @@ def answer(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -
 
 
 @torch.inference_mode()
-def features(target: LoadedModel, sequences: list[list[int]], exit_layer: int) -> list[Sequence]:
-    """Final and exit-layer hidden states of each sequence, from one right-padded forward."""
+def features(target: LoadedModel, sequences: list[list[int]], exit_layer: int,
+             aux_layers: tuple[int, ...] = ()) -> list[Sequence]:
+    """Final, exit-layer (and aux-layer) hidden states of each sequence, from one right-padded
+    forward."""
     model = target.model
     width = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), width, dtype=torch.int64)
@@ -79,20 +86,27 @@ def features(target: LoadedModel, sequences: list[list[int]], exit_layer: int) -
     out = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
                       output_hidden_states=True)
     final, early = out.last_hidden_state, out.hidden_states[exit_layer]
+    aux = torch.cat([out.hidden_states[layer] for layer in aux_layers], -1) if aux_layers else None
     return [Sequence(torch.tensor(s), 0, final[row, : len(s)].half().cpu(),
-                     early[row, : len(s)].half().cpu()) for row, s in enumerate(sequences)]
+                     early[row, : len(s)].half().cpu(),
+                     None if aux is None else aux[row, : len(s)].half().cpu())
+            for row, s in enumerate(sequences)]
 
 
 def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1000,
                   max_new_tokens: int = 160, batch_size: int = 64, seed: int = 0,
-                  exit_layer: int | None = None, max_batches: int | None = None) -> Path:
+                  exit_layer: int | None = None, max_batches: int | None = None,
+                  aux_layers: tuple[int, ...] = ()) -> Path:
     """Write shards of self-distillation data for `target` into out_dir (resumable).
+
+    aux_layers: also store the states after these layers (Hugging Face hidden_states[L]), for
+    EAGLE-3 drafters; recorded in meta.json only when given, so older data stays valid.
 
     max_batches: stop after this many shards (of num_prompts / batch_size, in their fixed random
     order) and call the data complete: a smaller dataset that is still a mix of every prompt kind.
     """
     out, exit_layer = _start(target, out_dir, exit_layer, {
-        "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "seed": seed})
+        "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "seed": seed}, aux_layers)
     prompts = [_encode(target, p) for p in make_prompts(num_prompts, seed)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding per batch
     batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
@@ -107,24 +121,30 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1
             continue
         chosen = [prompts[i] for i in batch]
         sequences = answer(target, chosen, max_new_tokens)
-        _write_shard(shard, features(target, sequences, exit_layer), [len(p) for p in chosen])
+        _write_shard(shard, features(target, sequences, exit_layer, aux_layers),
+                     [len(p) for p in chosen])
     (out / COMPLETE).touch()
     return out
 
 
 def _start(target: LoadedModel, out_dir: str | Path, exit_layer: int | None,
-           settings: dict) -> tuple[Path, int]:
+           settings: dict, aux_layers: tuple[int, ...] = ()) -> tuple[Path, int]:
     """Check the target and the exit layer, and create out_dir with its meta.json, refusing a
     directory that holds data built with other settings (shards already there are kept)."""
     if target.tokenizer is None:
         raise VerispecError(f"{target.name} has no tokenizer: training data is text")
     exit_layer = default_exit_layer(target.model) if exit_layer is None else exit_layer
-    if not 1 <= exit_layer < len(decoder_layers(target.model)):
+    layers = len(decoder_layers(target.model))
+    if not 1 <= exit_layer < layers:
         raise VerispecError(f"exit layer {exit_layer} is outside the target's layers")
+    if list(aux_layers) != sorted(set(aux_layers)) or any(not 0 <= a < layers for a in aux_layers):
+        raise VerispecError(f"aux layers must increase within 0..{layers - 1}, got {list(aux_layers)}")
     out = Path(out_dir)
     meta = {"target": target.name, **settings, "exit_layer": exit_layer,
             "hidden_size": target.model.config.hidden_size,
             "dtype": str(target.model.dtype).removeprefix("torch.")}
+    if aux_layers:
+        meta["aux_layers"] = list(aux_layers)
     meta_file = out / "meta.json"
     if meta_file.exists() and json.loads(meta_file.read_text()) != meta:
         raise VerispecError(f"{out} holds data built with other settings ({meta_file}); "
@@ -136,7 +156,9 @@ def _start(target: LoadedModel, out_dir: str | Path, exit_layer: int | None,
 
 def _write_shard(shard: Path, records: list[Sequence], prompt_lens: list[int]) -> None:
     payload = [{"tokens": r.tokens.to(torch.int32), "prompt_len": n, "hidden": r.hidden,
-                "exit_hidden": r.exit_hidden} for r, n in zip(records, prompt_lens)]
+                "exit_hidden": r.exit_hidden,
+                **({} if r.aux_hidden is None else {"aux_hidden": r.aux_hidden})}
+               for r, n in zip(records, prompt_lens)]
     tmp = shard.with_suffix(f".tmp{os.getpid()}")
     torch.save(payload, tmp)
     os.replace(tmp, shard)
@@ -193,7 +215,7 @@ def text_sequences(target: LoadedModel, docs: list[dict], chunk_tokens: int,
 
 def build_text_dataset(target: LoadedModel, corpus: str | Path, out_dir: str | Path,
                        chunk_tokens: int = 320, batch_size: int = 16, seed: int = 0,
-                       exit_layer: int | None = None) -> Path:
+                       exit_layer: int | None = None, aux_layers: tuple[int, ...] = ()) -> Path:
     """Write shards of the target's hidden states over a text corpus into out_dir (resumable).
 
     Teacher forcing: one forward pass per batch of passages, no generation, so a corpus gives
@@ -204,14 +226,14 @@ def build_text_dataset(target: LoadedModel, corpus: str | Path, out_dir: str | P
     digest = hashlib.sha256(Path(corpus).read_bytes()).hexdigest()[:16]
     settings = {"corpus": Path(corpus).name, "corpus_sha256": digest,
                 "chunk_tokens": chunk_tokens, "seed": seed}
-    out, exit_layer = _start(target, out_dir, exit_layer, settings)
+    out, exit_layer = _start(target, out_dir, exit_layer, settings, aux_layers)
     chunks = text_sequences(target, docs, chunk_tokens, seed)
     random.Random(seed).shuffle(chunks)
     batches = [chunks[i: i + batch_size] for i in range(0, len(chunks), batch_size)]
     for index, batch in enumerate(tqdm(batches, desc="corpus hidden states", unit="batch")):
         shard = out / f"shard-{index:05d}.pt"
         if not shard.exists():
-            _write_shard(shard, features(target, [ids for ids, _ in batch], exit_layer),
+            _write_shard(shard, features(target, [ids for ids, _ in batch], exit_layer, aux_layers),
                          [n for _, n in batch])
     (out / COMPLETE).touch()
     return out
@@ -229,6 +251,6 @@ def load_dataset(data_dir: str | Path) -> tuple[dict, list[Sequence]]:
     if not (data / "meta.json").is_file() or not shards:
         raise VerispecError(f"{data} holds no training data (build it with `verispec train ... "
                             "--data DIR`, which writes it first)")
-    sequences = [Sequence(r["tokens"].long(), r["prompt_len"], r["hidden"], r["exit_hidden"])
-                 for shard in shards for r in torch.load(shard)]
+    sequences = [Sequence(r["tokens"].long(), r["prompt_len"], r["hidden"], r["exit_hidden"],
+                          r.get("aux_hidden")) for shard in shards for r in torch.load(shard)]
     return json.loads((data / "meta.json").read_text()), sequences

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 
 from verispec.drafters.distilled import DraftStudent, draft_settings
 from verispec.drafters.eagle import EagleNet, eagle_settings
+from verispec.drafters.eagle3 import Eagle3Net, eagle3_settings
 from verispec.drafters.learned import (
     CONFIG_FILE,
     ReducedHead,
@@ -33,9 +34,10 @@ from verispec.training.data import Sequence, load_dataset
 from verispec.training.losses import agreement, distill_loss, feature_loss
 from verispec.training.trainer import TrainConfig, bf16_is_fast, train
 
-KINDS = ("eagle", "medusa", "early-exit", "draft")
+KINDS = ("eagle", "medusa", "early-exit", "draft", "eagle3")
 # Key prefix of each kind's own weights in weights.safetensors.
-PREFIX = {"eagle": "net.", "medusa": "net.", "early-exit": "adapter.", "draft": "student."}
+PREFIX = {"eagle": "net.", "medusa": "net.", "early-exit": "adapter.", "draft": "student.",
+          "eagle3": "net."}
 
 
 @dataclass(frozen=True)
@@ -47,13 +49,17 @@ class Batch:
     # [B, T] bool: real positions whose next token belongs to the answer (or corpus passage):
     # the predictions a drafter makes while decoding; the prompt's are trained on, not drafted.
     answer: torch.Tensor
+    # [B, T, hidden * len(aux_layers)] float32: the states after the data's aux layers (EAGLE-3),
+    # None where the data has none
+    aux: torch.Tensor | None = None
 
 
 def collate(items: list[Sequence], max_len: int) -> Batch:
     """Right-pad sequences (each cut to its last max_len tokens) into one batch."""
     cut = [max(0, len(s.tokens) - max_len) for s in items]  # tokens dropped from each start
     items = [Sequence(s.tokens[-max_len:], max(0, s.prompt_len - dropped), s.hidden[-max_len:],
-                      s.exit_hidden[-max_len:]) for s, dropped in zip(items, cut)]
+                      s.exit_hidden[-max_len:], None if s.aux_hidden is None else s.aux_hidden[-max_len:])
+             for s, dropped in zip(items, cut)]
     width = max(len(s.tokens) for s in items)
     size = items[0].hidden.shape[-1]
     tokens = torch.zeros(len(items), width, dtype=torch.int64)
@@ -61,12 +67,16 @@ def collate(items: list[Sequence], max_len: int) -> Batch:
     exit_hidden = torch.zeros(len(items), width, size)
     mask = torch.zeros(len(items), width, dtype=torch.bool)
     answer = torch.zeros_like(mask)
+    with_aux = all(s.aux_hidden is not None for s in items)
+    aux = torch.zeros(len(items), width, items[0].aux_hidden.shape[-1]) if with_aux else None
     for row, s in enumerate(items):
         n = len(s.tokens)
         tokens[row, :n], mask[row, :n] = s.tokens, True
         answer[row, max(0, s.prompt_len - 1): n] = True
         hidden[row, :n], exit_hidden[row, :n] = s.hidden.float(), s.exit_hidden.float()
-    return Batch(tokens, hidden, exit_hidden, mask, answer)
+        if aux is not None:
+            aux[row, :n] = s.aux_hidden.float()
+    return Batch(tokens, hidden, exit_hidden, mask, answer, aux)
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,8 @@ class RecipeOptions:
     draft_layers: int = 2  # distilled draft model: its own layers
     init: str | None = None  # start from this trained drafter's weights (same kind and target)
     mid_state: bool = False  # EAGLE: also read the target's state at the data's exit layer
+    # EAGLE-3: train its own lm_head (it starts as the target's rows of the draft vocabulary)
+    train_head: bool = True
 
 
 class Recipe:
@@ -102,6 +114,16 @@ class Recipe:
             if options.mid_state:
                 self.settings["mid_layer"] = int(meta["exit_layer"])
             self.module = EagleNet(**self.settings)
+        elif kind == "eagle3":
+            if "aux_layers" not in meta or any(s.aux_hidden is None for s in sequences):
+                raise VerispecError("EAGLE-3 trains on the target's states after its aux layers: "
+                                    "this data has none (`verispec train eagle3` builds data "
+                                    "with them; use a new --data directory)")
+            self.settings = eagle3_settings(model, tuple(meta["aux_layers"]), len(self.vocab_ids))
+            self.module = Eagle3Net(**self.settings)
+            with torch.no_grad():  # the target's own head, restricted: a good place to start
+                self.module.lm_head.weight.copy_(self.head_t.t())
+            self.module.lm_head.weight.requires_grad_(options.train_head)
         elif kind == "draft":
             self.settings = draft_settings(options.draft_layers)
             self.module = DraftStudent(model, options.draft_layers).float()
@@ -120,10 +142,16 @@ class Recipe:
 
     def _warm_start(self, path: Path) -> None:
         """Load a trained drafter's own weights (its vocabulary is not kept: the network does not
-        depend on it, and the reduced vocabulary follows the new data)."""
+        depend on it, and the reduced vocabulary follows the new data; except for EAGLE-3, whose
+        own head is its vocabulary's)."""
         config, weights = load_drafter(path, self.target, self.kind)
         prefix = PREFIX[self.kind]
         own = {k.removeprefix(prefix): v.float() for k, v in weights.items() if k.startswith(prefix)}
+        if self.kind == "eagle3":  # its own head's rows are its vocabulary's: both are kept
+            self.vocab_ids = weights["vocab_ids"].long()
+            self.head = ReducedHead(self.target, self.vocab_ids)
+            self.head_t = self.head.weight_t.float()
+            self.settings["draft_vocab"] = len(self.vocab_ids)
         unfused = {k: v for k, v in self.settings.items() if k != "mid_layer"}
         if self.kind == "eagle" and unfused != self.settings and config["settings"] == unfused:
             self.module.load_unfused(own)  # an EAGLE drafter without the mid-layer input
@@ -140,7 +168,7 @@ class Recipe:
     def loss(self, items: list[Sequence], max_len: int) -> tuple[torch.Tensor, dict]:
         batch = collate(items, max_len)
         return {"eagle": self._eagle, "medusa": self._medusa, "early-exit": self._exit,
-                "draft": self._draft}[self.kind](batch)
+                "draft": self._draft, "eagle3": self._eagle3}[self.kind](batch)
 
     def _eagle(self, b: Batch) -> tuple[torch.Tensor, dict]:
         # Position i: (h_i, x_{i+1}) -> h_{i+1}. Unrolled step s feeds back the step s-1 predictions.
@@ -164,6 +192,27 @@ class Recipe:
             metrics.update(agreement(f"top1_step{step + 1}", student, teacher, m,
                                      answer[:, step: step + width]))
             features = predicted[:, :-1]  # predicted h_{i+1}, paired next with x_{i+2}
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+    def _eagle3(self, b: Batch) -> tuple[torch.Tensor, dict]:
+        # Position i: (fc(aux_i), x_{i+1}) -> o_i, whose logits should be the target's at i + 1
+        # (its distribution of x_{i+2}). As EAGLE-3 trains: token loss only, no feature
+        # regression. Unrolled step s feeds back the step s-1 outputs o (already H wide: no fc).
+        mask, answer = b.mask[:, 1:], b.answer[:, 1:]
+        teacher_all = self.teacher(b.hidden[:, 1:])  # [B, T - 1, reduced]
+        features = self.module.fc(b.aux[:, :-1])
+        total, metrics = 0.0, {}
+        for step in range(self.options.unroll):
+            width = features.shape[1]
+            embeds = self.embed[b.tokens[:, step + 1: step + 1 + width]]
+            output = self.module(embeds, features, torch.arange(width))
+            student = self.module.logits(output)
+            teacher, m = teacher_all[:, step: step + width], mask[:, step: step + width]
+            total = total + distill_loss(student, teacher, self.options.loss, m)
+            metrics.update(agreement(f"top1_step{step + 1}", student, teacher, m,
+                                     answer[:, step: step + width]))
+            features = output[:, :-1]  # o_i, paired next with x_{i+2}
         metrics["loss"] = float(total.detach())
         return total, metrics
 
@@ -213,7 +262,7 @@ class Recipe:
 
     def export(self, out_dir: Path, extra: dict) -> Path:
         weights = {PREFIX[self.kind] + k: v for k, v in self.module.state_dict().items()}
-        if self.kind in ("eagle", "medusa"):
+        if self.kind in ("eagle", "medusa", "eagle3"):
             weights["vocab_ids"] = self.vocab_ids
         return save_drafter(out_dir, self.kind, self.target,
                             {k: v for k, v in self.settings.items()}, weights, extra)
