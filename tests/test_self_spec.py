@@ -282,3 +282,25 @@ def test_api_and_cli_reach_self_methods(tiny_dir, capsys):
     with pytest.raises(SystemExit) as bad:
         main(["generate", "--model", str(tiny_dir), "--prompt", "w5", "--skip-layers", "x"])
     assert bad.value.code == 2 and "expected integers" in capsys.readouterr().err
+
+
+def test_drafter_starts_from_the_targets_prompt_cache(loaded):
+    """adopt_prefill copies the target's prompt keys and values instead of recomputing them."""
+    from verispec.cached_model import CachedModel
+
+    target = CachedModel(loaded.model)
+    target.prefill(torch.tensor(PROMPTS[0][:-1]))
+    drafter = SelfDrafter(loaded, SelfSettings("int4", skip=(1,)))
+    drafter.adopt_prefill(target)
+    assert drafter.lm.length == target.length == len(PROMPTS[0]) - 1
+    for mine, index in zip(drafter.lm.lean.caches, (0, 2)):  # layer 1 skipped
+        theirs = target.lean.caches[index]
+        assert torch.equal(mine.keys[:, :, : mine.length], theirs.keys[:, :, : theirs.length])
+        assert torch.equal(mine.values[:, :, : mine.length], theirs.values[:, :, : theirs.length])
+
+
+def test_default_method_falls_back_off_the_lean_path(loaded):
+    from verispec.drafters import FALLBACK, FASTEST, fastest_method
+
+    assert fastest_method(loaded) == FASTEST
+    assert fastest_method(LoadedModel(tiny_qwen3(seed=1), None, "qwen3")) == FALLBACK

@@ -138,17 +138,21 @@ class EagleDrafter:
         """Run the pairs (h_i, x_{i+1}) of every real position not yet cached (self.real..n-1)
         into the cache; return the last one's predicted feature [hidden].
         tokens: [context_len]; states: [n, hidden * (1 + len(hidden_layers))]."""
-        size = self.embed.embedding_dim
-        width = size * (1 + len(self.hidden_layers))
+        width = self.embed.embedding_dim * (1 + len(self.hidden_layers))
         if states.shape[1] != width:
-            raise VerispecError(f"this EAGLE drafter reads the target's final state and its state "
-                                f"after layers {list(self.hidden_layers)}: {width} values a "
+            raise VerispecError(f"this {type(self).__name__} reads the target's final state and its "
+                                f"state after layers {list(self.hidden_layers)}: {width} values a "
                                 f"position, got {states.shape[1]}")
-        hidden = states[self.real: n, :size][None]
-        mid = states[self.real: n, size:][None] if self.hidden_layers else None
         positions = torch.arange(self.real, n, device=tokens.device)
-        return self.net(self.embed(tokens[self.real + 1: n + 1])[None], hidden, positions,
-                        self.cache, mid=mid)[0, -1]
+        embedded = self.embed(tokens[self.real + 1: n + 1])[None]  # [1, new, hidden]
+        return self._run(embedded, states[self.real: n][None], positions)[0, -1]
+
+    def _run(self, embedded: torch.Tensor, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The network over new real positions: embedded [1, new, hidden], the target's states
+        there [1, new, width], positions [new] -> predicted features [1, new, hidden]."""
+        size = self.embed.embedding_dim
+        mid = states[..., size:] if self.hidden_layers else None
+        return self.net(embedded, states[..., :size], positions, self.cache, mid=mid)
 
     def _propose_tree(self, feature: torch.Tensor, n: int, depth: int) -> Proposal:
         """A dynamic tree grown from the root's predicted feature [hidden] (position n)."""

@@ -197,14 +197,7 @@ class Eagle3Drafter(EagleDrafter):
                              if k.startswith("net.")})
         return cls(target, net, weights["vocab_ids"].long(), confidence_threshold, tree)
 
-    def _extend(self, tokens: torch.Tensor, states: torch.Tensor, n: int) -> torch.Tensor:
-        size = self.embed.embedding_dim
-        width = size * (1 + len(self.hidden_layers))
-        if states.shape[1] != width:
-            raise VerispecError(f"this EAGLE-3 drafter reads the target's states after layers "
-                                f"{list(self.hidden_layers)}: {width} values a position (with "
-                                f"the final state), got {states.shape[1]}")
-        feature = self.net.fc(states[self.real: n, size:][None])  # [1, new, hidden]
-        positions = torch.arange(self.real, n, device=tokens.device)
-        return self.net(self.embed(tokens[self.real + 1: n + 1])[None], feature, positions,
-                        self.cache)[0, -1]
+    def _run(self, embedded: torch.Tensor, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3 reads the aux layers' states only, fused by `fc` (the final state is unused)."""
+        feature = self.net.fc(states[..., self.embed.embedding_dim:])  # [1, new, hidden]
+        return self.net(embedded, feature, positions, self.cache)

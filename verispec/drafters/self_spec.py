@@ -34,7 +34,7 @@ from verispec.lowbit import (
     quantize,
 )
 from verispec.models import LoadedModel
-from verispec.packed import linear_fingerprint
+from verispec.packed import per_model
 from verispec.tree import TreeSettings
 
 
@@ -149,19 +149,14 @@ def check(target: LoadedModel, settings: SelfSettings) -> None:
                                 "multiple of 16; use self-int8 or self-bf16 for this model")
 
 
-# target model -> {settings: (fingerprint, SelfWeights)}: engines built per call share the copy.
-_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# settings -> {target model -> (fingerprint, SelfWeights)}: engines built per call share the copy.
+_WEIGHTS: dict[SelfSettings, weakref.WeakKeyDictionary] = {}
 
 
 def self_weights(target: LoadedModel, settings: SelfSettings) -> SelfWeights:
     """The (cached) low-precision weights of `target`; renewed when a linear weight changed."""
-    per_settings = _WEIGHTS.setdefault(target.model, {})
-    fingerprint = linear_fingerprint(target.model)
-    cached = per_settings.get(settings)
-    if cached is None or cached[0] != fingerprint:
-        cached = (fingerprint, SelfWeights(target, settings))
-        per_settings[settings] = cached
-    return cached[1]
+    cache = _WEIGHTS.setdefault(settings, weakref.WeakKeyDictionary())
+    return per_model(cache, target.model, lambda _: SelfWeights(target, settings))
 
 
 class SelfDrafter(ModelDrafter):
