@@ -121,3 +121,31 @@ def test_draft_with_another_vocabulary_is_refused(tiny_dir, tmp_path):
     tiny_tokenizer(vocab=48).save_pretrained(smaller)
     with pytest.raises(verispec.VerispecError, match="48 tokens"):
         verispec.generate(str(tiny_dir), PROMPT, assistant_model=str(smaller))
+
+
+def test_a_batch_of_prompts_gives_each_prompts_own_answer(tiny_dir, target):
+    """Lists of texts or of ids decode together; each result is that prompt's alone."""
+    texts = [PROMPT, "w20 w21", "w5 w6 w7 w5 w6 w7 w5"]
+    ids = [tiny_tokenizer()(t)["input_ids"] for t in texts]
+    truth = [plain_greedy(target, p, 12) for p in ids]
+    for inputs in (texts, ids):
+        for kwargs in ({}, {"prompt_lookup_num_tokens": 3}, {"method": "self-int4-pld"}):
+            results = verispec.generate(str(tiny_dir), inputs, max_new_tokens=12, eos_token_id=[],
+                                        **kwargs)
+            assert [r.token_ids for r in results] == truth, kwargs
+            assert results[1].text == tiny_tokenizer().decode(truth[1], skip_special_tokens=True)
+
+
+def test_num_return_sequences_draws_seeded_samples(tiny_dir):
+    kwargs = {"max_new_tokens": 10, "do_sample": True, "seed": 3, "num_return_sequences": 4,
+              "prompt_lookup_num_tokens": 3}
+    first = verispec.generate(str(tiny_dir), PROMPT, **kwargs)
+    again = verispec.generate(str(tiny_dir), PROMPT, **kwargs)
+    assert len(first) == 4 and [r.token_ids for r in first] == [r.token_ids for r in again]
+    assert len({tuple(r.token_ids) for r in first}) > 1
+    with pytest.raises(verispec.VerispecError, match="num_return_sequences"):
+        verispec.generate(str(tiny_dir), PROMPT, num_return_sequences=0)
+    with pytest.raises(verispec.VerispecError, match="streamer"):
+        verispec.generate(str(tiny_dir), [PROMPT, PROMPT], streamer=object())
+    with pytest.raises(verispec.VerispecError, match="all text or all lists"):
+        verispec.generate(str(tiny_dir), [PROMPT, 5])

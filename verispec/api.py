@@ -41,7 +41,7 @@ def encode_prompt(target: LoadedModel, inputs: str | list[int] | torch.Tensor,
     """Token ids for a prompt: ids pass through; text is tokenized (via the chat template if chat)."""
     if isinstance(inputs, torch.Tensor):
         if inputs.dim() == 2 and inputs.shape[0] != 1:
-            raise VerispecError(f"batch size must be 1, got input_ids of shape {tuple(inputs.shape)}")
+            raise VerispecError(f"one prompt expected, got input_ids of shape {tuple(inputs.shape)}")
         return inputs.reshape(-1).tolist()
     if isinstance(inputs, str):
         if not inputs.strip():
@@ -58,30 +58,60 @@ def encode_prompt(target: LoadedModel, inputs: str | list[int] | torch.Tensor,
     return list(inputs)
 
 
+Prompts = str | list[int] | list[str] | list[list[int]] | torch.Tensor
+
+
+def encode_prompts(target: LoadedModel, inputs: Prompts, chat: bool = False) -> tuple[list[list[int]], bool]:
+    """Token ids for one prompt or a batch, and whether it was a batch: a list of strings or of
+    id lists, or input_ids [batch, n] with batch > 1. (Left-padded input_ids are not
+    unpadded: pass lists of ids of their own lengths.)"""
+    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[0] > 1:
+        return inputs.tolist(), True
+    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(x, (str, list, tuple))
+                                                            for x in inputs):
+        return [encode_prompt(target, x, chat) for x in inputs], True
+    if isinstance(inputs, (list, tuple)) and any(isinstance(x, (str, list, tuple)) for x in inputs):
+        raise VerispecError("a batch is a list of prompts, all text or all lists of token ids")
+    return [encode_prompt(target, inputs, chat)], False
+
+
 @dataclass(frozen=True)
 class Job:
-    """A fully validated request: engine, prompt ids, stopping rules, sampling, seed."""
+    """A fully validated request: engine, prompts (one, or a batch), stopping rules, sampling."""
 
     target: LoadedModel
     engine: SpeculativeEngine
-    prompt_ids: list[int]
+    prompts: list[list[int]]
     stopping: StoppingRules
     sampling: SamplingParams
     seed: int | None
+    batched: bool = False  # the prompts came as a batch: the result is a list
+    samples: int = 1  # sequences per prompt (num_return_sequences)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt of a single-prompt job."""
+        return self.prompts[0]
 
 
-def make_job(target: LoadedModel, inputs: str | list[int] | torch.Tensor, *, method: str = "ar",
+def make_job(target: LoadedModel, inputs: Prompts, *, method: str = "ar",
              options: DraftOptions = DraftOptions(), sampling: SamplingParams = SamplingParams(),
              max_new_tokens: int = 128, eos_token_id: int | Iterable[int] | None = None,
              stop_strings: str | Iterable[str] | None = None, chat: bool = False,
-             seed: int | None = None) -> Job:
+             seed: int | None = None, num_return_sequences: int = 1) -> Job:
     """Validate a request by method name (the CLI's entry); raises before any work starts."""
+    if (isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, int)
+            or num_return_sequences < 1):
+        raise VerispecError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}")
     engine = build_engine(target, method, options)
     eos = target.eos_token_ids if eos_token_id is None else eos_token_id
     stopping = StoppingRules.build(max_new_tokens, eos, stop_strings, target.tokenizer)
-    prompt_ids = encode_prompt(target, inputs, chat)
-    engine.check_prompt(prompt_ids, max_new_tokens)
-    return Job(target, engine, prompt_ids, stopping, sampling, seed)
+    prompts, batched = encode_prompts(target, inputs, chat)
+    if not prompts:
+        raise VerispecError("the batch of prompts is empty")
+    for prompt_ids in prompts:
+        engine.check_prompt(prompt_ids, max_new_tokens)
+    return Job(target, engine, prompts, stopping, sampling, seed, batched, num_return_sequences)
 
 
 def prepare(
@@ -108,6 +138,7 @@ def prepare(
     stop_strings: str | Iterable[str] | None = None,
     tokenizer=None,
     chat: bool = False,
+    num_return_sequences: int = 1,
 ) -> Job:
     """Map Hugging Face-style arguments to a method and validate; see `generate`."""
     target = _as_loaded(model, tokenizer)
@@ -138,40 +169,55 @@ def prepare(
     return make_job(target, inputs, method=method, options=options,
                     sampling=SamplingParams(do_sample, temperature, top_k, top_p),
                     max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                    stop_strings=stop_strings, chat=chat, seed=seed)
+                    stop_strings=stop_strings, chat=chat, seed=seed,
+                    num_return_sequences=num_return_sequences)
 
 
-def run(job: Job, streamer=None) -> GenerationResult:
-    """Execute a prepared job; decode the text when a tokenizer is known."""
-    if streamer is None:
-        result = job.engine.generate(job.prompt_ids, job.stopping, job.sampling, job.seed)
+def run(job: Job, streamer=None) -> GenerationResult | list[GenerationResult]:
+    """Execute a prepared job; decode the text when a tokenizer is known. A batch, or several
+    samples of one prompt, runs as one batch and gives a list (samples of a prompt together)."""
+    if job.batched or job.samples > 1:
+        if streamer is not None:
+            raise VerispecError("a streamer takes one sequence: stream a batch through verispec.serve "
+                                "or SpeculativeEngine.add / step")
+        results = job.engine.generate_batch(job.prompts, job.stopping, job.sampling, job.seed,
+                                            job.samples)
+    elif streamer is None:
+        results = [job.engine.generate(job.prompt_ids, job.stopping, job.sampling, job.seed)]
     else:
         streamer.put(torch.tensor(job.prompt_ids))
-        result = job.engine.generate(job.prompt_ids, job.stopping, job.sampling, job.seed,
-                                     on_step=lambda step: streamer.put(torch.tensor(step.tokens)))
+        results = [job.engine.generate(job.prompt_ids, job.stopping, job.sampling, job.seed,
+                                       on_step=lambda step: streamer.put(torch.tensor(step.tokens)))]
         streamer.end()
     if job.target.tokenizer is not None:
-        result.text = job.target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-    return result
+        for result in results:
+            result.text = job.target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    return results if job.batched or job.samples > 1 else results[0]
 
 
-def generate(model: ModelLike, inputs: str | list[int] | torch.Tensor, *, streamer=None,
-             **kwargs) -> GenerationResult:
+def generate(model: ModelLike, inputs: Prompts, *, streamer=None,
+             **kwargs) -> GenerationResult | list[GenerationResult]:
     """Generate from `model` (a name, path, LoadedModel or PreTrainedModel), losslessly faster.
 
     inputs: text (tokenized raw, or through the chat template with chat=True) or token ids
-    ([n] or [1, n]). Keyword arguments follow Hugging Face `generate()`: max_new_tokens,
-    do_sample, temperature, top_k, top_p, seed, assistant_model, num_assistant_tokens,
-    num_assistant_tokens_schedule ("constant" | "heuristic"), assistant_confidence_threshold,
-    prompt_lookup_num_tokens, max_matching_ngram_size, assistant_early_exit, eos_token_id,
-    stop_strings, tokenizer. verispec adds method=NAME (any registered method, e.g. "self-int4-pld",
-    "eagle"; num_assistant_tokens is then its k; instead of the keywords above), tree=
-    TreeSettings(topk, nodes) or tree="default" (the method's measured default tree) and
-    acceptance="typical" (Medusa's typical acceptance: LOSSY under sampling, the output no longer
-    follows the target's distribution; default "exact"). A Hugging Face-style `streamer`
-    (put/end) receives the prompt, then each committed block of tokens.
+    ([n] or [1, n]); or a batch: a list of texts or of id lists (or ids [batch, n]), decoded
+    together (one target pass per step for all, each with its own drafts and acceptance) into a
+    list of results, each what its prompt would give alone. Keyword arguments follow Hugging
+    Face `generate()`: max_new_tokens, do_sample, temperature, top_k, top_p, seed,
+    assistant_model, num_assistant_tokens, num_assistant_tokens_schedule ("constant" |
+    "heuristic"), assistant_confidence_threshold, prompt_lookup_num_tokens,
+    max_matching_ngram_size, assistant_early_exit, eos_token_id, stop_strings, tokenizer,
+    num_return_sequences (n sequences per prompt sharing its prefill, a prompt's together in
+    the list; with a seed, sequence i is seeded with seed + i). verispec adds method=NAME (any
+    registered method, e.g. "self-int4-pld", "eagle"; num_assistant_tokens is then its k;
+    instead of the keywords above), tree=TreeSettings(topk, nodes) or tree="default" (the
+    method's measured default tree) and acceptance="typical" (Medusa's typical acceptance: LOSSY
+    under sampling, the output no longer follows the target's distribution; default "exact").
+    A Hugging Face-style `streamer` (put/end) receives the prompt, then each committed block of
+    tokens (one sequence only).
 
-    Returns a GenerationResult: new token ids, text, the steps with each token's fate, and stats.
+    Returns a GenerationResult (a list of them for a batch or several sequences): new token
+    ids, text, the steps with each token's fate, and stats.
     """
     return run(prepare(model, inputs, **kwargs), streamer)
 
@@ -179,6 +225,8 @@ def generate(model: ModelLike, inputs: str | list[int] | torch.Tensor, *, stream
 def stream(model: ModelLike, inputs: str | list[int] | torch.Tensor, **kwargs) -> Iterator[str]:
     """Yield the generated text piece by piece as tokens are committed (same arguments)."""
     job = prepare(model, inputs, **kwargs)
+    if job.batched or job.samples > 1:
+        raise VerispecError("stream takes one prompt and one sequence; generate takes batches")
     if job.target.tokenizer is None:
         raise VerispecError(f"{job.target.name} has no tokenizer: streaming text needs one")
     yield from stream_text(job.engine.steps(job.prompt_ids, job.stopping, job.sampling, job.seed),

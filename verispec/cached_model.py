@@ -1,14 +1,18 @@
 """A Hugging Face causal LM with its own KV cache that can be advanced and rewound.
 
-The engine holds one for the target; model-based drafters hold their own. Batch size is 1.
+The engine holds one per sequence for the target; model-based drafters hold their own.
+`forward_rows` feeds several sequences' blocks in one pass.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from verispec.lean import LeanDecoder, lean_supported
+from verispec.lean import Block, LeanDecoder, lean_supported
+from verispec.lean import forward_rows as lean_forward_rows
 from verispec.packed import packed_view
 from verispec.tree import attention_mask, is_chain, position_ids
 
@@ -107,11 +111,16 @@ class CachedModel:
         padding = -n % self.pad_to_multiple if n > 1 else 0
         if padding:
             tokens = torch.cat([tokens, tokens[-1:].expand(padding)])
-        mask = positions = None
-        if not is_chain(parents):
-            past = self.length
-            mask, positions = attention_mask(parents, past, padding), position_ids(parents, past, padding)
+        mask, positions = self._tree_inputs(parents, padding)
         return self._forward(tokens, n, mask, positions, layers=layers)
+
+    def _tree_inputs(self, parents: torch.Tensor | None, padding: int = 0
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The 4D mask and position ids of a tree block after the cache (None, None: causal)."""
+        if is_chain(parents):
+            return None, None
+        past = self.length
+        return attention_mask(parents, past, padding), position_ids(parents, past, padding)
 
     @torch.inference_mode()
     def forward_masked(self, tokens: torch.Tensor, mask: torch.Tensor,
@@ -150,6 +159,15 @@ class CachedModel:
             self.cache.crop(-padding)
         return logits.float(), hidden
 
+    def copy_from(self, other: CachedModel) -> None:
+        """Make this cache hold what `other`'s holds (samples of one prompt share its prefill)."""
+        if self.lean is not None:
+            for mine, theirs in zip(self.lean.caches, other.lean.caches):
+                mine.rewind(0)
+                mine.append(theirs.keys[:, :, : theirs.length], theirs.values[:, :, : theirs.length])
+        else:
+            self.cache = copy.deepcopy(other.cache)
+
     def rewind(self, length: int) -> None:
         """Keep only the first `length` cached tokens."""
         if self.lean is not None:
@@ -173,3 +191,29 @@ class CachedModel:
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(-2, index)
             layer.values = layer.values.index_select(-2, index)
+
+
+@torch.inference_mode()
+def forward_rows(models: list[CachedModel], blocks: list[torch.Tensor],
+                 parents: list[torch.Tensor | None], layers: tuple[int, ...] = ()
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """forward_hidden for several sequences at once: models[i] (one per sequence, same model)
+    takes blocks[i] [n_i] under tree parents[i]; returns (logits [n_i, vocab], hidden
+    [n_i, hidden * (1 + len(layers))]) per sequence.
+
+    Lean decoders run as one pass (verispec.lean.forward_rows: one read of the weights for all
+    rows, the LM head included); models off the lean path run one sequence after another.
+    """
+    lean = [model.lean for model in models]
+    if len(models) == 1 or any(decoder is None for decoder in lean):
+        return [model.forward_hidden(block, tree, layers)
+                for model, block, tree in zip(models, blocks, parents)]
+    inputs = []
+    for model, block, tree in zip(models, blocks, parents):
+        mask, positions = model._tree_inputs(tree)
+        inputs.append(Block(block, positions, None if mask is None else mask[0, 0]))
+    hidden = lean_forward_rows(lean, inputs, layers)
+    width = hidden.shape[1] // (1 + len(layers))
+    logits = lean[0].logits(hidden[:, :width]).float()
+    sizes = [block.shape[0] for block in blocks]
+    return list(zip(logits.split(sizes), hidden.split(sizes)))

@@ -1,23 +1,31 @@
-"""The decode loop: propose -> verify -> commit -> adapt the draft length.
+"""The decode loop: propose -> verify -> commit -> adapt the draft length, for one sequence or a
+batch of them.
 
-The engine owns the target's KV cache and rewinds it once per step, after verification. Each
-drafter owns and rewinds its own state; verifiers are pure. Invariant at the start of a step: the
-target cache holds every committed token but the last, which is fed together with the draft, so
-one forward of 1 + k tokens scores all k drafts and yields the token after them.
+The engine owns the target's KV caches (one per sequence) and rewinds each once per step, after
+verification. Each drafter owns and rewinds its own state; verifiers are pure. Invariant at the
+start of a step: a sequence's target cache holds every committed token but the last, which is fed
+together with the draft, so one forward of 1 + k tokens scores all k drafts and yields the token
+after them.
+
+A batch steps every sequence together: each drafts on its own (its own drafter, k and state), one
+target pass verifies every sequence's block (verispec.cached_model.forward_rows: the weights are
+read once for all rows), and each accepts its own number of tokens and rewinds its own cache.
+Sequences join (`add`) and leave (finished, or `cancel`) between steps: continuous batching.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 from transformers import PreTrainedModel
 
-from verispec.cached_model import CachedModel
+from verispec.cached_model import CachedModel, forward_rows
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.errors import VerispecError
-from verispec.policies import ConstantK, DraftLengthPolicy
+from verispec.policies import ConstantK, DraftLengthPolicy, LoadCap
 from verispec.stopping import StoppingRules
 from verispec.tree import check_parents
 from verispec.types import DraftTree, Fate, GenerationResult, GenerationStats, Proposal, SamplingParams, Step
@@ -30,21 +38,136 @@ def context_length(model: PreTrainedModel) -> int:
     return int(getattr(config, "max_position_embeddings", None) or 2**31)
 
 
+class _Row:
+    """One sequence being generated: its target cache, drafter, policy, randomness and tokens."""
+
+    def __init__(self, target: CachedModel, drafter: Drafter | None, policy: DraftLengthPolicy,
+                 acceptance: str, hidden_size: int, prompt_ids: list[int], stopping: StoppingRules,
+                 sampling: SamplingParams, seed: int | None) -> None:
+        device = target.device
+        self.target, self.drafter, self.policy = target, drafter, policy
+        self.stopping, self.sampling = stopping, sampling
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self.verifier = verifier_for(sampling, acceptance)
+        tokens = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
+        self.buffer = torch.cat([tokens, tokens.new_zeros(stopping.max_new_tokens)])  # [prompt + new]
+        self.length = len(prompt_ids)
+        self.generated: list[int] = []
+        self.layers = tuple(getattr(drafter, "hidden_layers", ()))  # intermediate states wanted
+        # The target's hidden state per committed position, for drafters that read it.
+        self.hidden = None
+        if getattr(drafter, "needs_hidden", False):
+            self.hidden = torch.empty(self.buffer.shape[0], hidden_size * (1 + len(self.layers)),
+                                      device=device, dtype=target.model.dtype)  # [prompt + new, .]
+        self.proposal = Proposal(self.buffer[:0])
+        self.draft_seconds = 0.0
+
+    def prefill(self, source: _Row | None = None) -> None:
+        """Cache the prompt (all of it but the last token), or copy it from `source`, a row with
+        the same prompt (samples of one prompt share its prefill)."""
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        if self.length == 1:
+            return
+        if source is None:
+            prompt_hidden = self.target.prefill(self.buffer[: self.length - 1], self.layers)
+        else:
+            self.target.copy_from(source.target)
+            prompt_hidden = None if source.hidden is None else source.hidden[: self.length - 1]
+        if self.hidden is not None:
+            self.hidden[: self.length - 1] = prompt_hidden
+        if getattr(self.drafter, "adopts_prefill", False):
+            self.drafter.adopt_prefill(self.target)
+
+    def propose(self, cap: int | None) -> None:
+        """Draft this step's tokens: the policy's k, within the budget and the batch's cap."""
+        remaining = self.stopping.max_new_tokens - len(self.generated)
+        # Never draft past the budget: the step always adds one target token after the draft.
+        k = min(self.policy.next_k(), remaining - 1) if self.drafter is not None else 0
+        if cap is not None:
+            k = min(k, cap)
+        started = time.perf_counter()
+        if k > 0:
+            hidden = None if self.hidden is None else self.hidden[: self.length - 1]
+            self.proposal = self.drafter.propose(DraftRequest(
+                self.buffer[: self.length], k, self.sampling, self.generator, hidden))
+        else:
+            self.proposal = Proposal(self.buffer[:0])
+        if self.proposal.parents is not None:  # a drafter's tree must be well formed
+            check_parents(self.proposal.parents)
+        self.draft_seconds = time.perf_counter() - started
+
+    def block(self) -> torch.Tensor:
+        """The tokens the target scores this step: the last committed one, then the draft. [1 + k]"""
+        return torch.cat([self.buffer[self.length - 1: self.length], self.proposal.tokens])
+
+    def settle(self, logits: torch.Tensor, block_hidden: torch.Tensor, forward_seconds: float) -> Step:
+        """Verify the draft against the target's logits [1 + k, vocab] (block_hidden [1 + k, .]:
+        the states this row's drafter reads), commit, rewind what was refused."""
+        started = time.perf_counter()
+        proposal = self.proposal
+        verdict = self.verifier.verify(proposal, logits, self.sampling, self.generator)
+        path, accepted = list(verdict.path), verdict.num_accepted
+        rows = [0] + [node + 1 for node in path]  # block rows to keep: root + accepted path
+        if self.hidden is not None:
+            self.hidden[self.length - 1: self.length + accepted] = block_hidden[rows]
+        self.target.keep(self.length - 1, rows)
+        if len(proposal):
+            self.drafter.commit(accepted)
+            self.policy.update(proposal.depth, accepted)
+
+        parents = proposal.tree_parents.tolist()
+        drafted_tokens = proposal.tokens.tolist()
+        end = path[-1] if path else -1
+        alternatives = [drafted_tokens[i] for i, parent in enumerate(parents) if parent == end]
+        block = [drafted_tokens[i] for i in path] + [verdict.next_token]
+        fates = [Fate.ACCEPTED] * accepted + [Fate.RECOVERED if alternatives else Fate.BONUS]
+        keep, finished = self.stopping.cut(self.generated, block)
+        self.buffer[self.length: self.length + keep] = torch.tensor(block[:keep])
+        self.length += keep
+        self.generated += block[:keep]
+        shown = None if proposal.parents is None else DraftTree(drafted_tokens, parents, path,
+                                                                  proposal.depth)
+        verify_seconds = forward_seconds + time.perf_counter() - started
+        return Step(block[:keep], fates[:keep], alternatives, len(proposal), accepted,
+                    self.draft_seconds, verify_seconds, finished, shown)
+
+
 class SpeculativeEngine:
-    """Generates from `target`, optionally speculating with `drafter` (None: plain decoding)."""
+    """Generates from `target`, optionally speculating with `drafter` (None: plain decoding).
+
+    One sequence: `steps` / `generate`. Several: `generate_batch`, or `add` sequences and `step`
+    them (continuous batching). Every sequence after the first drafts with its own drafter, made
+    by `spawn` (verispec.drafters.build_engine passes one); drafters and caches are reused once a
+    sequence leaves, so memory follows the largest batch, not the number of calls.
+    """
 
     def __init__(self, target: PreTrainedModel, drafter: Drafter | None = None,
-                 policy: DraftLengthPolicy | None = None, acceptance: str = "exact") -> None:
+                 policy: DraftLengthPolicy | None = None, acceptance: str = "exact",
+                 spawn: Callable[[], Drafter] | None = None, load_cap: LoadCap | None = None) -> None:
         """acceptance: "exact" (lossless) or "typical" (Medusa's typical acceptance, LOSSY under
-        sampling; see verispec.verifiers.typical)."""
+        sampling; see verispec.verifiers.typical). spawn: makes a fresh drafter like `drafter`
+        for another sequence of a batch. policy: each sequence starts from a copy of it.
+        load_cap: the draft length allowed per sequence at each batch size (default: measured)."""
         verifier_for(SamplingParams(), acceptance)  # reject an unknown rule before any work
         self.acceptance = acceptance
+        self.model = target
         self.target = CachedModel(target)
         self.drafter = drafter
+        self.spawn = spawn
         self.policy = policy or ConstantK(0 if drafter is None else 5)
+        self.load_cap = load_cap or LoadCap()
         self.max_length = context_length(target)
         self.vocab_size = target.get_input_embeddings().num_embeddings
         self.hidden_size = int(target.config.get_text_config(decoder=True).hidden_size)
+        self._free: list[tuple[CachedModel, Drafter | None]] = [(self.target, drafter)]
+        self._rows: dict[int, _Row] = {}
+        self._next_id = 0
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if not prompt_ids:
@@ -58,82 +181,59 @@ class SpeculativeEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                 f"the model's context of {self.max_length} tokens")
 
+    # -- rows: a cache and a drafter each, taken from the pool and given back -------------------
+
+    def _open(self, prompt_ids: list[int], stopping: StoppingRules, sampling: SamplingParams,
+              seed: int | None, source: _Row | None = None) -> _Row:
+        if self._free:
+            target, drafter = self._free.pop()
+        else:
+            if self.drafter is not None and self.spawn is None:
+                raise VerispecError("this engine's drafter cannot be copied for a second sequence: "
+                                    "build the engine with verispec.drafters.build_engine")
+            target = CachedModel(self.model)
+            drafter = None if self.drafter is None else self.spawn()
+        row = _Row(target, drafter, copy.deepcopy(self.policy), self.acceptance, self.hidden_size,
+                   prompt_ids, stopping, sampling, seed)
+        try:
+            row.prefill(source)
+        except BaseException:
+            self._close(row)
+            raise
+        return row
+
+    def _close(self, row: _Row) -> None:
+        self._free.append((row.target, row.drafter))
+
+    def _step(self, rows: list[_Row]) -> list[Step]:
+        """One draft-verify-commit cycle for every row, with one target pass for all of them."""
+        cap = self.load_cap.k(len(rows))
+        for row in rows:
+            row.propose(cap)
+        layers = tuple(sorted({layer for row in rows for layer in row.layers}))
+        started = time.perf_counter()
+        outputs = forward_rows([row.target for row in rows], [row.block() for row in rows],
+                               [row.proposal.parents for row in rows], layers)
+        seconds = time.perf_counter() - started
+        return [row.settle(logits, _own_layers(hidden, layers, row.layers), seconds)
+                for row, (logits, hidden) in zip(rows, outputs)]
+
+    # -- one sequence ----------------------------------------------------------------------------
+
     def steps(self, prompt_ids: list[int], stopping: StoppingRules,
               sampling: SamplingParams = SamplingParams(),
               seed: int | None = None) -> Iterator[Step]:
         """Run generation, yielding each step's emitted tokens as soon as they are committed."""
         self.check_prompt(prompt_ids, stopping.max_new_tokens)
-        device = self.target.device
-        generator = torch.Generator(device=device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-        verifier = verifier_for(sampling, self.acceptance)
-        tokens = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
-        buffer = torch.cat([tokens, tokens.new_zeros(stopping.max_new_tokens)])  # [prompt + new]
-        length = len(prompt_ids)
-        generated: list[int] = []
-
-        self.target.reset()
-        if self.drafter is not None:
-            self.drafter.reset()
-        # The target's hidden state per committed position, for drafters that read it.
-        hidden = None
-        layers = tuple(getattr(self.drafter, "hidden_layers", ()))  # intermediate states wanted
-        if getattr(self.drafter, "needs_hidden", False):
-            hidden = torch.empty(buffer.shape[0], self.hidden_size * (1 + len(layers)),
-                                 device=device, dtype=self.target.model.dtype)  # [prompt + new, .]
-        if length > 1:
-            prefill_hidden = self.target.prefill(buffer[: length - 1], layers)
-            if hidden is not None:
-                hidden[: length - 1] = prefill_hidden
-            if getattr(self.drafter, "adopts_prefill", False):
-                self.drafter.adopt_prefill(self.target)
-        while True:
-            remaining = stopping.max_new_tokens - len(generated)
-            # Never draft past the budget: the step always adds one target token after the draft.
-            k = min(self.policy.next_k(), remaining - 1) if self.drafter is not None else 0
-            started = time.perf_counter()
-            if k > 0:
-                proposal = self.drafter.propose(DraftRequest(
-                    buffer[:length], k, sampling, generator,
-                    None if hidden is None else hidden[: length - 1]))
-            else:
-                proposal = Proposal(buffer[:0])
-            drafted = time.perf_counter()
-            num_drafted = len(proposal)
-            tree, depth = proposal.parents, proposal.depth
-            if tree is not None:  # a drafter's tree must be well formed before the target sees it
-                check_parents(tree)
-            logits, block_hidden = self.target.forward_hidden(
-                torch.cat([buffer[length - 1: length], proposal.tokens]), tree, layers)
-            verdict = verifier.verify(proposal, logits, sampling, generator)
-            path, accepted = list(verdict.path), verdict.num_accepted
-            rows = [0] + [node + 1 for node in path]  # block rows to keep: root + accepted path
-            if hidden is not None:
-                hidden[length - 1: length + accepted] = block_hidden[rows]
-            self.target.keep(length - 1, rows)
-            if num_drafted:
-                self.drafter.commit(accepted)
-                self.policy.update(depth, accepted)
-            verified = time.perf_counter()
-
-            parents = proposal.tree_parents.tolist()
-            drafted_tokens = proposal.tokens.tolist()
-            end = path[-1] if path else -1
-            alternatives = [drafted_tokens[i] for i, parent in enumerate(parents) if parent == end]
-            block = [drafted_tokens[i] for i in path] + [verdict.next_token]
-            fates = [Fate.ACCEPTED] * accepted + [Fate.RECOVERED if alternatives else Fate.BONUS]
-            keep, finished = stopping.cut(generated, block)
-            buffer[length: length + keep] = torch.tensor(block[:keep])
-            length += keep
-            generated += block[:keep]
-            shown = None if tree is None else DraftTree(drafted_tokens, parents, path, depth)
-            yield Step(block[:keep], fates[:keep], alternatives, num_drafted, accepted,
-                       drafted - started, verified - drafted, finished, shown)
-            if finished:
-                return
+        row = self._open(prompt_ids, stopping, sampling, seed)
+        try:
+            while True:
+                (step,) = self._step([row])
+                yield step
+                if step.finished:
+                    return
+        finally:
+            self._close(row)
 
     def generate(self, prompt_ids: list[int], stopping: StoppingRules,
                  sampling: SamplingParams = SamplingParams(),
@@ -151,3 +251,103 @@ class SpeculativeEngine:
         stats.total_seconds = time.perf_counter() - started
         new_tokens = [t for step in steps for t in step.tokens]
         return GenerationResult(list(prompt_ids), new_tokens, steps, stats)
+
+    # -- a batch ---------------------------------------------------------------------------------
+
+    def add(self, prompt_ids: list[int], stopping: StoppingRules,
+            sampling: SamplingParams = SamplingParams(), seed: int | None = None,
+            samples: int = 1) -> list[int]:
+        """Start `samples` sequences of one prompt (they share its prefill); each joins the batch
+        at the next `step`. Sample i is seeded with seed + i. Returns their ids."""
+        self.check_prompt(prompt_ids, stopping.max_new_tokens)
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise VerispecError(f"the number of samples must be a positive integer, got {samples!r}")
+        ids: list[int] = []
+        first = None
+        try:
+            for i in range(samples):
+                row = self._open(prompt_ids, stopping, sampling, None if seed is None else seed + i,
+                                 first)
+                first = first or row
+                self._rows[self._next_id] = row
+                ids.append(self._next_id)
+                self._next_id += 1
+        except BaseException:
+            for row_id in ids:
+                self.cancel(row_id)
+            raise
+        return ids
+
+    def cancel(self, row_id: int) -> None:
+        """Drop a sequence from the batch (a client went away); unknown ids are ignored."""
+        row = self._rows.pop(row_id, None)
+        if row is not None:
+            self._close(row)
+
+    @property
+    def active(self) -> list[int]:
+        """The ids of the sequences in the batch."""
+        return list(self._rows)
+
+    def step(self) -> list[tuple[int, Step]]:
+        """Advance every sequence in the batch by one step; finished ones leave it."""
+        if not self._rows:
+            return []
+        ids = list(self._rows)
+        try:
+            steps = self._step([self._rows[i] for i in ids])
+        except BaseException:
+            for row_id in ids:  # a half-done step leaves no usable state
+                self.cancel(row_id)
+            raise
+        for row_id, step in zip(ids, steps):
+            if step.finished:
+                self.cancel(row_id)
+        return list(zip(ids, steps))
+
+    def generate_batch(self, prompts: list[list[int]], stopping: StoppingRules | list[StoppingRules],
+                       sampling: SamplingParams = SamplingParams(), seed: int | None = None,
+                       samples: int = 1) -> list[GenerationResult]:
+        """Generate for every prompt together (`samples` each, one after another in the result);
+        each result is what that sequence would be alone. Sequence i is seeded with seed + i."""
+        rules = stopping if isinstance(stopping, list) else [stopping] * len(prompts)
+        if len(rules) != len(prompts):
+            raise VerispecError(f"{len(rules)} stopping rules for {len(prompts)} prompts")
+        for prompt, rule in zip(prompts, rules):  # all valid before any work starts
+            self.check_prompt(prompt, rule.max_new_tokens)
+        if self._rows:
+            raise VerispecError("generate_batch needs an idle engine; use add and step to join a batch")
+        started = time.perf_counter()
+        order: list[int] = []
+        try:
+            for i, (prompt, rule) in enumerate(zip(prompts, rules)):
+                order += self.add(prompt, rule, sampling, None if seed is None else seed + i * samples,
+                                  samples)
+            collected: dict[int, list[Step]] = {row_id: [] for row_id in order}
+            while self._rows:
+                for row_id, step in self.step():
+                    collected[row_id].append(step)
+        finally:
+            for row_id in list(self._rows):
+                self.cancel(row_id)
+        seconds = time.perf_counter() - started
+        results = []
+        for row_id, prompt in zip(order, (p for p in prompts for _ in range(samples))):
+            stats = GenerationStats()
+            for step in collected[row_id]:
+                stats.add(step)
+            stats.total_seconds = seconds
+            tokens = [t for step in collected[row_id] for t in step.tokens]
+            results.append(GenerationResult(list(prompt), tokens, collected[row_id], stats))
+        return results
+
+
+def _own_layers(hidden: torch.Tensor, layers: tuple[int, ...], own: tuple[int, ...]) -> torch.Tensor:
+    """A row's share of hidden [n, hidden * (1 + len(layers))]: the final states, then those
+    after its own `own` layers (a subset of `layers`)."""
+    if own == layers:
+        return hidden
+    width = hidden.shape[1] // (1 + len(layers))
+    parts = [hidden[:, :width]] + [hidden[:, width * (1 + layers.index(layer)):
+                                          width * (2 + layers.index(layer))] for layer in own]
+    return torch.cat(parts, dim=1)

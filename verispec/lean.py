@@ -146,6 +146,68 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
+@dataclass(frozen=True)
+class Block:
+    """New tokens for one sequence's decoder, and how they attend."""
+
+    tokens: torch.Tensor  # [n] int64
+    positions: torch.Tensor | None = None  # [n]; None: the next n positions
+    mask: torch.Tensor | None = None  # [n, length + n] bool (True = attend); None: causal
+
+
+def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
+                 layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """Feed each decoder its block in one pass over the shared weights: the linear products run
+    once over every row of every block (a batch reads the weights once), attention per sequence
+    against its own cache. Returns the hidden states of all blocks' rows in order,
+    [sum of n, hidden * (1 + len(layers))], as LeanDecoder.forward describes them.
+
+    The decoders must share one LeanWeights.
+    """
+    w = decoders[0].weights
+    if any(decoder.weights is not w for decoder in decoders):
+        raise ValueError("decoders fed together must share their weights")
+    sizes = [block.tokens.shape[0] for block in blocks]
+    attention = []  # per block: (mask, is_causal)
+    positions = []
+    for decoder, block, n in zip(decoders, blocks, sizes):
+        past = decoder.length
+        end = past + n
+        positions.append(torch.arange(past, end, device=block.tokens.device)
+                         if block.positions is None else block.positions)
+        # A first block over an empty cache is plain causal attention, which SDPA runs without
+        # materialising a mask (its flash kernel: ~35% less attention time on long prompts).
+        mask = block.mask
+        if mask is None and n > 1 and past > 0:
+            mask = torch.ones(n, end, dtype=torch.bool, device=block.tokens.device).tril(past)
+        attention.append((mask, block.mask is None and n > 1 and past == 0))
+    tokens = blocks[0].tokens if len(blocks) == 1 else torch.cat([b.tokens for b in blocks])
+    x = w.embed(tokens)[None]  # [1, rows, hidden]
+    cos, sin = (t[0] for t in w.rotary(x, (positions[0] if len(blocks) == 1
+                                           else torch.cat(positions))[None]))  # each [rows, head_dim]
+    rotary = list(zip(cos.split(sizes), sin.split(sizes)))
+    q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
+    captured = []
+    for index, layer in enumerate(w.layers):
+        if index in layers:
+            captured.append(x[0])
+        attended = []
+        for decoder, qkv, n, (cos, sin), (mask, causal) in zip(
+                decoders, layer.qkv(layer.attn_norm(x)).split(sizes, dim=1), sizes, rotary, attention):
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = rotate(q.view(1, n, w.heads, w.head_dim).transpose(1, 2), cos, sin)
+            k = rotate(k.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2), cos, sin)
+            keys, values = decoder.caches[index].append(
+                k, v.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2))
+            attended.append(nn.functional.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=causal, scale=w.scaling,
+                enable_gqa=w.kv_heads != w.heads).transpose(1, 2).reshape(1, n, q_size))
+        x = x + layer.out(attended[0] if len(attended) == 1 else torch.cat(attended, dim=1))
+        gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
+        x = x + layer.down(nn.functional.silu(gate) * up)
+    return torch.cat([w.norm(x)[0], *captured], dim=-1) if captured else w.norm(x)[0]
+
+
 class LeanDecoder:
     """One sequence's KV cache over shared LeanWeights; feeds blocks of tokens, rewinds, compacts."""
 
@@ -175,33 +237,7 @@ class LeanDecoder:
         positions: [n] (default: the next n positions); mask: [n, length + n] bool (True =
         attend), default causal.
         """
-        w, past, n = self.weights, self.length, tokens.shape[0]
-        end = past + n
-        if positions is None:
-            positions = torch.arange(past, end, device=tokens.device)
-        # A first block over an empty cache is plain causal attention, which SDPA runs without
-        # materialising a mask (its flash kernel: ~35% less attention time on long prompts).
-        causal = mask is None and n > 1 and past == 0
-        if mask is None and n > 1 and past > 0:
-            mask = torch.ones(n, end, dtype=torch.bool, device=tokens.device).tril(past)
-        x = w.embed(tokens)[None]  # [1, n, hidden]
-        cos, sin = (t[0] for t in w.rotary(x, positions[None]))  # each [n, head_dim]
-        q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
-        captured = []
-        for index, (layer, cache) in enumerate(zip(w.layers, self.caches)):
-            if index in layers:
-                captured.append(x[0])
-            q, k, v = layer.qkv(layer.attn_norm(x)).split([q_size, kv_size, kv_size], dim=-1)
-            q = rotate(q.view(1, n, w.heads, w.head_dim).transpose(1, 2), cos, sin)
-            k = rotate(k.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2), cos, sin)
-            keys, values = cache.append(k, v.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2))
-            attended = nn.functional.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=causal, scale=w.scaling,
-                enable_gqa=w.kv_heads != w.heads)
-            x = x + layer.out(attended.transpose(1, 2).reshape(1, n, q_size))
-            gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
-            x = x + layer.down(nn.functional.silu(gate) * up)
-        return torch.cat([w.norm(x)[0], *captured], dim=-1) if captured else w.norm(x)[0]
+        return forward_rows([self], [Block(tokens, positions, mask)], layers)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] through the model's LM head."""

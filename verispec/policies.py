@@ -40,3 +40,23 @@ class HeuristicK:
 
 
 SCHEDULES = {"constant": ConstantK, "heuristic": HeuristicK}
+
+
+class LoadCap:
+    """The most tokens each sequence may draft when `batch` sequences share a target pass.
+
+    As the batch grows the target pass turns from reading weights to computing, and verifying
+    drafts that will be refused stops being free (vLLM turns speculation off above a batch size).
+    limits: (smallest batch size, cap) pairs, increasing; below the first, no cap.
+    """
+
+    def __init__(self, limits: tuple[tuple[int, int], ...] = ()) -> None:
+        self.limits = limits
+
+    def k(self, batch: int) -> int | None:
+        """The cap for this batch size (None: none)."""
+        cap = None
+        for size, limit in self.limits:
+            if batch >= size:
+                cap = limit
+        return cap

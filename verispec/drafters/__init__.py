@@ -248,7 +248,7 @@ def build_engine(target: LoadedModel, method: str = "ar",
     if spec.build is None or k == 0:
         return SpeculativeEngine(target.model, acceptance=options.acceptance)
     return SpeculativeEngine(target.model, spec.build(target, options), SCHEDULES[options.schedule](k),
-                             options.acceptance)
+                             options.acceptance, spawn=lambda: spec.build(target, options))
 
 
 __all__ = ["DEFAULT_TREE", "FALLBACK", "FASTEST", "Drafter", "DraftRequest", "DraftOptions", "Eagle3Drafter",

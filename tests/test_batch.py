@@ -1,0 +1,208 @@
+"""Batched speculative decoding: every row is what its prompt gives alone (float32, greedy), the
+rows' distributions are exact under sampling, sequences join and leave between steps, and memory
+stays flat."""
+
+from __future__ import annotations
+
+import math
+import resource
+
+import pytest
+import torch
+
+from tests.drafters import RandomDrafter
+from tests.tiny import EOS, VOCAB, save_tiny, tiny_llama, tiny_qwen3
+from verispec.drafters import (
+    DraftOptions,
+    ModelDrafter,
+    PromptLookupDrafter,
+    build_engine,
+    early_exit_drafter,
+)
+from verispec.engine import SpeculativeEngine
+from verispec.errors import VerispecError
+from verispec.models import load_model
+from verispec.policies import ConstantK, LoadCap
+from verispec.sampling import warp_probs
+from verispec.stopping import StoppingRules
+from verispec.tree import TreeSettings
+from verispec.types import SamplingParams
+
+# Rows of different lengths, repetitive (lookup finds drafts) and not; budgets end at different
+# steps; row 3 also stops at an EOS its solo decoding reaches (rules_for).
+PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5], [1, 60], [1, 5, 9, 13, 5, 9, 13, 5, 9], [1, 22, 23]]
+BUDGETS = [40, 23, 31, 36]
+
+
+def makers(target) -> dict:
+    """Drafter factories: each row gets its own drafter."""
+    draft = tiny_llama(seed=7, layers=1)
+    return {
+        "self": lambda: ModelDrafter(target, VOCAB),
+        "random": lambda: RandomDrafter(VOCAB),
+        "pld": lambda: PromptLookupDrafter(max_ngram=3, min_ngram=1),
+        "pld-tree": lambda: PromptLookupDrafter(max_ngram=3, min_ngram=1, tree=TreeSettings(3, 12)),
+        "draft-model": lambda: ModelDrafter(draft, VOCAB),
+        "draft-model-tree": lambda: ModelDrafter(draft, VOCAB, tree=TreeSettings(3, 16)),
+        "early-exit": lambda: early_exit_drafter(target, 1, VOCAB),
+    }
+
+
+def rules_for(target) -> list[StoppingRules]:
+    """Each row's budget; row 3 stops at the 11th token of its solo decoding, made its EOS."""
+    solo = SpeculativeEngine(target).generate(PROMPTS[3], StoppingRules.build(BUDGETS[3])).token_ids
+    eos = solo[10]
+    assert eos not in solo[:10]
+    rules = [StoppingRules.build(b) for b in BUDGETS]
+    rules[3] = StoppingRules.build(BUDGETS[3], eos)
+    return rules
+
+
+def solo(target, rules) -> list[list[int]]:
+    engine = SpeculativeEngine(target)
+    return [engine.generate(p, r).token_ids for p, r in zip(PROMPTS, rules)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 16])
+def test_every_row_matches_its_prompt_decoded_alone(target, k):
+    rules = rules_for(target)
+    truth = solo(target, rules)
+    assert len(truth[3]) == 11 and len({len(t) for t in truth}) == 4
+    for name, make in makers(target).items():
+        engine = SpeculativeEngine(target, make(), ConstantK(k), spawn=make)
+        results = engine.generate_batch(PROMPTS, rules)
+        assert [r.token_ids for r in results] == truth, f"{name} with k={k}"
+        assert [r.stats.new_tokens for r in results] == [len(t) for t in truth]
+    assert not engine.active
+
+
+def test_models_off_the_lean_path_batch_exactly():
+    model = tiny_qwen3(seed=3)
+    rules = [StoppingRules.build(b) for b in BUDGETS]
+    truth = solo(model, rules)
+    for make in (lambda: PromptLookupDrafter(3, 1), lambda: ModelDrafter(model, VOCAB)):
+        engine = SpeculativeEngine(model, make(), ConstantK(4), spawn=make)
+        assert [r.token_ids for r in engine.generate_batch(PROMPTS, rules)] == truth
+
+
+def test_sequences_join_and_leave_between_steps(target):
+    """Continuous batching: rows added while others run, one cancelled, all exact."""
+    rules = [StoppingRules.build(b) for b in BUDGETS]
+    truth = solo(target, rules)
+    make = makers(target)["draft-model"]
+    engine = SpeculativeEngine(target, make(), ConstantK(3), spawn=make)
+    got: dict[int, list[int]] = {}
+    ids = engine.add(PROMPTS[0], rules[0])
+    steps = 0
+    doomed = None
+    while engine.active or steps < 4:
+        if steps == 2:
+            ids += engine.add(PROMPTS[1], rules[1])
+            doomed = engine.add(PROMPTS[0], rules[0])[0]
+        if steps == 4:
+            ids += engine.add(PROMPTS[2], rules[2]) + engine.add(PROMPTS[3], rules[3])
+        if steps == 5:
+            engine.cancel(doomed)
+        for row_id, step in engine.step():
+            got.setdefault(row_id, []).extend(step.tokens)
+        steps += 1
+    assert [got[i] for i in ids] == truth
+    assert 0 < len(got[doomed]) < BUDGETS[0]
+    assert len(engine._free) <= 5  # caches and drafters are reused, not made per sequence
+
+
+def test_learned_and_self_drafters_batch_through_build_engine(tmp_path):
+    """Methods built by name (self-speculation adopting the prompt cache, staged lookup) batch too."""
+    loaded = load_model(str(save_tiny(tmp_path, seed=0)))
+    rules = [StoppingRules.build(b) for b in BUDGETS]
+    truth = solo(loaded.model, rules)
+    for method, options in (("self-int4-pld", DraftOptions(k=5)), ("self-int8", DraftOptions(k=4)),
+                            ("pld", DraftOptions(tree="default"))):
+        engine = build_engine(loaded, method, options)
+        assert [r.token_ids for r in engine.generate_batch(PROMPTS, rules)] == truth, method
+
+
+def test_samples_share_the_prefill_and_follow_the_target_distribution(target):
+    """n samples of one prompt in one batch: the first two tokens of each row follow the target's
+    distribution (TV against a bound from the sample size), drafting with a sampling drafter."""
+    prompt = [1, 17, 42, 9, 17, 42]
+    sampling = SamplingParams(do_sample=True, temperature=1.0)
+    with torch.no_grad():
+        p1 = warp_probs(target(torch.tensor([prompt])).logits[0, -1], sampling)
+        nxt = torch.tensor([prompt + [t] for t in range(VOCAB)])
+        p2 = p1 @ warp_probs(target(nxt).logits[:, -1], sampling)  # marginal of the 2nd token
+    draft = tiny_llama(seed=7, layers=1)
+    make = lambda: ModelDrafter(draft, VOCAB)  # noqa: E731
+    engine = SpeculativeEngine(target, make(), ConstantK(3), spawn=make)
+    n, per_batch = 4000, 500
+    first, second = torch.zeros(VOCAB), torch.zeros(VOCAB)
+    for batch in range(n // per_batch):
+        for result in engine.generate_batch([prompt], StoppingRules.build(2), sampling,
+                                            seed=batch * per_batch, samples=per_batch):
+            first[result.token_ids[0]] += 1
+            second[result.token_ids[1]] += 1
+    bound = math.sqrt(2 * (VOCAB * math.log(2) + math.log(1e6)) / n)
+    assert 0.5 * (first / n - p1).abs().sum() < bound
+    assert 0.5 * (second / n - p2).abs().sum() < bound
+
+
+def test_seeded_batches_repeat_and_rows_differ(target):
+    make = lambda: PromptLookupDrafter(3, 1)  # noqa: E731
+    engine = SpeculativeEngine(target, make(), ConstantK(4), spawn=make)
+    sampling = SamplingParams(do_sample=True, temperature=1.0)
+    runs = [[r.token_ids for r in engine.generate_batch(PROMPTS[:2], StoppingRules.build(20), sampling,
+                                                        seed=5, samples=3)] for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t in runs[0][:3]}) > 1  # a prompt's samples are not copies
+
+
+def test_load_cap_limits_drafts_by_batch_size(target):
+    make = lambda: ModelDrafter(target, VOCAB)  # noqa: E731
+    cap = LoadCap(((2, 2), (4, 0)))
+    assert [cap.k(b) for b in (1, 2, 3, 4, 16)] == [None, 2, 2, 0, 0]
+    rules = [StoppingRules.build(b) for b in BUDGETS]
+    truth = solo(target, rules)
+    for rows, most in ((1, 6), (2, 2), (4, 0)):
+        engine = SpeculativeEngine(target, make(), ConstantK(6), spawn=make, load_cap=cap)
+        results = engine.generate_batch(PROMPTS[:rows], rules[:rows])
+        assert [r.token_ids for r in results] == truth[:rows]
+        assert max(s.num_drafted for r in results for s in r.steps[:3]) == most
+
+
+def test_bad_batches_are_refused_before_any_work(target):
+    make = lambda: PromptLookupDrafter(3, 1)  # noqa: E731
+    engine = SpeculativeEngine(target, make(), ConstantK(4), spawn=make)
+    with pytest.raises(VerispecError, match="outside the vocabulary"):
+        engine.generate_batch([[1, 2], [1, VOCAB + 3]], StoppingRules.build(4))
+    with pytest.raises(VerispecError, match="empty"):
+        engine.generate_batch([[1, 2], []], StoppingRules.build(4))
+    with pytest.raises(VerispecError, match="samples"):
+        engine.add([1, 2], StoppingRules.build(4), samples=0)
+    assert not engine.active
+    lonely = SpeculativeEngine(target, make(), ConstantK(4))  # no spawn: one sequence only
+    with pytest.raises(VerispecError, match="cannot be copied"):
+        lonely.generate_batch(PROMPTS[:2], StoppingRules.build(4))
+    assert not lonely.active
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def test_memory_is_flat_over_200_batched_calls(target):
+    """After warm-up, 200 more batched calls grow the resident set by less than 8 MiB."""
+    make = lambda: ModelDrafter(tiny_llama(seed=7, layers=1), VOCAB)  # noqa: E731
+    engine = SpeculativeEngine(target, make(), ConstantK(3), spawn=make)
+    rules = StoppingRules.build(8, EOS)
+
+    def call():
+        engine.generate_batch(PROMPTS, rules, SamplingParams(do_sample=True), seed=1)
+
+    for _ in range(20):
+        call()
+    before = _rss_mib()
+    for _ in range(200):
+        call()
+    assert _rss_mib() - before < 8
+    assert len(engine._free) == len(PROMPTS)
