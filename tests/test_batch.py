@@ -17,6 +17,7 @@ from verispec.drafters import (
     ModelDrafter,
     PromptLookupDrafter,
     build_engine,
+    build_speculation,
     early_exit_drafter,
 )
 from verispec.engine import SpeculativeEngine
@@ -108,7 +109,7 @@ def test_sequences_join_and_leave_between_steps(target):
         steps += 1
     assert [got[i] for i in ids] == truth
     assert 0 < len(got[doomed]) < BUDGETS[0]
-    assert len(engine._free) <= 5  # caches and drafters are reused, not made per sequence
+    assert len(engine._free[engine.speculation]) <= 5  # caches and drafters are reused, not made per sequence
 
 
 def test_learned_and_self_drafters_batch_through_build_engine(tmp_path):
@@ -205,4 +206,23 @@ def test_memory_is_flat_over_200_batched_calls(target):
     for _ in range(200):
         call()
     assert _rss_mib() - before < 8
-    assert len(engine._free) == len(PROMPTS)
+    assert len(engine._free[engine.speculation]) == len(PROMPTS)
+
+
+def test_sequences_of_one_batch_may_each_speculate_their_own_way(tmp_path):
+    """A server's requests name their methods: rows drafting differently share target passes."""
+    loaded = load_model(str(save_tiny(tmp_path, seed=0)))
+    rules = [StoppingRules.build(b) for b in BUDGETS]
+    truth = solo(loaded.model, rules)
+    engine = build_engine(loaded, "ar")
+    ways = [build_speculation(loaded, "pld", DraftOptions(k=4)), None,
+            build_speculation(loaded, "self-int4", DraftOptions(k=3)),
+            build_speculation(loaded, "pld", DraftOptions(tree="default"))]
+    ids = [engine.add(p, r, speculation=way)[0] for p, r, way in zip(PROMPTS, rules, ways)]
+    got: dict[int, list] = {i: [] for i in ids}
+    while engine.active:
+        for row_id, step in engine.step():
+            got[row_id].append(step)
+    assert [[t for s in got[i] for t in s.tokens] for i in ids] == truth
+    assert all(s.num_drafted == 0 for s in got[ids[1]])
+    assert any(s.num_drafted > 0 for s in got[ids[2]])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -38,21 +39,36 @@ def context_length(model: PreTrainedModel) -> int:
     return int(getattr(config, "max_position_embeddings", None) or 2**31)
 
 
+@dataclass(frozen=True, eq=False)
+class Speculation:
+    """How a sequence speculates: a drafter like `drafter` (None: plain decoding), more made by
+    `spawn` for other sequences, each sequence starting from a copy of `policy`; the acceptance
+    rule ("exact", or "typical": LOSSY under sampling). Sequences of a batch may each speculate
+    their own way (a server's requests name their methods): they still share target passes."""
+
+    drafter: Drafter | None = None
+    policy: DraftLengthPolicy = ConstantK(0)
+    acceptance: str = "exact"
+    spawn: Callable[[], Drafter] | None = None
+
+
 class _Row:
     """One sequence being generated: its target cache, drafter, policy, randomness and tokens."""
 
-    def __init__(self, target: CachedModel, drafter: Drafter | None, policy: DraftLengthPolicy,
-                 acceptance: str, hidden_size: int, prompt_ids: list[int], stopping: StoppingRules,
+    def __init__(self, speculation: Speculation, target: CachedModel, drafter: Drafter | None,
+                 hidden_size: int, prompt_ids: list[int], stopping: StoppingRules,
                  sampling: SamplingParams, seed: int | None) -> None:
         device = target.device
-        self.target, self.drafter, self.policy = target, drafter, policy
+        self.speculation = speculation
+        self.target, self.drafter = target, drafter
+        self.policy = copy.deepcopy(speculation.policy)
         self.stopping, self.sampling = stopping, sampling
         self.generator = torch.Generator(device=device)
         if seed is None:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
-        self.verifier = verifier_for(sampling, acceptance)
+        self.verifier = verifier_for(sampling, speculation.acceptance)
         tokens = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
         self.buffer = torch.cat([tokens, tokens.new_zeros(stopping.max_new_tokens)])  # [prompt + new]
         self.length = len(prompt_ids)
@@ -159,13 +175,15 @@ class SpeculativeEngine:
         self.model = target
         self.target = CachedModel(target)
         self.drafter = drafter
-        self.spawn = spawn
         self.policy = policy or ConstantK(0 if drafter is None else 5)
+        self.speculation = Speculation(drafter, self.policy, acceptance, spawn)
         self.load_cap = load_cap or LoadCap()
         self.max_length = context_length(target)
         self.vocab_size = target.get_input_embeddings().num_embeddings
         self.hidden_size = int(target.config.get_text_config(decoder=True).hidden_size)
-        self._free: list[tuple[CachedModel, Drafter | None]] = [(self.target, drafter)]
+        # Per way of speculating: the target caches and drafters of sequences that have left.
+        self._free: dict[Speculation, list[tuple[CachedModel, Drafter | None]]] = {
+            self.speculation: [(self.target, drafter)]}
         self._rows: dict[int, _Row] = {}
         self._next_id = 0
 
@@ -184,17 +202,22 @@ class SpeculativeEngine:
     # -- rows: a cache and a drafter each, taken from the pool and given back -------------------
 
     def _open(self, prompt_ids: list[int], stopping: StoppingRules, sampling: SamplingParams,
-              seed: int | None, source: _Row | None = None) -> _Row:
-        if self._free:
-            target, drafter = self._free.pop()
+              seed: int | None, source: _Row | None = None,
+              speculation: Speculation | None = None) -> _Row:
+        speculation = speculation or self.speculation
+        verifier_for(sampling, speculation.acceptance)
+        if speculation not in self._free:  # first seen: its own drafter is the first to use
+            self._free[speculation] = [(CachedModel(self.model), speculation.drafter)]
+        free = self._free[speculation]
+        if free:
+            target, drafter = free.pop()
         else:
-            if self.drafter is not None and self.spawn is None:
+            if speculation.drafter is not None and speculation.spawn is None:
                 raise VerispecError("this engine's drafter cannot be copied for a second sequence: "
                                     "build the engine with verispec.drafters.build_engine")
             target = CachedModel(self.model)
-            drafter = None if self.drafter is None else self.spawn()
-        row = _Row(target, drafter, copy.deepcopy(self.policy), self.acceptance, self.hidden_size,
-                   prompt_ids, stopping, sampling, seed)
+            drafter = None if speculation.drafter is None else speculation.spawn()
+        row = _Row(speculation, target, drafter, self.hidden_size, prompt_ids, stopping, sampling, seed)
         try:
             row.prefill(source)
         except BaseException:
@@ -203,7 +226,7 @@ class SpeculativeEngine:
         return row
 
     def _close(self, row: _Row) -> None:
-        self._free.append((row.target, row.drafter))
+        self._free[row.speculation].append((row.target, row.drafter))
 
     def _step(self, rows: list[_Row]) -> list[Step]:
         """One draft-verify-commit cycle for every row, with one target pass for all of them."""
@@ -256,9 +279,10 @@ class SpeculativeEngine:
 
     def add(self, prompt_ids: list[int], stopping: StoppingRules,
             sampling: SamplingParams = SamplingParams(), seed: int | None = None,
-            samples: int = 1) -> list[int]:
+            samples: int = 1, speculation: Speculation | None = None) -> list[int]:
         """Start `samples` sequences of one prompt (they share its prefill); each joins the batch
-        at the next `step`. Sample i is seeded with seed + i. Returns their ids."""
+        at the next `step`. Sample i is seeded with seed + i. speculation: how they draft
+        (default: the engine's own; see verispec.drafters.build_speculation). Returns their ids."""
         self.check_prompt(prompt_ids, stopping.max_new_tokens)
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise VerispecError(f"the number of samples must be a positive integer, got {samples!r}")
@@ -267,7 +291,7 @@ class SpeculativeEngine:
         try:
             for i in range(samples):
                 row = self._open(prompt_ids, stopping, sampling, None if seed is None else seed + i,
-                                 first)
+                                 first, speculation)
                 first = first or row
                 self._rows[self._next_id] = row
                 ids.append(self._next_id)

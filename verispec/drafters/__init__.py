@@ -22,12 +22,14 @@ from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.trained_exit import trained_exit_drafter
-from verispec.engine import SpeculativeEngine
+from verispec.engine import Speculation, SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.lowbit import FORMATS
 from verispec.models import LoadedModel, load
 from verispec.policies import SCHEDULES
 from verispec.tree import TreeSettings
+from verispec.types import SamplingParams
+from verispec.verifiers import verifier_for
 
 
 @dataclass(frozen=True)
@@ -232,9 +234,10 @@ def fastest_method(target: LoadedModel) -> str:
     return FASTEST
 
 
-def build_engine(target: LoadedModel, method: str = "ar",
-                 options: DraftOptions = DraftOptions()) -> SpeculativeEngine:
-    """An engine for `target` speculating with `method`; validates every option."""
+def build_speculation(target: LoadedModel, method: str = "ar",
+                      options: DraftOptions = DraftOptions()) -> Speculation:
+    """How sequences speculate with `method` on `target` (a drafter, a way to make more, the
+    draft-length policy, the acceptance rule); validates every option."""
     if method not in METHODS:
         raise VerispecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     spec = METHODS[method]
@@ -244,14 +247,22 @@ def build_engine(target: LoadedModel, method: str = "ar",
     if options.schedule not in SCHEDULES:
         raise VerispecError(
             f"unknown draft-length schedule {options.schedule!r}; choose from {', '.join(SCHEDULES)}")
+    verifier_for(SamplingParams(), options.acceptance)
     options = replace(options, tree=resolve_tree(method, options.tree))
     if spec.build is None or k == 0:
-        return SpeculativeEngine(target.model, acceptance=options.acceptance)
-    return SpeculativeEngine(target.model, spec.build(target, options), SCHEDULES[options.schedule](k),
-                             options.acceptance, spawn=lambda: spec.build(target, options))
+        return Speculation(acceptance=options.acceptance)
+    return Speculation(spec.build(target, options), SCHEDULES[options.schedule](k), options.acceptance,
+                       lambda: spec.build(target, options))
+
+
+def build_engine(target: LoadedModel, method: str = "ar",
+                 options: DraftOptions = DraftOptions()) -> SpeculativeEngine:
+    """An engine for `target` speculating with `method`; validates every option."""
+    how = build_speculation(target, method, options)
+    return SpeculativeEngine(target.model, how.drafter, how.policy, how.acceptance, how.spawn)
 
 
 __all__ = ["DEFAULT_TREE", "FALLBACK", "FASTEST", "Drafter", "DraftRequest", "DraftOptions", "Eagle3Drafter",
            "EagleDrafter", "LookupThenModel", "METHODS", "MedusaDrafter", "Method", "ModelDrafter",
-           "PromptLookupDrafter", "SelfDrafter", "build_engine", "early_exit_drafter", "fastest_method",
-           "resolve_tree"]
+           "PromptLookupDrafter", "SelfDrafter", "Speculation", "build_engine", "build_speculation",
+           "early_exit_drafter", "fastest_method", "resolve_tree"]
