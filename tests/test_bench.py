@@ -148,3 +148,27 @@ def test_typical_without_sampling_is_refused(tiny_dir, questions, tmp_path):
     with pytest.raises(VerispecError, match="temperature"):
         run_bench(config(tiny_dir, questions, tmp_path / "x", methods=["pld"], typical=True),
                   progress=False)
+
+
+def test_batched_bench_measures_every_size_and_checks_rows(tiny_dir, questions, tmp_path, capsys):
+    out = tmp_path / "batched"
+    code = main(["bench", "--model", str(tiny_dir), "--questions", str(questions), "--batch-size", "1,3",
+                 "--methods", "pld,self-int4-pld", "--max-new-tokens", "10", "--out", str(out)])
+    assert code == 0
+    results = json.loads((out / "batched.json").read_text())
+    assert list(results["sizes"]) == ["1", "3"]
+    for size in ("1", "3"):
+        row = results["sizes"][size]
+        assert set(row) == {"hf", "ar", "pld", "self-int4-pld"}
+        assert all(r["tokens_per_second"] > 0 for r in row.values())
+        total = row["ar"]["identical_to_ar"].split("/")[1]
+        assert row["pld"]["identical_to_ar"] == f"{total}/{total}"  # greedy rows are exact
+        assert row["self-int4-pld"]["tau"] >= 1
+    assert (out / "batched.png").stat().st_size > 10_000
+    report = (out / "batched.md").read_text()
+    assert "| self-int4-pld |" in report and "batch 3" in report
+    assert "Batched throughput" in capsys.readouterr().out
+    assert main(["bench", "--model", str(tiny_dir), "--questions", str(questions), "--batch-size", "0",
+                 "--out", str(tmp_path / "bad")]) != 0
+    assert "--batch-size takes positive integers" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

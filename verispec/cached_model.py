@@ -205,7 +205,7 @@ def forward_rows(models: list[CachedModel], blocks: list[torch.Tensor],
     rows, the LM head included); models off the lean path run one sequence after another.
     """
     lean = [model.lean for model in models]
-    if len(models) == 1 or any(decoder is None for decoder in lean):
+    if not _one_pass(lean):
         return [model.forward_hidden(block, tree, layers)
                 for model, block, tree in zip(models, blocks, parents)]
     inputs = []
@@ -217,3 +217,23 @@ def forward_rows(models: list[CachedModel], blocks: list[torch.Tensor],
     logits = lean[0].logits(hidden[:, :width]).float()
     sizes = [block.shape[0] for block in blocks]
     return list(zip(logits.split(sizes), hidden.split(sizes)))
+
+
+@torch.inference_mode()
+def forward_tails(models: list[CachedModel], blocks: list[torch.Tensor], tails: list[int]
+                  ) -> list[torch.Tensor]:
+    """forward_tail for several sequences at once (drafters stepping a batch): models[i] takes
+    blocks[i] [n_i] and returns the logits of its last tails[i] tokens [tails[i], vocab]; one pass
+    where the models are lean over the same weights."""
+    lean = [model.lean for model in models]
+    if not _one_pass(lean):
+        return [model.forward_tail(block, tail) for model, block, tail in zip(models, blocks, tails)]
+    hidden = lean_forward_rows(lean, [Block(block) for block in blocks])
+    ends = torch.tensor([block.shape[0] for block in blocks]).cumsum(0).tolist()
+    rows = torch.cat([torch.arange(end - tail, end) for end, tail in zip(ends, tails)])
+    return list(lean[0].logits(hidden[rows.to(hidden.device)]).float().split(tails))
+
+
+def _one_pass(lean: list[LeanDecoder | None]) -> bool:
+    """Whether these decoders can run as one pass: several, all lean over the same weights."""
+    return len(lean) > 1 and all(d is not None and d.weights is lean[0].weights for d in lean)

@@ -212,6 +212,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 raise VerispecError(f"cannot read results file {path}: {error}") from error
         print(compare(*loaded))
         return 0
+    if args.batch_size:
+        return bench_batched(args)
     config = BenchConfig(model=args.model, out=Path(args.out), methods=args.methods, ks=args.k,
                          draft=args.draft, trained=args.trained, exit_layer=args.exit_layer,
                          questions=Path(args.questions) if args.questions else None, tasks=args.tasks,
@@ -224,6 +226,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if results["config"]["interrupted"]:
         print(f"verispec: interrupted; results so far are in {args.out}", file=sys.stderr)
         return 130
+    return 0
+
+
+def bench_batched(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from verispec.bench.batched import BatchBenchConfig, run_batched_bench
+
+    config = BatchBenchConfig(model=args.model, out=Path(args.out), batch_sizes=args.batch_size,
+                              methods=args.methods or ["pld", "self-int4-pld", "eagle-pld"], ks=args.k,
+                              questions=Path(args.questions) if args.questions else None,
+                              tasks=args.tasks, limit_per_task=args.limit_per_task,
+                              max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=args.device,
+                              seed=args.seed, load_cap=not args.no_load_cap)
+    run_batched_bench(config)
+    print((Path(args.out) / "batched.md").read_text())
     return 0
 
 
@@ -362,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="0 (default): greedy, exactness checked")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--warmup", type=int, default=1, help="untimed runs of each method first")
+    bench.add_argument("--batch-size", type=comma_ints, metavar="B,...",
+                       help="measure throughput of batches of these sizes instead (e.g. 1,2,4,8,16): "
+                            "hf batched, ar batched and each method; default methods pld, "
+                            "self-int4-pld, eagle-pld")
+    bench.add_argument("--no-load-cap", action="store_true",
+                       help="with --batch-size: draft full length at every batch size (the engine "
+                            "otherwise shortens drafts as the batch grows)")
     bench.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     bench.add_argument("--compare", nargs=2, metavar="RESULTS",
                        help="print the change between two results.json files instead of running")

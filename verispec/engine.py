@@ -100,23 +100,25 @@ class _Row:
         if getattr(self.drafter, "adopts_prefill", False):
             self.drafter.adopt_prefill(self.target)
 
-    def propose(self, cap: int | None) -> None:
-        """Draft this step's tokens: the policy's k, within the budget and the batch's cap."""
+    def request(self, cap: int | None) -> DraftRequest | None:
+        """What to draft this step (None: nothing): the policy's k, within the budget and the
+        batch's cap."""
         remaining = self.stopping.max_new_tokens - len(self.generated)
         # Never draft past the budget: the step always adds one target token after the draft.
         k = min(self.policy.next_k(), remaining - 1) if self.drafter is not None else 0
         if cap is not None:
             k = min(k, cap)
-        started = time.perf_counter()
-        if k > 0:
-            hidden = None if self.hidden is None else self.hidden[: self.length - 1]
-            self.proposal = self.drafter.propose(DraftRequest(
-                self.buffer[: self.length], k, self.sampling, self.generator, hidden))
-        else:
-            self.proposal = Proposal(self.buffer[:0])
-        if self.proposal.parents is not None:  # a drafter's tree must be well formed
-            check_parents(self.proposal.parents)
-        self.draft_seconds = time.perf_counter() - started
+        if k <= 0:
+            return None
+        hidden = None if self.hidden is None else self.hidden[: self.length - 1]
+        return DraftRequest(self.buffer[: self.length], k, self.sampling, self.generator, hidden)
+
+    def take(self, proposal: Proposal | None, seconds: float) -> None:
+        """This step's draft (None: none), and the seconds it took."""
+        proposal = proposal or Proposal(self.buffer[:0])
+        if proposal.parents is not None:  # a drafter's tree must be well formed
+            check_parents(proposal.parents)
+        self.proposal, self.draft_seconds = proposal, seconds
 
     def block(self) -> torch.Tensor:
         """The tokens the target scores this step: the last committed one, then the draft. [1 + k]"""
@@ -230,9 +232,7 @@ class SpeculativeEngine:
 
     def _step(self, rows: list[_Row]) -> list[Step]:
         """One draft-verify-commit cycle for every row, with one target pass for all of them."""
-        cap = self.load_cap.k(len(rows))
-        for row in rows:
-            row.propose(cap)
+        self._draft(rows, self.load_cap.k(len(rows)))
         layers = tuple(sorted({layer for row in rows for layer in row.layers}))
         started = time.perf_counter()
         outputs = forward_rows([row.target for row in rows], [row.block() for row in rows],
@@ -240,6 +240,31 @@ class SpeculativeEngine:
         seconds = time.perf_counter() - started
         return [row.settle(logits, _own_layers(hidden, layers, row.layers), seconds)
                 for row, (logits, hidden) in zip(rows, outputs)]
+
+    @staticmethod
+    def _draft(rows: list[_Row], cap: int | None) -> None:
+        """Every row's draft. Rows whose drafters batch (a `propose_batch` static method, as
+        ModelDrafter has) draft together, one forward per drafting position for all of them."""
+        groups: dict[type, list[tuple[_Row, DraftRequest]]] = {}
+        for row in rows:
+            request = row.request(cap)
+            if request is None:
+                row.take(None, 0.0)
+            else:
+                groups.setdefault(type(row.drafter), []).append((row, request))
+        for kind, members in groups.items():
+            if len(members) > 1 and hasattr(kind, "propose_batch"):
+                started = time.perf_counter()
+                proposals = kind.propose_batch([row.drafter for row, _ in members],
+                                               [request for _, request in members])
+                seconds = (time.perf_counter() - started) / len(members)
+                for (row, _), proposal in zip(members, proposals):
+                    row.take(proposal, seconds)
+                continue
+            for row, request in members:
+                started = time.perf_counter()
+                proposal = row.drafter.propose(request)
+                row.take(proposal, time.perf_counter() - started)
 
     # -- one sequence ----------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedModel
 
-from verispec.cached_model import CachedModel
+from verispec.cached_model import CachedModel, forward_tails
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.errors import VerispecError
 from verispec.sampling import sample, warp_probs
@@ -77,29 +77,52 @@ class ModelDrafter:
         return logits
 
     def propose(self, request: DraftRequest) -> Proposal:
-        tokens = request.tokens
-        self._context_length = tokens.shape[0]
-        fed = tokens[self.lm.length:]  # the cache always lags by >= 1
-        if self.tree is not None:
-            logits = self.lm.forward_last(fed)
-            width = min(self.tree.topk, self.vocab_size)
-            depth = max(1, min(request.k, self.tree.nodes // width))
-            return self._propose_tree(self._fit_vocab(logits), width, depth)
-        guesses = self._guesses(request)
-        if guesses.shape[0]:
-            logits = self.lm.forward_tail(torch.cat([fed, guesses]), guesses.shape[0] + 1)
-            drafted, probs, logits = self._check_guesses(self._fit_vocab(logits), guesses, request)
-            # The cache keeps the guesses this drafter agreed with; the last token is not fed yet.
-            self.lm.rewind(self._context_length + len(drafted) - 1)
-        else:
-            logits = self._fit_vocab(self.lm.forward_last(fed))
-            drafted, probs = self._draft_one(logits, request)
-        while len(drafted) < request.k and not self._unsure(logits, drafted[-1]):
-            logits = self._fit_vocab(self.lm.forward_last(drafted[-1].view(1)))
-            token, q = self._draft_one(logits, request)
-            drafted += token
-            probs += q
-        return Proposal(torch.stack(drafted), torch.stack(probs) if probs else None)
+        return self.propose_batch([self], [request])[0]
+
+    @staticmethod
+    def propose_batch(drafters: list[ModelDrafter], requests: list[DraftRequest]) -> list[Proposal]:
+        """Proposals for several sequences of a batch, each from its own drafter (and cache):
+        each drafting position is one forward for all of them, one pass where the drafters are
+        lean over shared weights (verispec.cached_model.forward_tails). Trees draft one sequence
+        at a time."""
+        proposals = {i: drafter._propose_tree(request) for i, (drafter, request)
+                     in enumerate(zip(drafters, requests)) if drafter.tree is not None}
+        chains = [i for i in range(len(drafters)) if i not in proposals]
+        guesses = {i: drafters[i]._guesses(requests[i]) for i in chains}
+        blocks = []
+        for i in chains:
+            drafter, tokens = drafters[i], requests[i].tokens
+            drafter._context_length = tokens.shape[0]
+            blocks.append(torch.cat([tokens[drafter.lm.length:], guesses[i]]))  # cache lags >= 1
+        firsts = forward_tails([drafters[i].lm for i in chains], blocks,
+                               [guesses[i].shape[0] + 1 for i in chains])
+        drafted, probs, last = {}, {}, {}  # per sequence: tokens, their q, the last logits [vocab]
+        for i, logits in zip(chains, firsts):
+            drafter, request, logits = drafters[i], requests[i], drafters[i]._fit_vocab(logits)
+            if guesses[i].shape[0]:
+                drafted[i], probs[i], last[i] = drafter._check_guesses(logits, guesses[i], request)
+                # The cache keeps the guesses this drafter agreed with; the last token is not fed yet.
+                drafter.lm.rewind(drafter._context_length + len(drafted[i]) - 1)
+            else:
+                last[i] = logits[0]
+                drafted[i], probs[i] = drafter._draft_one(last[i], request)
+
+        def going(i: int) -> bool:
+            return len(drafted[i]) < requests[i].k and not drafters[i]._unsure(last[i], drafted[i][-1])
+
+        active = [i for i in chains if going(i)]
+        while active:
+            outputs = forward_tails([drafters[i].lm for i in active],
+                                    [drafted[i][-1].view(1) for i in active], [1] * len(active))
+            for i, logits in zip(active, outputs):
+                last[i] = drafters[i]._fit_vocab(logits[0])
+                token, q = drafters[i]._draft_one(last[i], requests[i])
+                drafted[i] += token
+                probs[i] += q
+            active = [i for i in active if going(i)]
+        for i in chains:
+            proposals[i] = Proposal(torch.stack(drafted[i]), torch.stack(probs[i]) if probs[i] else None)
+        return [proposals[i] for i in range(len(drafters))]
 
     def _guesses(self, request: DraftRequest) -> torch.Tensor:
         """The lookup's guesses for the next k - 1 tokens ([m], m may be 0): the draft model
@@ -155,12 +178,16 @@ class ModelDrafter:
             break
         return drafted, probs, logits[len(drafted) - 1]
 
-    def _propose_tree(self, logits: torch.Tensor, width: int, depth: int) -> Proposal:
-        """Branches of greedy drafts from the top first tokens; logits [vocab] at the root.
+    def _propose_tree(self, request: DraftRequest) -> Proposal:
+        """Branches of greedy drafts from the top first tokens.
 
         Deterministic (q one-hot per node) under sampling too. Level d holds node d * b + j of
         branch j; each node sees the context, its own branch and itself.
         """
+        self._context_length = request.tokens.shape[0]
+        logits = self._fit_vocab(self.lm.forward_last(request.tokens[self.lm.length:]))  # [vocab]
+        width = min(self.tree.topk, self.vocab_size)
+        depth = max(1, min(request.k, self.tree.nodes // width))
         levels = [logits.topk(width).indices]  # [b] each
         context = self.lm.length  # the committed tokens, the root included
         device = logits.device
