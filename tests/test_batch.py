@@ -161,6 +161,7 @@ def test_load_cap_limits_drafts_by_batch_size(target):
     make = lambda: ModelDrafter(target, VOCAB)  # noqa: E731
     cap = LoadCap(((2, 2), (4, 0)))
     assert [cap.k(b) for b in (1, 2, 3, 4, 16)] == [None, 2, 2, 0, 0]
+    assert [LoadCap().k(b) for b in (1, 4, 7, 8, 32)] == [None, None, None, 0, 0]  # measured default
     rules = [StoppingRules.build(b) for b in BUDGETS]
     truth = solo(target, rules)
     for rows, most in ((1, 6), (2, 2), (4, 0)):

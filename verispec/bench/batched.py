@@ -80,7 +80,7 @@ def verispec_batched(target: LoadedModel, method: str, k: int | None, config: Ba
                      stopping: StoppingRules) -> Decode:
     engine = build_engine(target, method, DraftOptions(k=k))
     if not config.load_cap:
-        engine.load_cap = LoadCap()
+        engine.load_cap = LoadCap(())
 
     def decode(prompts: list[list[int]]) -> tuple[list[list[int]], int | None]:
         results = engine.generate_batch(prompts, stopping, SamplingParams(), config.seed)
