@@ -10,7 +10,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from verispec.lean import LeanDecoder, lean_supported
 from verispec.packed import packed_view
-from verispec.tree import attention_mask, is_chain, position_ids
+from verispec.tree import attention_mask, chain_parents, is_chain, position_ids, side_block
+from verispec.types import SideBranch
 
 # Classes whose logits are exactly lm_head(last hidden state): no soft-capping or logit scaling.
 PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -93,7 +94,8 @@ class CachedModel:
 
     @torch.inference_mode()
     def forward_hidden(self, tokens: torch.Tensor, parents: torch.Tensor | None = None,
-                       layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                       layers: tuple[int, ...] = (),
+                       side: SideBranch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Append tokens [n] to the cache; return logits [n, vocab] (float32) and the final
         (normed) hidden states [n, hidden] that the logits were read from, followed by the
         residual states after the first L layers for each L in `layers` (increasing; Hugging
@@ -102,13 +104,17 @@ class CachedModel:
         parents: [n - 1], the tree of tokens[1:] under tokens[0] (see verispec.tree); None or a
         chain is plain causal attention. A tree goes through the model's own attention as a 4D
         mask with position ids = context + depth; `keep` then compacts the cache.
+        side: tokens[n - m:] are a side branch of m tokens after the tree (tree.side_block).
         """
         n = tokens.shape[0]
         padding = -n % self.pad_to_multiple if n > 1 else 0
         if padding:
             tokens = torch.cat([tokens, tokens[-1:].expand(padding)])
         mask = positions = None
-        if not is_chain(parents):
+        if side is not None:
+            tree = chain_parents(n - 1 - len(side.tokens), tokens.device) if parents is None else parents
+            mask, positions = side_block(tree, side.mask, side.offsets, self.length, padding)
+        elif not is_chain(parents):
             past = self.length
             mask, positions = attention_mask(parents, past, padding), position_ids(parents, past, padding)
         return self._forward(tokens, n, mask, positions, layers=layers)

@@ -106,8 +106,12 @@ class SpeculativeEngine:
             tree, depth = proposal.parents, proposal.depth
             if tree is not None:  # a drafter's tree must be well formed before the target sees it
                 check_parents(tree)
-            logits, block_hidden = self.target.forward_hidden(
-                torch.cat([buffer[length - 1: length], proposal.tokens]), tree, layers)
+            side = proposal.side
+            block = [buffer[length - 1: length], proposal.tokens, *(() if side is None else (side.tokens,))]
+            logits, block_hidden = self.target.forward_hidden(torch.cat(block), tree, layers, side)
+            if side is not None:  # side rows go back to the drafter, never to the verifier
+                self.drafter.observe_side(logits[num_drafted + 1:])
+                logits = logits[: num_drafted + 1]
             verdict = verifier.verify(proposal, logits, sampling, generator)
             path, accepted = list(verdict.path), verdict.num_accepted
             rows = [0] + [node + 1 for node in path]  # block rows to keep: root + accepted path

@@ -16,6 +16,7 @@ from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.drafters.early_exit import default_exit_layer, early_exit_drafter
 from verispec.drafters.hybrid import LookupThenModel
 from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
+from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.model import ModelDrafter, check_same_vocabulary
 from verispec.drafters.ngram import PromptLookupDrafter
@@ -50,6 +51,10 @@ class DraftOptions:
     acceptance: str = "exact"
     group: int = SelfSettings.group  # self-int4: input columns sharing a scale (32, 64 or 128)
     skip_layers: tuple[int, ...] = SelfSettings.skip  # self-*: decoder layers the drafter leaves out
+    lookahead_window: int = 5  # lookahead: W, the Jacobi window's guesses per iteration
+    lookahead_ngram: int | None = None  # lookahead: N, the n-gram size (None: k + 1)
+    lookahead_guesses: int = 5  # lookahead: G, pooled n-grams kept (and verified) per first token
+    lookahead_pool_context: bool = False  # lookahead: pool the prompt's and output's n-grams too
 
 
 def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
@@ -110,6 +115,14 @@ def _early_exit(target: LoadedModel, options: DraftOptions) -> Drafter:
 
 def _prompt_lookup(target: LoadedModel, options: DraftOptions) -> Drafter:
     return PromptLookupDrafter(options.max_ngram, options.min_ngram, options.tree)
+
+
+def _lookahead(target: LoadedModel, options: DraftOptions) -> Drafter:
+    """N defaults to k + 1: the draft length is the n-gram's tail."""
+    k = METHODS["lookahead"].default_k if options.k is None else options.k
+    ngram = k + 1 if options.lookahead_ngram is None else options.lookahead_ngram
+    return LookaheadDrafter(options.lookahead_window, ngram, options.lookahead_guesses,
+                            options.lookahead_pool_context)
 
 
 def _lookup_then(method: str) -> Callable[[LoadedModel, DraftOptions], Drafter]:
@@ -191,6 +204,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
              "models on CPU)", 8, _self(fmt, False)) for fmt in FORMATS),
     *(Method(f"self-{fmt}-pld", f"staged: prompt lookup guesses, the target's own weights in {fmt} "
              "check and extend them, the target verifies", 10, _self(fmt, True)) for fmt in FORMATS),
+    # k = N - 1 = 3, W 5, G 5: to be measured (scripts/tune_lookahead.py).
+    Method("lookahead", "lookahead decoding: Jacobi iteration in the same target forward fills an "
+           "n-gram pool whose n-grams after the last token are verified (no training)", 3, _lookahead),
 ]}
 
 
@@ -252,6 +268,6 @@ def build_engine(target: LoadedModel, method: str = "ar",
 
 
 __all__ = ["DEFAULT_TREE", "FALLBACK", "FASTEST", "Drafter", "DraftRequest", "DraftOptions", "Eagle3Drafter",
-           "EagleDrafter", "LookupThenModel", "METHODS", "MedusaDrafter", "Method", "ModelDrafter",
-           "PromptLookupDrafter", "SelfDrafter", "build_engine", "early_exit_drafter", "fastest_method",
-           "resolve_tree"]
+           "EagleDrafter", "LookaheadDrafter", "LookupThenModel", "METHODS", "MedusaDrafter", "Method",
+           "ModelDrafter", "PromptLookupDrafter", "SelfDrafter", "build_engine", "early_exit_drafter",
+           "fastest_method", "resolve_tree"]
