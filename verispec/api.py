@@ -104,6 +104,7 @@ def prepare(
     tree: TreeSettings | str | None = None,
     acceptance: str = "exact",
     method: str | None = None,
+    options: DraftOptions | None = None,
     eos_token_id: int | Iterable[int] | None = None,
     stop_strings: str | Iterable[str] | None = None,
     tokenizer=None,
@@ -121,7 +122,9 @@ def prepare(
         raise VerispecError(f"choose one speculation method, got {' and '.join(chosen)}")
     common = {"schedule": num_assistant_tokens_schedule,
               "confidence_threshold": assistant_confidence_threshold, "acceptance": acceptance, "tree": tree}
-    options = DraftOptions(num_assistant_tokens, **common)
+    if options is not None and method is None:
+        raise VerispecError("options= sets a method's settings: give method= too")
+    options = replace(options or DraftOptions(), k=num_assistant_tokens, **common)
     if method is None:
         method, options = "ar", DraftOptions(**common)
     if assistant_model is not None:
@@ -165,7 +168,8 @@ def generate(model: ModelLike, inputs: str | list[int] | torch.Tensor, *, stream
     num_assistant_tokens_schedule ("constant" | "heuristic"), assistant_confidence_threshold,
     prompt_lookup_num_tokens, max_matching_ngram_size, assistant_early_exit, eos_token_id,
     stop_strings, tokenizer. verispec adds method=NAME (any registered method, e.g. "self-int4-pld",
-    "eagle"; num_assistant_tokens is then its k; instead of the keywords above), tree=
+    "eagle"; num_assistant_tokens is then its k; instead of the keywords above) with options=
+    DraftOptions(...) for its other settings (e.g. lookahead_window), tree=
     TreeSettings(topk, nodes) or tree="default" (the method's measured default tree) and
     acceptance="typical" (Medusa's typical acceptance: LOSSY under sampling, the output no longer
     follows the target's distribution; default "exact"). A Hugging Face-style `streamer`
