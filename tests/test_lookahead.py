@@ -116,13 +116,14 @@ def test_no_state_leaks_across_calls(target, references):
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(VerispecError, match=message):
-        LookaheadDrafter(**kwargs)
+        LookaheadDrafter(**{"window": 2, "ngram": 3, "guesses": 2} | kwargs)
 
 
 def test_options_reach_the_drafter_and_are_checked_first(tiny_dir):
     target = verispec.load(str(tiny_dir))
     drafter = build_engine(target, "lookahead", DraftOptions(k=2, lookahead_window=3)).drafter
-    assert (drafter.window, drafter.ngram, drafter.guesses) == (3, 3, DraftOptions.lookahead_guesses)
+    assert (drafter.window, drafter.ngram, drafter.guesses, drafter.pool_context) == (
+        3, 3, DraftOptions.lookahead_guesses, DraftOptions.lookahead_pool_context)
     drafter = build_engine(target, "lookahead", DraftOptions(lookahead_ngram=6)).drafter
     assert drafter.ngram == 6
     with pytest.raises(VerispecError, match="n-gram size N"):
@@ -144,7 +145,7 @@ TAILS = [(0, 1), (0, 2), (1, 3), (2, 5), (5, 0)]
 
 def lookahead_proposal() -> tuple[torch.Tensor, torch.Tensor]:
     """The draft tree a lookahead drafter makes from a pool holding TAILS after ROOT."""
-    drafter = LookaheadDrafter(window=2, ngram=3, guesses=len(TAILS))
+    drafter = LookaheadDrafter(2, 3, len(TAILS))
     for tail in TAILS:
         drafter._remember(ROOT, tail)
     proposal = drafter.propose(DraftRequest(torch.tensor([ROOT]), 2, SamplingParams(do_sample=True), None))

@@ -51,10 +51,10 @@ class DraftOptions:
     acceptance: str = "exact"
     group: int = SelfSettings.group  # self-int4: input columns sharing a scale (32, 64 or 128)
     skip_layers: tuple[int, ...] = SelfSettings.skip  # self-*: decoder layers the drafter leaves out
-    lookahead_window: int = 5  # lookahead: W, the Jacobi window's guesses per iteration
+    lookahead_window: int = 2  # lookahead: W, the Jacobi window's guesses per iteration
     lookahead_ngram: int | None = None  # lookahead: N, the n-gram size (None: k + 1)
-    lookahead_guesses: int = 5  # lookahead: G, pooled n-grams kept (and verified) per first token
-    lookahead_pool_context: bool = False  # lookahead: pool the prompt's and output's n-grams too
+    lookahead_guesses: int = 2  # lookahead: G, pooled n-grams kept (and verified) per first token
+    lookahead_pool_context: bool = True  # lookahead: pool the prompt's and output's n-grams too
 
 
 def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
@@ -204,9 +204,13 @@ METHODS: dict[str, Method] = {m.name: m for m in [
              "models on CPU)", 8, _self(fmt, False)) for fmt in FORMATS),
     *(Method(f"self-{fmt}-pld", f"staged: prompt lookup guesses, the target's own weights in {fmt} "
              "check and extend them, the target verifies", 10, _self(fmt, True)) for fmt in FORMATS),
-    # k = N - 1 = 3, W 5, G 5: to be measured (scripts/tune_lookahead.py).
+    # k = N - 1 = 2, W 2, G 2, context pooled (DraftOptions): held-out prompts (scripts/
+    # tune_lookahead.py 4 801 96 and 4 802 96; docs/lookahead.md), 96 tokens, lean CPU forward,
+    # shared 2-core AMD EPYC, speed vs ar (tau): 2x3x2c 1.15x (1.34) / 0.97x (1.25); 2x3x2 1.16x,
+    # 1.11x (1.27) / 0.94x (1.21); pld 1.20x, 1.10x / 1.07x; the paper's 5x4x5 0.90x (1.45) and
+    # 7x4x7 0.80x (1.52): on 2 cores every extra row costs, so the smallest window wins.
     Method("lookahead", "lookahead decoding: Jacobi iteration in the same target forward fills an "
-           "n-gram pool whose n-grams after the last token are verified (no training)", 3, _lookahead),
+           "n-gram pool whose n-grams after the last token are verified (no training)", 2, _lookahead),
 ]}
 
 

@@ -54,7 +54,8 @@ class LookaheadDrafter:
     merged into a trie; the target scores them and the W * (levels) window guesses in one forward.
     """
 
-    def __init__(self, window: int = 5, ngram: int = 4, guesses: int = 5, pool_context: bool = False) -> None:
+    def __init__(self, window: int, ngram: int, guesses: int, pool_context: bool = False) -> None:
+        """Defaults: DraftOptions.lookahead_*."""
         for name, value, least in (("window W", window, 1), ("n-gram size N", ngram, 2),
                                    ("guesses G", guesses, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
