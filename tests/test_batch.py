@@ -20,6 +20,7 @@ from verispec.drafters import (
     build_speculation,
     early_exit_drafter,
 )
+from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.models import load_model
@@ -46,6 +47,7 @@ def makers(target) -> dict:
         "draft-model": lambda: ModelDrafter(draft, VOCAB),
         "draft-model-tree": lambda: ModelDrafter(draft, VOCAB, tree=TreeSettings(3, 16)),
         "early-exit": lambda: early_exit_drafter(target, 1, VOCAB),
+        "lookahead": lambda: LookaheadDrafter(3, 4, 3, pool_context=True),  # side branch per row
     }
 
 

@@ -40,7 +40,7 @@ def test_bench_writes_every_field_report_and_plots(tiny_dir, questions, tmp_path
     assert on_disk["summary"] == json.loads(json.dumps(results["summary"]))
     assert {"config", "machine", "runs", "summary"} <= set(on_disk)
     labels = {r["label"] for r in on_disk["runs"]}
-    assert {"hf", "ar", "hf-pld", "hf-early-exit", "pld k=2", "pld k=4", "early-exit k=2",
+    assert {"hf", "ar", "hf-pld", "hf-early-exit", "pld k=2", "pld k=4", "early-exit k=2", "lookahead k=4",
             "self-int4 k=2", "self-int4-pld k=4", "self-int8 k=2", "self-bf16 k=4"} <= labels
     assert "int4 g32" in on_disk["config"]["drafters"]["self-int4 k=2"]["runs"]  # the kernel it chose
     assert on_disk["summary"]["self-int4-pld k=4"]["overall"]["identical"] == "2/2"

@@ -134,6 +134,7 @@ def prepare(
     tree: TreeSettings | str | None = None,
     acceptance: str = "exact",
     method: str | None = None,
+    options: DraftOptions | None = None,
     eos_token_id: int | Iterable[int] | None = None,
     stop_strings: str | Iterable[str] | None = None,
     tokenizer=None,
@@ -152,7 +153,9 @@ def prepare(
         raise VerispecError(f"choose one speculation method, got {' and '.join(chosen)}")
     common = {"schedule": num_assistant_tokens_schedule,
               "confidence_threshold": assistant_confidence_threshold, "acceptance": acceptance, "tree": tree}
-    options = DraftOptions(num_assistant_tokens, **common)
+    if options is not None and method is None:
+        raise VerispecError("options= sets a method's settings: give method= too")
+    options = replace(options or DraftOptions(), k=num_assistant_tokens, **common)
     if method is None:
         method, options = "ar", DraftOptions(**common)
     if assistant_model is not None:
@@ -210,7 +213,8 @@ def generate(model: ModelLike, inputs: Prompts, *, streamer=None,
     num_return_sequences (n sequences per prompt sharing its prefill, a prompt's together in
     the list; with a seed, sequence i is seeded with seed + i). verispec adds method=NAME (any
     registered method, e.g. "self-int4-pld", "eagle"; num_assistant_tokens is then its k;
-    instead of the keywords above), tree=TreeSettings(topk, nodes) or tree="default" (the
+    instead of the keywords above) with options=DraftOptions(...) for its other settings (e.g.
+    lookahead_window), tree=TreeSettings(topk, nodes) or tree="default" (the
     method's measured default tree) and acceptance="typical" (Medusa's typical acceptance: LOSSY
     under sampling, the output no longer follows the target's distribution; default "exact").
     A Hugging Face-style `streamer` (put/end) receives the prompt, then each committed block of

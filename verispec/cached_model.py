@@ -14,7 +14,8 @@ from transformers import DynamicCache, PreTrainedModel
 from verispec.lean import Block, LeanDecoder, lean_supported
 from verispec.lean import forward_rows as lean_forward_rows
 from verispec.packed import packed_view
-from verispec.tree import attention_mask, is_chain, position_ids
+from verispec.tree import attention_mask, chain_parents, is_chain, position_ids, side_block
+from verispec.types import SideBranch
 
 # Classes whose logits are exactly lm_head(last hidden state): no soft-capping or logit scaling.
 PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -97,7 +98,8 @@ class CachedModel:
 
     @torch.inference_mode()
     def forward_hidden(self, tokens: torch.Tensor, parents: torch.Tensor | None = None,
-                       layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                       layers: tuple[int, ...] = (),
+                       side: SideBranch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Append tokens [n] to the cache; return logits [n, vocab] (float32) and the final
         (normed) hidden states [n, hidden] that the logits were read from, followed by the
         residual states after the first L layers for each L in `layers` (increasing; Hugging
@@ -106,20 +108,26 @@ class CachedModel:
         parents: [n - 1], the tree of tokens[1:] under tokens[0] (see verispec.tree); None or a
         chain is plain causal attention. A tree goes through the model's own attention as a 4D
         mask with position ids = context + depth; `keep` then compacts the cache.
+        side: tokens[n - m:] are a side branch of m tokens after the tree (tree.side_block).
         """
         n = tokens.shape[0]
         padding = -n % self.pad_to_multiple if n > 1 else 0
         if padding:
             tokens = torch.cat([tokens, tokens[-1:].expand(padding)])
-        mask, positions = self._tree_inputs(parents, padding)
+        mask, positions = self._tree_inputs(parents, padding, side)
         return self._forward(tokens, n, mask, positions, layers=layers)
 
-    def _tree_inputs(self, parents: torch.Tensor | None, padding: int = 0
-                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The 4D mask and position ids of a tree block after the cache (None, None: causal)."""
+    def _tree_inputs(self, parents: torch.Tensor | None, padding: int = 0,
+                     side: SideBranch | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The 4D mask and position ids of a tree block (and side branch) after the cache (None,
+        None: causal)."""
+        past = self.length
+        if side is not None:
+            n = 1 + side.mask.shape[1] - 1 - side.tokens.shape[0]  # root + draft nodes
+            tree = chain_parents(n - 1, side.tokens.device) if parents is None else parents
+            return side_block(tree, side.mask, side.offsets, past, padding)
         if is_chain(parents):
             return None, None
-        past = self.length
         return attention_mask(parents, past, padding), position_ids(parents, past, padding)
 
     @torch.inference_mode()
@@ -195,22 +203,23 @@ class CachedModel:
 
 @torch.inference_mode()
 def forward_rows(models: list[CachedModel], blocks: list[torch.Tensor],
-                 parents: list[torch.Tensor | None], layers: tuple[int, ...] = ()
-                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 parents: list[torch.Tensor | None], layers: tuple[int, ...] = (),
+                 sides: list[SideBranch | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """forward_hidden for several sequences at once: models[i] (one per sequence, same model)
-    takes blocks[i] [n_i] under tree parents[i]; returns (logits [n_i, vocab], hidden
-    [n_i, hidden * (1 + len(layers))]) per sequence.
+    takes blocks[i] [n_i] under tree parents[i] (and side branch sides[i]); returns (logits
+    [n_i, vocab], hidden [n_i, hidden * (1 + len(layers))]) per sequence.
 
     Lean decoders run as one pass (verispec.lean.forward_rows: one read of the weights for all
     rows, the LM head included); models off the lean path run one sequence after another.
     """
+    sides = sides or [None] * len(models)
     lean = [model.lean for model in models]
     if not _one_pass(lean):
-        return [model.forward_hidden(block, tree, layers)
-                for model, block, tree in zip(models, blocks, parents)]
+        return [model.forward_hidden(block, tree, layers, side)
+                for model, block, tree, side in zip(models, blocks, parents, sides)]
     inputs = []
-    for model, block, tree in zip(models, blocks, parents):
-        mask, positions = model._tree_inputs(tree)
+    for model, block, tree, side in zip(models, blocks, parents, sides):
+        mask, positions = model._tree_inputs(tree, 0, side)
         inputs.append(Block(block, positions, None if mask is None else mask[0, 0]))
     hidden = lean_forward_rows(lean, inputs, layers)
     width = hidden.shape[1] // (1 + len(layers))

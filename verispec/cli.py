@@ -80,6 +80,18 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
                         help="self-int4: input columns sharing one scale (32, 64 or 128; default 32)")
     parser.add_argument("--skip-layers", type=int_list, default=(), metavar="I,J,...",
                         help="self-*: decoder layers the low-precision drafter leaves out (default: none)")
+    parser.add_argument("--lookahead-window", type=int, default=DraftOptions.lookahead_window,
+                        metavar="W", help="lookahead: guesses in the Jacobi window per iteration "
+                        f"(default {DraftOptions.lookahead_window})")
+    parser.add_argument("--lookahead-ngram", type=int, metavar="N",
+                        help="lookahead: n-gram size; the window keeps N - 1 iterations and drafts "
+                        "min(k, N - 1) tokens per n-gram (default: k + 1)")
+    parser.add_argument("--lookahead-guesses", type=int, default=DraftOptions.lookahead_guesses,
+                        metavar="G", help="lookahead: n-grams kept and verified per first token "
+                        f"(default {DraftOptions.lookahead_guesses})")
+    parser.add_argument("--lookahead-pool-context", action=argparse.BooleanOptionalAction,
+                        default=DraftOptions.lookahead_pool_context,
+                        help="lookahead: also pool the n-grams of the prompt and output")
     parser.add_argument("--acceptance", default="exact", choices=list(ACCEPTANCE),
                         help="exact (default, lossless) or typical: Medusa's typical acceptance, "
                         "LOSSY under sampling (the output no longer follows the target's "
@@ -114,7 +126,10 @@ def draft_options(args: argparse.Namespace) -> DraftOptions:
     return DraftOptions(k=args.k, schedule=args.schedule, confidence_threshold=args.confidence_threshold,
                         draft=args.draft, exit_layer=args.exit_layer, max_ngram=args.max_ngram,
                         min_ngram=args.min_ngram, tree=args.tree, acceptance=args.acceptance,
-                        group=args.group, skip_layers=args.skip_layers)
+                        group=args.group, skip_layers=args.skip_layers,
+                        lookahead_window=args.lookahead_window, lookahead_ngram=args.lookahead_ngram,
+                        lookahead_guesses=args.lookahead_guesses,
+                        lookahead_pool_context=args.lookahead_pool_context)
 
 
 def use_colour(choice: str) -> bool:

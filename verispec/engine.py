@@ -115,20 +115,27 @@ class _Row:
 
     def take(self, proposal: Proposal | None, seconds: float) -> None:
         """This step's draft (None: none), and the seconds it took."""
-        proposal = proposal or Proposal(self.buffer[:0])
+        proposal = Proposal(self.buffer[:0]) if proposal is None else proposal
         if proposal.parents is not None:  # a drafter's tree must be well formed
             check_parents(proposal.parents)
         self.proposal, self.draft_seconds = proposal, seconds
 
     def block(self) -> torch.Tensor:
-        """The tokens the target scores this step: the last committed one, then the draft. [1 + k]"""
-        return torch.cat([self.buffer[self.length - 1: self.length], self.proposal.tokens])
+        """The tokens the target scores this step: the last committed one, the draft, and the
+        draft's side branch if it has one. [1 + k (+ m)]"""
+        side = self.proposal.side
+        return torch.cat([self.buffer[self.length - 1: self.length], self.proposal.tokens,
+                          *(() if side is None else (side.tokens,))])
 
     def settle(self, logits: torch.Tensor, block_hidden: torch.Tensor, forward_seconds: float) -> Step:
-        """Verify the draft against the target's logits [1 + k, vocab] (block_hidden [1 + k, .]:
-        the states this row's drafter reads), commit, rewind what was refused."""
+        """Verify the draft against the target's logits [1 + k (+ m side rows), vocab]
+        (block_hidden [1 + k (+ m), .]: the states this row's drafter reads), commit, rewind what
+        was refused."""
         started = time.perf_counter()
         proposal = self.proposal
+        if proposal.side is not None:  # side rows go back to the drafter, never to the verifier
+            self.drafter.observe_side(logits[len(proposal) + 1:])
+            logits = logits[: len(proposal) + 1]
         verdict = self.verifier.verify(proposal, logits, self.sampling, self.generator)
         path, accepted = list(verdict.path), verdict.num_accepted
         rows = [0] + [node + 1 for node in path]  # block rows to keep: root + accepted path
@@ -236,7 +243,8 @@ class SpeculativeEngine:
         layers = tuple(sorted({layer for row in rows for layer in row.layers}))
         started = time.perf_counter()
         outputs = forward_rows([row.target for row in rows], [row.block() for row in rows],
-                               [row.proposal.parents for row in rows], layers)
+                               [row.proposal.parents for row in rows], layers,
+                               [row.proposal.side for row in rows])
         seconds = time.perf_counter() - started
         return [row.settle(logits, _own_layers(hidden, layers, row.layers), seconds)
                 for row, (logits, hidden) in zip(rows, outputs)]

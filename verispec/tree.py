@@ -87,6 +87,32 @@ def position_ids(parents: torch.Tensor, past: int, padding: int = 0) -> torch.Te
     return torch.cat([positions, extra])
 
 
+def side_block(parents: torch.Tensor, side_mask: torch.Tensor, side_offsets: torch.Tensor,
+               past: int, padding: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask and positions of a block [root, N draft nodes, m side tokens, padding] fed after `past`
+    cached tokens: the tree part as attention_mask / position_ids give it (it never sees the side
+    rows), then the side rows, which see the context and the block rows side_mask allows, at
+    past + offset (see verispec.types.SideBranch).
+
+    parents: [N]; side_mask: [m, N + 1 + m] bool; side_offsets: [m]. Returns the mask
+    [1, 1, n, past + n] and positions [n], n = N + 1 + m + padding.
+
+    Example: parents [-1] (one node), past 5, two side tokens at offsets [1, 2], each seeing the
+    root and the side tokens up to itself, side_mask [[1, 0, 1, 0], [1, 0, 1, 1]]: block rows
+    root, node, s0, s1 sit at positions [5, 6, 6, 7]; the node sees {root, node}, s1 sees
+    {root, s0, s1}, and every row sees the 5 cached tokens.
+    """
+    nodes, m = parents.shape[0], side_offsets.shape[0]
+    if side_mask.shape != (m, nodes + 1 + m):
+        raise VerispecError(f"a side branch of {m} tokens after {nodes} draft nodes needs a mask of "
+                            f"shape ({m}, {nodes + 1 + m}), got {tuple(side_mask.shape)}")
+    mask = attention_mask(parents, past, m + padding)[0, 0]  # side rows start as padding rows
+    mask[nodes + 1: nodes + 1 + m, past: past + nodes + 1 + m] = side_mask
+    positions = torch.cat([position_ids(parents, past), past + side_offsets.to(parents.device)])
+    extra = positions.max() + 1 + torch.arange(padding, device=parents.device)
+    return mask[None, None], torch.cat([positions, extra])
+
+
 def children(parents: list[int]) -> list[list[int]]:
     """children[r] = the nodes under block row r (row 0 = root), in proposal order."""
     kids: list[list[int]] = [[] for _ in range(len(parents) + 1)]

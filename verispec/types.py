@@ -49,16 +49,33 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class SideBranch:
+    """Tokens a drafter has the target score in the same forward as its draft, never verified.
+
+    They follow the draft in the block [root, draft nodes, side tokens] with their own attention
+    pattern and positions; the engine hands their logits to the drafter's `observe_side` and drops
+    them from the target's cache (lookahead decoding's Jacobi window; see verispec.tree.side_block).
+    Draft rows never see side rows, so the draft's logits are what they would be without them.
+    """
+
+    tokens: torch.Tensor  # [m] int64
+    offsets: torch.Tensor  # [m] int64: each token's position minus the root's (>= 1)
+    mask: torch.Tensor  # [m, 1 + num_draft + m] bool: the block rows each side token attends to
+
+
+@dataclass(frozen=True)
 class Proposal:
     """Draft tokens for one step: a chain, or a token tree (see verispec.tree).
 
     A deterministic drafter leaves draft_probs None (one-hot q). In a tree, draft_probs[i] is the
-    distribution node i was drawn from, given its parent and the siblings drawn before it.
+    distribution node i was drawn from, given its parent and the siblings drawn before it. `side`:
+    extra tokens scored alongside the draft but never accepted (see SideBranch); None for most.
     """
 
     tokens: torch.Tensor  # [num_draft] int64
     draft_probs: torch.Tensor | None = None  # [num_draft, vocab] float32, rows sum to 1
     parents: torch.Tensor | None = None  # [num_draft] int64, -1 = child of the root; None = chain
+    side: SideBranch | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

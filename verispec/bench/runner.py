@@ -114,7 +114,7 @@ def choose_methods(config: BenchConfig, learned: list[str] = (), self_methods: l
     """
     known = set(METHODS) | set(HF_METHODS)
     if config.methods is None:
-        methods = ["hf-pld", "pld", "hf-early-exit", "early-exit", *learned]
+        methods = ["hf-pld", "pld", "hf-early-exit", "early-exit", "lookahead", *learned]
         if "eagle" in learned:
             methods.append("eagle-pld")
         methods += list(self_methods)

@@ -16,6 +16,7 @@ from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.drafters.early_exit import default_exit_layer, early_exit_drafter
 from verispec.drafters.hybrid import LookupThenModel
 from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
+from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.model import ModelDrafter, check_same_vocabulary
 from verispec.drafters.ngram import PromptLookupDrafter
@@ -52,6 +53,10 @@ class DraftOptions:
     acceptance: str = "exact"
     group: int = SelfSettings.group  # self-int4: input columns sharing a scale (32, 64 or 128)
     skip_layers: tuple[int, ...] = SelfSettings.skip  # self-*: decoder layers the drafter leaves out
+    lookahead_window: int = 2  # lookahead: W, the Jacobi window's guesses per iteration
+    lookahead_ngram: int | None = None  # lookahead: N, the n-gram size (None: k + 1)
+    lookahead_guesses: int = 2  # lookahead: G, pooled n-grams kept (and verified) per first token
+    lookahead_pool_context: bool = True  # lookahead: pool the prompt's and output's n-grams too
 
 
 def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
@@ -112,6 +117,14 @@ def _early_exit(target: LoadedModel, options: DraftOptions) -> Drafter:
 
 def _prompt_lookup(target: LoadedModel, options: DraftOptions) -> Drafter:
     return PromptLookupDrafter(options.max_ngram, options.min_ngram, options.tree)
+
+
+def _lookahead(target: LoadedModel, options: DraftOptions) -> Drafter:
+    """N defaults to k + 1: the draft length is the n-gram's tail."""
+    k = METHODS["lookahead"].default_k if options.k is None else options.k
+    ngram = k + 1 if options.lookahead_ngram is None else options.lookahead_ngram
+    return LookaheadDrafter(options.lookahead_window, ngram, options.lookahead_guesses,
+                            options.lookahead_pool_context)
 
 
 def _lookup_then(method: str) -> Callable[[LoadedModel, DraftOptions], Drafter]:
@@ -193,6 +206,13 @@ METHODS: dict[str, Method] = {m.name: m for m in [
              "models on CPU)", 8, _self(fmt, False)) for fmt in FORMATS),
     *(Method(f"self-{fmt}-pld", f"staged: prompt lookup guesses, the target's own weights in {fmt} "
              "check and extend them, the target verifies", 10, _self(fmt, True)) for fmt in FORMATS),
+    # k = N - 1 = 2, W 2, G 2, context pooled (DraftOptions): held-out prompts (scripts/
+    # tune_lookahead.py 4 801 96 and 4 802 96; docs/lookahead.md), 96 tokens, lean CPU forward,
+    # shared 2-core AMD EPYC, speed vs ar (tau): 2x3x2c 1.15x (1.34) / 0.97x (1.25); 2x3x2 1.16x,
+    # 1.11x (1.27) / 0.94x (1.21); pld 1.20x, 1.10x / 1.07x; the paper's 5x4x5 0.90x (1.45) and
+    # 7x4x7 0.80x (1.52): on 2 cores every extra row costs, so the smallest window wins.
+    Method("lookahead", "lookahead decoding: Jacobi iteration in the same target forward fills an "
+           "n-gram pool whose n-grams after the last token are verified (no training)", 2, _lookahead),
 ]}
 
 
@@ -263,6 +283,6 @@ def build_engine(target: LoadedModel, method: str = "ar",
 
 
 __all__ = ["DEFAULT_TREE", "FALLBACK", "FASTEST", "Drafter", "DraftRequest", "DraftOptions", "Eagle3Drafter",
-           "EagleDrafter", "LookupThenModel", "METHODS", "MedusaDrafter", "Method", "ModelDrafter",
-           "PromptLookupDrafter", "SelfDrafter", "Speculation", "build_engine", "build_speculation",
-           "early_exit_drafter", "fastest_method", "resolve_tree"]
+           "EagleDrafter", "LookaheadDrafter", "LookupThenModel", "METHODS", "MedusaDrafter", "Method",
+           "ModelDrafter", "PromptLookupDrafter", "SelfDrafter", "Speculation", "build_engine",
+           "build_speculation", "early_exit_drafter", "fastest_method", "resolve_tree"]

@@ -32,7 +32,9 @@ class Drafter(Protocol):
     intermediate states there too. A drafter that runs the target's own layers may set
     `adopts_prefill = True`: after prefilling the prompt, the engine then calls
     `adopt_prefill(target)` with its CachedModel, whose keys and values the drafter may copy
-    instead of prefilling the prompt itself.
+    instead of prefilling the prompt itself. A drafter whose proposals carry a side branch
+    (Proposal.side: tokens scored in the same target forward, never accepted) must define
+    `observe_side(logits)`: the engine calls it with their logits [m, vocab] before `commit`.
     """
 
     def reset(self) -> None:
