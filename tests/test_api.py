@@ -149,3 +149,14 @@ def test_num_return_sequences_draws_seeded_samples(tiny_dir):
         verispec.generate(str(tiny_dir), [PROMPT, PROMPT], streamer=object())
     with pytest.raises(verispec.VerispecError, match="all text or all lists"):
         verispec.generate(str(tiny_dir), [PROMPT, 5])
+
+
+def test_stop_strings_end_each_row_of_a_batch_where_they_end_it_alone(tiny_dir):
+    texts = [PROMPT, "w20 w21", "w5 w6 w7 w5 w6 w7 w5"]
+    alone = [verispec.generate(str(tiny_dir), t, max_new_tokens=16, eos_token_id=[]) for t in texts]
+    stops = [a.text.split()[3] for a in alone]  # a word each row reaches at its own step
+    kwargs = {"max_new_tokens": 16, "eos_token_id": [], "stop_strings": stops,
+              "prompt_lookup_num_tokens": 3}
+    truth = [verispec.generate(str(tiny_dir), t, **kwargs).token_ids for t in texts]
+    assert len({len(t) for t in truth}) > 1 and all(len(t) < 16 for t in truth)
+    assert [r.token_ids for r in verispec.generate(str(tiny_dir), texts, **kwargs)] == truth
