@@ -107,6 +107,8 @@ def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: 
     try:
         if isinstance(body, ChatBody):
             param = "messages"
+            if not any(m.text().strip() for m in body.messages):
+                raise VerispecError("the messages are empty: give some text")
             prompt_ids = encode_chat(target, [{"role": m.role, "content": m.text()} for m in body.messages])
         else:
             prompt_ids = encode_prompt(target, body.prompt)

@@ -265,11 +265,11 @@ class Scheduler:
                 ticket.first_token_seen = True
                 self.metrics.time_to_first_token.observe(time.perf_counter() - ticket.submitted)
             self.metrics.stepped(ticket.request.method, step)
-            ticket.post(Stepped(index, step, reason))
             if reason is None:
                 self._rows[row_id] = (ticket, index, produced)
-                continue
-            del self._rows[row_id]
-            ticket.unfinished -= 1
-            if ticket.unfinished == 0:
-                self.metrics.finished(ticket, reason)
+            else:  # gone from the batch before its client hears the last step
+                del self._rows[row_id]
+                ticket.unfinished -= 1
+                if ticket.unfinished == 0:
+                    self.metrics.finished(ticket, reason)
+            ticket.post(Stepped(index, step, reason))
