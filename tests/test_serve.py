@@ -189,7 +189,8 @@ def test_models_health_and_metrics(server):
                                            temperature=0, max_tokens=12)
     _, headers, text = server.request("/metrics")
     assert headers["content-type"].startswith("text/plain")
-    for name in ["verispec:spec_decode_num_draft_tokens_total", "verispec:spec_decode_num_accepted_tokens_total",
+    for name in ["verispec:spec_decode_num_draft_tokens_total",
+                 "verispec:spec_decode_num_accepted_tokens_total",
                  "verispec:spec_decode_num_accepted_tokens_per_pos_total",
                  "verispec:spec_decode_acceptance_rate_per_pos", "verispec:spec_decode_mean_accepted_tokens",
                  "verispec:time_to_first_token_seconds_bucket", "verispec:num_requests_running",
@@ -234,7 +235,8 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(tiny_dir, tmp_pa
                     break
             except OSError:
                 pass
-            assert time.monotonic() < deadline and process.poll() is None, (tmp_path / "server.log").read_text()
+            alive = time.monotonic() < deadline and process.poll() is None
+            assert alive, (tmp_path / "server.log").read_text()
             time.sleep(0.2)
         connection = http.client.HTTPConnection(f"127.0.0.1:{port}", timeout=30)
         connection.request("POST", "/v1/chat/completions", json.dumps({
@@ -243,12 +245,13 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(tiny_dir, tmp_pa
         response = connection.getresponse()
         response.readline()
         process.send_signal(signal.SIGTERM)
-        refused = None
-        while refused is None:
+        refused, deadline = None, time.monotonic() + 10
+        while refused is None and time.monotonic() < deadline:
             status, _, reply = live.request("/v1/chat/completions", {
                 "messages": [{"role": "user", "content": "w7"}], "max_tokens": 2}, timeout=5)
             if status == 503:
                 refused = reply
+        assert refused is not None, "no 503 while draining"
         assert "shutting down" in refused["error"]["message"]
         events = response.read().decode().split("\n\n")
         assert events[-2] == "data: [DONE]"
@@ -259,24 +262,30 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(tiny_dir, tmp_pa
             process.kill()
 
 
-def test_playground_paints_tokens_by_fate_in_chromium(server, tmp_path):
+FATE_COLOURS = {"tok accepted": "rgb(0, 128, 0)", "tok rejected": "rgb(205, 0, 0)",
+                "tok recovered": "rgb(0, 0, 238)", "tok bonus": "rgb(0, 139, 139)"}
+
+
+def playground(url: str, method: str, prompt: str, max_tokens: int,
+               screenshot: Path) -> tuple[list, list, float]:
+    """Submit a prompt in headless Chromium; the speculative pane's tokens (class, colour,
+    decoration), the plain pane's classes, and the tau shown. Writes a screenshot."""
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: run `make install-dev` (installs Debian's chromium)")
     from playwright.sync_api import sync_playwright
 
-    screenshot = tmp_path / "playground.png"
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 760})
-            page.goto(server.url + "/", timeout=30_000)
-            page.select_option("#method", "early-exit")
-            page.fill("#prompt", "w10 w11 w12 w13 w10 w11 w12")
-            page.fill("#max-tokens", "48")
+            page.goto(url + "/", timeout=30_000)
+            page.select_option("#method", method)
+            page.fill("#prompt", prompt)
+            page.fill("#max-tokens", str(max_tokens))
             page.click("#go")
-            page.wait_for_selector("body[data-state=done]", timeout=30_000)
+            page.wait_for_selector("body[data-state=done]", timeout=300_000)
             page.screenshot(path=str(screenshot), full_page=True)
-            assert page.text_content("#error") == "" and page.is_hidden("#error")
+            assert page.is_hidden("#error"), page.text_content("#error")
             colours = page.eval_on_selector_all(
                 "#spec .output .tok", "nodes => nodes.map(n => [n.className, getComputedStyle(n).color, "
                 "getComputedStyle(n).textDecorationLine])")
@@ -285,21 +294,24 @@ def test_playground_paints_tokens_by_fate_in_chromium(server, tmp_path):
         finally:
             browser.close()
     print(f"\nplayground screenshot: {screenshot}")
-    if os.environ.get("VERISPEC_SCREENSHOT"):
-        shutil.copy(screenshot, os.environ["VERISPEC_SCREENSHOT"])
-    expected = {"tok accepted": "rgb(0, 128, 0)", "tok rejected": "rgb(205, 0, 0)",
-                "tok recovered": "rgb(0, 0, 238)", "tok bonus": "rgb(0, 139, 139)"}
-    seen = {cls for cls, _, _ in colours}
-    assert {"tok accepted", "tok rejected", "tok recovered"} <= seen, seen
+    if os.environ.get("VERISPEC_SCREENSHOT_DIR"):  # keep it beyond pytest's temporary directories
+        shutil.copy(screenshot, Path(os.environ["VERISPEC_SCREENSHOT_DIR"]) / screenshot.name)
     for cls, colour, decoration in colours:
-        assert colour == expected[cls], cls
+        assert colour == FATE_COLOURS[cls], cls
         assert (decoration == "line-through") == (cls == "tok rejected")
-    assert tau > 1
     assert plain and set(plain) == {"tok plain"}  # plain decoding drafts nothing: uncoloured
+    return colours, plain, tau
+
+
+def test_playground_paints_tokens_by_fate_in_chromium(server, tmp_path):
+    colours, _, tau = playground(server.url, "early-exit", "w10 w11 w12 w13 w10 w11 w12", 48,
+                                 tmp_path / "playground-tiny.png")
+    assert {"tok accepted", "tok rejected", "tok recovered"} <= {cls for cls, _, _ in colours}
+    assert tau > 1
 
 
 @pytest.mark.slow
-def test_builtin_model_answers_equal_verispec_generate(capsys):
+def test_builtin_model_answers_equal_verispec_generate(capsys, tmp_path):
     from verispec.drafters import fastest_method
 
     loaded = load_model("smollm2-135m-instruct")
@@ -315,6 +327,9 @@ def test_builtin_model_answers_equal_verispec_generate(capsys):
                                       extra_body={"method": method})
             assert reply.choices[0].message.content == streamed == expected, method
             print(f"\n{method}: tau {reply.model_extra['verispec']['mean_accepted_tokens']:.2f}")
+        colours, _, tau = playground(live.url, fastest_method(loaded), prompt, 64,
+                                     tmp_path / "playground-smollm2.png")
+        assert "tok accepted" in {cls for cls, _, _ in colours} and tau > 1
 
 
 @pytest.mark.slow
