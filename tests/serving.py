@@ -17,6 +17,15 @@ from verispec.server.scheduler import Scheduler
 START_SECONDS = 60
 
 
+def wait_until(condition, seconds: float = 10) -> None:
+    """Poll `condition` until it holds; fail after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still not true after {seconds} s")
+        time.sleep(0.002)
+
+
 class LiveServer:
     """`with LiveServer(app) as server:` serves `app` at server.url until the block ends."""
 

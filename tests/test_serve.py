@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from tests.serving import LiveServer
+from tests.serving import LiveServer, wait_until
 from verispec.cli import main
 from verispec.models import load_model
 from verispec.server import create_app
@@ -127,10 +127,7 @@ def test_a_disconnected_stream_stops_its_work(server):
     assert server.scheduler.running == 1
     connection.sock.shutdown(2)
     connection.close()
-    deadline = time.monotonic() + 5
-    while server.scheduler.running and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert server.scheduler.running == 0
+    wait_until(lambda: server.scheduler.running == 0, 5)
     assert server.metric("verispec:request_success_total") == aborted + 1
     _, _, text = server.request("/metrics")
     assert 'verispec:request_success_total{finished_reason="abort"}' in text
@@ -206,11 +203,9 @@ def test_a_full_queue_answers_429_with_retry_after(loaded):
     with LiveServer(create_app(loaded, ["ar"], max_batch=1, max_queue=1)) as live:
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(live.request, "/v1/chat/completions", long)
-            while live.scheduler.running == 0:
-                time.sleep(0.002)
+            wait_until(lambda: live.scheduler.running == 1)
             waiting = pool.submit(live.request, "/v1/chat/completions", long)
-            while live.metric("verispec:num_requests_waiting") < 1:
-                time.sleep(0.002)
+            wait_until(lambda: live.metric("verispec:num_requests_waiting") == 1)
             status, headers, reply = live.request("/v1/chat/completions", long)
             assert status == 429 and headers["retry-after"] == "1"
             assert reply["error"]["type"] == "rate_limit_error"
