@@ -156,6 +156,8 @@ BAD = [
     ({"messages": [{"role": "user", "content": "w5"}], "method": "magic"}, "is not served here"),
     ({"messages": [{"role": "user", "content": "w5"}], "method": "eagle"}, "is not served here"),
     ({"messages": [{"role": "user", "content": "w5"}], "method": "pld", "k": -1}, "k"),
+    ({"messages": [{"role": "user", "content": "w5"}], "method": "pld", "k": 65}, "k"),
+    ({"messages": [{"role": "user", "content": "w5"}], "top_k": -1}, "top_k"),
     ({"messages": [{"role": "user", "content": "w5"}], "method": "pld", "tree": "bushy"}, "TOPKxNODES"),
     ({"messages": [{"role": "user", "content": "w5"}], "method": "ar", "tree": "2x4"}, "chains only"),
 ]
@@ -176,6 +178,18 @@ def test_bad_requests_get_a_400_and_the_server_keeps_serving(server):
     status, _, reply = server.request("/v1/chat/completions", {
         "messages": [{"role": "user", "content": CHAT}], "temperature": 0, "max_tokens": 5})
     assert status == 200 and reply["usage"]["completion_tokens"] == 5
+
+
+def test_ways_of_speculating_are_bounded(loaded):
+    from verispec.server.scheduler import MAX_SPECULATIONS
+
+    body = {"messages": [{"role": "user", "content": CHAT}], "temperature": 0, "max_tokens": 2}
+    with LiveServer(create_app(loaded, ["pld"])) as live:  # holds pld's default already
+        for k in range(MAX_SPECULATIONS - 1):
+            assert live.request("/v1/chat/completions", body | {"k": k})[0] == 200
+        status, _, reply = live.request("/v1/chat/completions", body | {"k": 40})
+        assert status == 400 and "ways of speculating" in reply["error"]["message"]
+        assert live.request("/v1/chat/completions", body | {"k": 3})[0] == 200  # one it holds
 
 
 def test_models_health_and_metrics(server):

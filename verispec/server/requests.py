@@ -21,6 +21,7 @@ from verispec.stopping import StoppingRules
 from verispec.types import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (clipped to the room left in the context)
+MAX_K = 64  # longer drafts only cost: every method's measured best is under 16
 
 
 class BadRequest(Exception):
@@ -58,6 +59,7 @@ class Common(_Body):
     model: str | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0  # as vLLM: an extra field (0: off)
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     seed: int | None = None
@@ -65,7 +67,7 @@ class Common(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     method: str | None = None  # verispec: the speculation method (default: the server's first)
-    k: Annotated[int, Field(ge=0)] | None = None  # verispec: draft length (default: the method's)
+    k: Annotated[int, Field(ge=0, le=MAX_K)] | None = None  # verispec: draft length (default: the method's)
     tree: str | None = None  # verispec: TOPKxNODES or "default"
 
 
@@ -114,7 +116,7 @@ def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: 
             prompt_ids = encode_prompt(target, body.prompt)
         param = None  # SamplingParams names the field in its message
         sampling = SamplingParams(do_sample=body.temperature > 0, temperature=body.temperature,
-                                  top_p=body.top_p)
+                                  top_k=body.top_k, top_p=body.top_p)
         param = "tree"
         tree = resolve_tree(method, None if body.tree is None else parse_tree(body.tree))
         param = "max_tokens"

@@ -24,6 +24,9 @@ from verispec.stopping import StoppingRules
 from verispec.types import SamplingParams, Step
 
 log = logging.getLogger("verispec.server")
+# Ways of speculating (method, k, tree) one server builds at most: each keeps its drafters and the
+# engine keeps a pool of caches for each, so clients must not be able to make them without end.
+MAX_SPECULATIONS = 32
 
 
 class QueueFull(Exception):
@@ -186,6 +189,9 @@ class Scheduler:
         """One Speculation per (method, k, tree), so drafters are built once and reused."""
         key = (method, options.k, options.tree)
         if key not in self._speculations:
+            if len(self._speculations) >= MAX_SPECULATIONS:
+                raise VerispecError(f"this server already holds {MAX_SPECULATIONS} ways of speculating "
+                                    "(method, k, tree); use the method's default k and tree")
             self._speculations[key] = build_speculation(self.target, method, options)
         return self._speculations[key]
 
