@@ -101,6 +101,27 @@ def test_stop_strings_end_the_text_before_them(server):
         assert text == full[: full.index(stop)], stream
 
 
+def test_text_stream_holds_back_a_possible_stop_string_across_steps():
+    from tests.tiny import tiny_tokenizer
+    from verispec.server.text import TextStream
+    from verispec.types import Fate, Step
+
+    def step(*tokens: int) -> Step:
+        return Step(list(tokens), [Fate.BONUS] * len(tokens), [], 0, 0, 0.0, 0.0, False)
+
+    text = TextStream(tiny_tokenizer(), ("w6 w7",))
+    text.push(step(5, 6))
+    assert text.content(final=False) == "w5 "  # "w6" may begin the stop string: held
+    text.push(step(8))
+    assert text.content(final=False) == "w6 w8"  # it did not
+    text.push(step(6))
+    text.push(step(7, 9))
+    assert text.content(final=True) == " "  # the text ends before the stop string
+    assert text.content(final=True) == ""
+    pieces, _ = TextStream(tiny_tokenizer()).push(step(5, 6))
+    assert pieces == ["w5", " w6"]
+
+
 def test_sixteen_concurrent_streams_each_equal_their_solo_answer(server):
     openai = client(server)
     prompts = [" ".join(f"w{5 + (i * 7 + j * 3) % 50}" for j in range(2 + i % 5)) for i in range(16)]

@@ -33,6 +33,7 @@ from verispec.server.requests import BadRequest, ChatBody, Common, CompletionBod
 from verispec.server.scheduler import (
     Admitted,
     Failed,
+    GenerationRequest,
     QueueFull,
     Refused,
     Scheduler,
@@ -57,8 +58,8 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
 class _Output:
     """One request's response as its steps arrive: text, per-token fates, statistics."""
 
-    def __init__(self, chat: bool, body: Common, request, tokenizer, model: str) -> None:
-        self.chat, self.body, self.request = chat, body, request
+    def __init__(self, chat: bool, request: GenerationRequest, tokenizer, model: str) -> None:
+        self.chat, self.request = chat, request
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created, self.model = int(time.time()), model
         self.texts = [TextStream(tokenizer, request.stopping.stop_strings) for _ in range(request.n)]
@@ -224,7 +225,7 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
             raise BadRequest(first.message)
         if not isinstance(first, Admitted):
             return error_response(500, first.message if first else "client went away", "server_error")
-        output = _Output(kind is ChatBody, body, request, target.tokenizer, body.model or target.name)
+        output = _Output(kind is ChatBody, request, target.tokenizer, body.model or target.name)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _TicketStream(_stream(ticket, output, include_usage), scheduler, ticket)

@@ -16,7 +16,7 @@ from verispec.drafters import DraftOptions, parse_tree, resolve_tree
 from verispec.engine import context_length
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel
-from verispec.server.scheduler import Request
+from verispec.server.scheduler import GenerationRequest
 from verispec.stopping import StoppingRules
 from verispec.types import SamplingParams
 
@@ -97,7 +97,7 @@ def parse_body(raw: bytes, kind: type[Common]) -> Common:
 
 
 def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: int,
-                  check_prompt) -> Request:
+                  check_prompt) -> GenerationRequest:
     """The engine's request for a parsed body; check_prompt(ids, max_new_tokens) is the engine's."""
     method = body.method or methods[0]
     if method not in methods:
@@ -129,5 +129,5 @@ def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: 
         stopping = StoppingRules.build(max_tokens, target.eos_token_ids, body.stop, target.tokenizer)
     except VerispecError as error:
         raise BadRequest(str(error), param) from None
-    return Request(prompt_ids, stopping, sampling, body.seed, body.n, method,
+    return GenerationRequest(prompt_ids, stopping, sampling, body.seed, body.n, method,
                    DraftOptions(k=body.k, tree=tree))

@@ -38,7 +38,7 @@ class ShuttingDown(Exception):
 
 
 @dataclass(frozen=True)
-class Request:
+class GenerationRequest:
     """A validated generation request: n sequences of one prompt."""
 
     prompt_ids: list[int]
@@ -81,7 +81,7 @@ Event = Admitted | Refused | Stepped | Failed
 class Ticket:
     """One request's link between the worker and its handler."""
 
-    request: Request
+    request: GenerationRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.perf_counter)
@@ -137,7 +137,7 @@ class Scheduler:
         """The engine's prompt checks (they read only the model's fixed sizes: thread-safe)."""
         self._engine.check_prompt(prompt_ids, max_new_tokens)
 
-    def submit(self, request: Request) -> Ticket:
+    def submit(self, request: GenerationRequest) -> Ticket:
         """Queue a request; its events arrive on the returned ticket."""
         ticket = Ticket(request, asyncio.get_running_loop())
         with self._cond:
