@@ -104,9 +104,12 @@ def main() -> None:
         for method in methods:  # warm-up: first forwards, drafter caches
             post(url, {"messages": [{"role": "user", "content": prompts[0]}], "max_tokens": 8,
                        "temperature": 0, "method": method})
-        rows = [run_level(url, method, clients, max(4, clients * args.requests_per_client), prompts,
-                          args.max_tokens)
-                for clients in levels for method in methods]
+        rows = []
+        for clients in levels:
+            for method in methods:
+                rows.append(run_level(url, method, clients, max(4, clients * args.requests_per_client),
+                                      prompts, args.max_tokens))
+                print(f"measured: {rows[-1]}", file=sys.stderr, flush=True)
     finally:
         if process is not None:
             process.terminate()
