@@ -215,34 +215,37 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
         except ShuttingDown:
             metrics.rejected.labels("shutting_down").inc()
             return error_response(503, "the server is shutting down", "server_error")
-        first = None
+        # Until the response starts (and for all of a non-streaming one) a watcher cancels the
+        # work the moment the client disconnects; a stream's own end cancels it after that.
+        watcher = asyncio.create_task(_cancel_on_disconnect(http, scheduler, ticket))
+        streaming = None
         try:
-            first = await _next(http, ticket)
-        finally:
+            first = await ticket.events.get()
+            if isinstance(first, Refused):
+                raise BadRequest(first.message)
             if not isinstance(first, Admitted):
-                scheduler.cancel(ticket)
-        if isinstance(first, Refused):
-            raise BadRequest(first.message)
-        if not isinstance(first, Admitted):
-            return error_response(500, first.message if first else "client went away", "server_error")
-        output = _Output(kind is ChatBody, request, target.tokenizer, body.model or target.name)
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _TicketStream(_stream(ticket, output, include_usage), scheduler, ticket)
-        try:
+                return _gone_or_failed(first)
+            output = _Output(kind is ChatBody, request, target.tokenizer, body.model or target.name)
+            if body.stream:
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                streaming = _TicketStream(_stream(ticket, output, include_usage), scheduler, ticket)
+                return streaming
             while not output.done:
-                event = await _next(http, ticket)
+                event = await ticket.events.get()
                 if not isinstance(event, Stepped):
-                    return error_response(500, event.message if event else "client went away",
-                                          "server_error")
+                    return _gone_or_failed(event)
                 output.add(event)
+            return JSONResponse(output.response())
         finally:
-            scheduler.cancel(ticket)
-        return JSONResponse(output.response())
+            watcher.cancel()
+            if streaming is None:  # else the stream cancels it when it ends
+                scheduler.cancel(ticket)  # a no-op once every sequence has finished
 
     async def _stream(ticket: Ticket, output: _Output, include_usage: bool) -> AsyncIterator[str]:
         while not output.done:
             event = await ticket.events.get()
+            if event is None:  # the client went away before the stream began
+                return
             if isinstance(event, Failed):
                 yield _sse({"error": {"message": event.message, "type": "server_error", "param": None,
                                       "code": 500}})
@@ -263,14 +266,19 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
     return app
 
 
-async def _next(http: Request, ticket: Ticket) -> Admitted | Refused | Stepped | Failed | None:
-    """The ticket's next event; None if the client disconnected while we waited."""
-    while True:
-        try:
-            return await asyncio.wait_for(ticket.events.get(), timeout=0.5)
-        except TimeoutError:
-            if await http.is_disconnected():
-                return None
+async def _cancel_on_disconnect(http: Request, scheduler: Scheduler, ticket: Ticket) -> None:
+    """Wait for the client to disconnect (the body has been read: nothing else arrives), then
+    cancel its work and wake its handler (with None)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    scheduler.cancel(ticket)
+    ticket.events.put_nowait(None)
+
+
+def _gone_or_failed(event: Failed | None) -> JSONResponse:
+    """The answer when a request ends early: its client went away (None), or the engine failed."""
+    return error_response(500, "the client went away" if event is None else event.message,
+                          "server_error")
 
 
 class _DrainingServer(uvicorn.Server):
