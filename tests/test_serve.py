@@ -203,6 +203,15 @@ def test_bad_requests_get_a_400_and_the_server_keeps_serving(server):
     assert status == 200 and reply["usage"]["completion_tokens"] == 5
 
 
+def test_a_method_the_model_cannot_run_fails_before_serving(loaded):
+    from verispec.errors import VerispecError
+
+    with pytest.raises(VerispecError, match="no trained eagle drafter"):
+        create_app(loaded, ["eagle"])
+    with pytest.raises(VerispecError, match="unknown method"):
+        create_app(loaded, ["magic"])
+
+
 def test_ways_of_speculating_are_bounded(loaded):
     from verispec.server.scheduler import MAX_SPECULATIONS
 

@@ -158,10 +158,11 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
         raise VerispecError(f"{target.name} has no tokenizer: the server takes and returns text")
     metrics = Metrics()
     scheduler = Scheduler(target, metrics, max_batch, max_queue)
+    scheduler.prepare(methods)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        scheduler.start(methods)
+        scheduler.start()
         yield
         scheduler.stop()
 

@@ -127,10 +127,14 @@ class Scheduler:
 
     # -- the handlers' side ----------------------------------------------------------------------
 
-    def start(self, warm: list[str]) -> None:
-        """Build the speculation of each method in `warm` (default settings) and start stepping."""
-        for method in warm:
+    def prepare(self, methods: list[str]) -> None:
+        """Build each method's speculation (default settings) now: the first requests do not
+        wait for it, and a method the model cannot run fails before the server starts."""
+        for method in methods:
             self.speculation(method, DraftOptions())
+
+    def start(self) -> None:
+        """Start stepping (on the worker thread)."""
         self._thread.start()
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -238,8 +242,7 @@ class Scheduler:
             speculation = self.speculation(request.method, request.options)
             row_ids = self._engine.add(request.prompt_ids, request.stopping, request.sampling,
                                        request.seed, samples=request.n, speculation=speculation)
-        except VerispecError as error:
-            self.metrics.rejected.labels("bad_request").inc()
+        except VerispecError as error:  # counted as a bad request by the handler
             ticket.post(Refused(str(error)))
             return
         except Exception as error:  # a bug: log it, fail only this request
