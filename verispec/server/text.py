@@ -2,45 +2,23 @@
 
 from __future__ import annotations
 
-from verispec.types import Fate, Step
+from verispec.display import TokenPieces
 
 
-class TextStream:
-    """One sequence's text as its steps arrive.
+class TextStream(TokenPieces):
+    """One sequence's response text as its steps arrive.
 
-    `push` returns each new token's own piece of text (what the playground paints by fate) and
-    the rejected draft text before each (struck out). `content(final)` returns the next delta of
-    the response text: held back while its tail could still begin a stop string, and ending
-    before a stop string (OpenAI's convention; verispec's StoppingRules keep it). Pieces of a
-    character split across tokens arrive with the token that completes it.
+    `push` (TokenPieces) gives each token's piece and the rejected draft before it, for the
+    playground. `content(final)` returns the next delta of the response text: held back while
+    its tail could still begin a stop string, and ending before a stop string (OpenAI's
+    convention; verispec's StoppingRules keep it).
     """
 
     def __init__(self, tokenizer, stops: tuple[str, ...] = ()) -> None:
-        self.tokenizer, self.stops = tokenizer, stops
-        self.tokens: list[int] = []
-        self.text = ""  # decoded so far, whole characters only
+        super().__init__(tokenizer)
+        self.stops = stops
         self.sent = 0  # characters of self.text already returned by content()
         self.stopped = False
-
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-    def push(self, step: Step) -> tuple[list[str], list[str]]:
-        """Pieces of text for the step's tokens, and the rejected draft shown before each."""
-        pieces, rejected = [], []
-        for token, fate in zip(step.tokens, step.fates):
-            struck = ""
-            if fate is Fate.RECOVERED and step.rejected:
-                struck = self._decode(self.tokens + step.rejected[:1])[len(self.text):]
-            rejected.append(struck)
-            self.tokens.append(token)
-            text = self._decode(self.tokens)
-            if text.endswith("\ufffd"):
-                pieces.append("")
-                continue
-            pieces.append(text[len(self.text):])
-            self.text = text
-        return pieces, rejected
 
     def content(self, final: bool) -> str:
         """The response text not yet returned (all of it, up to any stop string, when final)."""
