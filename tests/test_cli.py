@@ -86,7 +86,7 @@ def test_unknown_method_is_refused(tiny_dir):
     assert exit_info.value.code == 2
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["generate"], ["demo"], ["serve"]])
 def test_help_on_every_command(command):
     out = subprocess.run([sys.executable, "-m", "verispec.cli", *command, "--help"],
                          capture_output=True, text=True, check=True).stdout

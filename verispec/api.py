@@ -49,13 +49,20 @@ def encode_prompt(target: LoadedModel, inputs: str | list[int] | torch.Tensor,
         if target.tokenizer is None:
             raise VerispecError(f"{target.name} has no tokenizer: pass token ids instead of text")
         if chat:
-            if not getattr(target.tokenizer, "chat_template", None):
-                raise VerispecError(f"{target.name} has no chat template: use a raw prompt")
-            return list(target.tokenizer.apply_chat_template(
-                [{"role": "user", "content": inputs}], add_generation_prompt=True, tokenize=True,
-                return_dict=False))
+            return encode_chat(target, [{"role": "user", "content": inputs}])
         return target.tokenizer(inputs)["input_ids"]
     return list(inputs)
+
+
+def encode_chat(target: LoadedModel, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids for a conversation ({"role", "content"} dicts) through the model's chat template,
+    ready for the assistant's turn."""
+    if target.tokenizer is None:
+        raise VerispecError(f"{target.name} has no tokenizer: pass token ids instead of text")
+    if not getattr(target.tokenizer, "chat_template", None):
+        raise VerispecError(f"{target.name} has no chat template: use a raw prompt")
+    return list(target.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False))
 
 
 Prompts = str | list[int] | list[str] | list[list[int]] | torch.Tensor

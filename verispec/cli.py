@@ -1,4 +1,4 @@
-"""The `verispec` command: generate, demo, bench, train, export."""
+"""The `verispec` command: generate, demo, bench, train, export, serve."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from verispec.drafters import (
     TREE_METHODS,
     DraftOptions,
     fastest_method,
+    parse_tree,
 )
 from verispec.errors import VerispecError
 from verispec.models import BUILTIN_MODELS, DEFAULT_MODEL, DTYPES, load_model
@@ -99,16 +100,11 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tree_settings(text: str) -> TreeSettings | str:
-    """'4x16' -> TreeSettings(topk=4, nodes=16); 'default' stays: each method's default tree."""
-    if text.lower() == DEFAULT_TREE:
-        return DEFAULT_TREE
+    """argparse's face of verispec.drafters.parse_tree."""
     try:
-        topk, nodes = (int(part) for part in text.lower().split("x"))
-        return TreeSettings(topk, nodes)
-    except (ValueError, VerispecError):
-        raise argparse.ArgumentTypeError(
-            f"expected a tree as TOPKxNODES with both >= 1, e.g. 4x16, or {DEFAULT_TREE!r}; "
-            f"got {text!r}") from None
+        return parse_tree(text)
+    except VerispecError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -333,6 +329,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from verispec.server import create_app, serve
+
+    target = load_model(args.model, args.dtype, args.device)
+    app = create_app(target, args.method, max_batch=args.max_batch, max_queue=args.max_queue)
+    print(f"verispec: serving {target.name} on http://{args.host}:{args.port}/ (playground there, "
+          f"OpenAI API under /v1, metrics at /metrics)", file=sys.stderr)
+    serve(app, args.host, args.port, args.drain_seconds)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verispec", description="Lossless speculative decoding for Hugging Face causal LMs.")
@@ -406,6 +413,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compare", nargs=2, metavar="RESULTS",
                        help="print the change between two results.json files instead of running")
     bench.set_defaults(func=cmd_bench)
+
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with speculative decoding and a playground",
+        description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics "
+        "(Prometheus) and a playground page at /. Requests join and leave one running batch.")
+    add_model_arguments(serve)
+    serve.add_argument("--method", action="append", choices=list(METHODS),
+                       help="a method requests may choose (repeatable; the first is the default; "
+                       f"default: the fastest for the model ({FASTEST} or {FALLBACK}), then ar)")
+    serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="default: 8000")
+    serve.add_argument("--max-batch", type=int, default=16,
+                       help="sequences decoded together at most (default: 16)")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="requests waiting for the batch at most; more get 429 (default: 64)")
+    serve.add_argument("--drain-seconds", type=float, default=30.0,
+                       help="on SIGTERM, how long requests in flight may take to finish while new "
+                       "ones get 503 (default: 30)")
+    serve.set_defaults(func=cmd_serve)
 
     from verispec.training.losses import LOSSES
     from verispec.training.recipes import KINDS, RecipeOptions

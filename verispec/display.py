@@ -11,30 +11,53 @@ LEGEND = (f"{GREEN}accepted draft{RESET}  {RED_STRIKE}rejected draft{RESET}  "
           f"{BLUE}target correction{RESET}  {CYAN}bonus token{RESET}")
 
 
+class TokenPieces:
+    """Each committed token's own piece of text, decoded in context, and the rejected draft text
+    shown (struck out) before a target correction. A character split across tokens arrives with
+    the token that completes it. The CLI's colours and the server's stream both come from here."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""  # decoded so far, whole characters only
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def push(self, step: Step) -> tuple[list[str], list[str]]:
+        """The step's tokens' pieces, and the rejected draft text before each ("" if none)."""
+        pieces, rejected = [], []
+        for token, fate in zip(step.tokens, step.fates):
+            struck = ""
+            if fate is Fate.RECOVERED and step.rejected:
+                struck = self._decode(self.tokens + step.rejected[:1])[len(self.text):]
+            rejected.append(struck)
+            self.tokens.append(token)
+            text = self._decode(self.tokens)
+            if text.endswith("\ufffd"):
+                pieces.append("")
+                continue
+            pieces.append(text[len(self.text):])
+            self.text = text
+        return pieces, rejected
+
+
 def render_steps(steps: list[Step], tokenizer, colour: bool = True) -> str:
     """The generated text; with colour, each token painted by fate and rejected drafts struck out.
 
-    Steps without a draft (plain decoding) stay uncoloured. Text is decoded incrementally so
-    tokens that split a multi-byte character still render correctly.
+    Steps without a draft (plain decoding) stay uncoloured.
     """
     if not colour:
         return tokenizer.decode([t for s in steps for t in s.tokens], skip_special_tokens=True)
-    pieces: list[str] = []
-    tokens: list[int] = []
-    shown = ""
+    out: list[str] = []
+    text = TokenPieces(tokenizer)
     for step in steps:
-        for i, (token, fate) in enumerate(zip(step.tokens, step.fates)):
-            if fate is Fate.RECOVERED and step.rejected:
-                rejected = tokenizer.decode(tokens + step.rejected[:1], skip_special_tokens=True)
-                pieces.append(f"{RED_STRIKE}{rejected[len(shown):]}{RESET}")
-            tokens.append(token)
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            if text.endswith("\ufffd") and i < len(step.tokens) - 1:
-                continue
-            piece = text[len(shown):]
-            shown = text
-            pieces.append(piece if step.num_drafted == 0 else f"{FATE_COLOURS[fate]}{piece}{RESET}")
-    return "".join(pieces)
+        pieces, rejected = text.push(step)
+        for piece, struck, fate in zip(pieces, rejected, step.fates):
+            if struck:
+                out.append(f"{RED_STRIKE}{struck}{RESET}")
+            out.append(piece if step.num_drafted == 0 or not piece else f"{FATE_COLOURS[fate]}{piece}{RESET}")
+    return "".join(out)
 
 
 def stats_table(rows: dict[str, GenerationStats]) -> str:

@@ -220,6 +220,18 @@ TREE_METHODS = ("eagle", "medusa", "pld", "draft", "early-exit", "eagle-pld", "e
                 *(f"self-{fmt}" for fmt in FORMATS))
 
 
+def parse_tree(text: str) -> TreeSettings | str:
+    """'4x16' -> TreeSettings(topk=4, nodes=16); DEFAULT_TREE stays: the method's default tree."""
+    if text.lower() == DEFAULT_TREE:
+        return DEFAULT_TREE
+    try:
+        topk, nodes = (int(part) for part in text.lower().split("x"))
+        return TreeSettings(topk, nodes)
+    except (ValueError, VerispecError):
+        raise VerispecError(f"expected a tree as TOPKxNODES with both >= 1, e.g. 4x16, or "
+                            f"{DEFAULT_TREE!r}; got {text!r}") from None
+
+
 def resolve_tree(method: str, tree: TreeSettings | str | None) -> TreeSettings | None:
     """The tree settings `tree` stands for (DEFAULT_TREE: the method's default tree), after
     checking that `method` drafts trees at all."""
@@ -285,4 +297,4 @@ def build_engine(target: LoadedModel, method: str = "ar",
 __all__ = ["DEFAULT_TREE", "FALLBACK", "FASTEST", "Drafter", "DraftRequest", "DraftOptions", "Eagle3Drafter",
            "EagleDrafter", "LookaheadDrafter", "LookupThenModel", "METHODS", "MedusaDrafter", "Method",
            "ModelDrafter", "PromptLookupDrafter", "SelfDrafter", "Speculation", "build_engine",
-           "build_speculation", "early_exit_drafter", "fastest_method", "resolve_tree"]
+           "build_speculation", "early_exit_drafter", "fastest_method", "parse_tree", "resolve_tree"]

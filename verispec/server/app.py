@@ -1,0 +1,309 @@
+"""`verispec serve`: an OpenAI-compatible HTTP API over the batched engine, with Prometheus
+metrics and a playground page.
+
+Requests are validated here (400 before any work), then queued for the scheduler's thread, which
+admits them into the running batch between steps; each step of each sequence comes back as an
+event and goes out as a server-sent event (streaming) or is collected (not). Every error is
+OpenAI-shaped JSON: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from verispec.drafters import METHODS, fastest_method
+from verispec.errors import VerispecError
+from verispec.models import LoadedModel
+from verispec.server.metrics import Metrics
+from verispec.server.requests import BadRequest, ChatBody, Common, CompletionBody, build_request, parse_body
+from verispec.server.scheduler import (
+    Admitted,
+    Failed,
+    GenerationRequest,
+    QueueFull,
+    Refused,
+    Scheduler,
+    ShuttingDown,
+    Stepped,
+    Ticket,
+)
+from verispec.server.text import TextStream
+from verispec.types import GenerationStats
+
+STATIC = Path(__file__).parent / "static"
+RETRY_AFTER_SECONDS = 1  # told to clients refused with 429 (queue full)
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error shape."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status, headers=headers)
+
+
+class _Output:
+    """One request's response as its steps arrive: text, per-token fates, statistics."""
+
+    def __init__(self, chat: bool, request: GenerationRequest, tokenizer, model: str) -> None:
+        self.chat, self.request = chat, request
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created, self.model = int(time.time()), model
+        self.texts = [TextStream(tokenizer, request.stopping.stop_strings) for _ in range(request.n)]
+        self.stats = [GenerationStats() for _ in range(request.n)]
+        self.reasons: list[str | None] = [None] * request.n
+        self.contents = [""] * request.n  # the response text of each choice so far
+        self.started = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return all(self.reasons)
+
+    def add(self, event: Stepped) -> dict:
+        """Record a step; the stream chunk for it."""
+        i, step = event.index, event.step
+        first = not self.stats[i].target_forwards
+        self.stats[i].add(step)
+        pieces, rejected = self.texts[i].push(step)
+        self.reasons[i] = event.finish_reason
+        delta = self.texts[i].content(final=event.finish_reason is not None)
+        self.contents[i] += delta
+        if self.chat:
+            choice = {"index": i, "delta": {"role": "assistant", "content": delta} if first
+                      else {"content": delta}}
+        else:
+            choice = {"index": i, "text": delta}
+        choice |= {"finish_reason": event.finish_reason, "logprobs": None}
+        extra = {"tokens": pieces, "fates": [fate.value for fate in step.fates], "rejected": rejected,
+                 "drafted": step.num_drafted}
+        if self.done:
+            extra["summary"] = self.summary()
+        return self._envelope([choice]) | {"verispec": extra}
+
+    def _envelope(self, choices: list[dict], streaming: bool = True) -> dict:
+        kind = "text_completion"
+        if self.chat:
+            kind = "chat.completion.chunk" if streaming else "chat.completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def summary(self) -> dict:
+        """The verispec block: method, tau, acceptance by position, draft and verify seconds."""
+        total = GenerationStats.total(self.stats)
+        total.total_seconds = time.perf_counter() - self.started
+        return {"method": self.request.method, **total.as_dict()}
+
+    def usage(self) -> dict:
+        completion = sum(s.new_tokens for s in self.stats)
+        prompt = len(self.request.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def response(self) -> dict:
+        """The whole (non-streaming) response."""
+        choices = []
+        for i, content in enumerate(self.contents):
+            body = ({"message": {"role": "assistant", "content": content}} if self.chat
+                    else {"text": content})
+            choices.append({"index": i, **body, "finish_reason": self.reasons[i], "logprobs": None})
+        return self._envelope(choices, streaming=False) | {"usage": self.usage(),
+                                                            "verispec": self.summary()}
+
+    def usage_chunk(self) -> dict:
+        return self._envelope([]) | {"usage": self.usage()}
+
+
+class _TicketStream(StreamingResponse):
+    """A streaming response that cancels its request's work however it ends (a client that
+    disconnects mid-stream frees its rows at the next step)."""
+
+    def __init__(self, content: AsyncIterator[str], scheduler: Scheduler, ticket: Ticket) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.scheduler, self.ticket = scheduler, ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.scheduler.cancel(self.ticket)
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_batch: int = 16,
+               max_queue: int = 64) -> FastAPI:
+    """The server for `target`. methods: those requests may choose, the first the default
+    (default: the fastest for the model, then plain decoding, `ar`)."""
+    methods = list(dict.fromkeys(methods or [fastest_method(target), "ar"]))
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise VerispecError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    if target.tokenizer is None:
+        raise VerispecError(f"{target.name} has no tokenizer: the server takes and returns text")
+    metrics = Metrics()
+    scheduler = Scheduler(target, metrics, max_batch, max_queue)
+    scheduler.prepare(methods)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, error: BadRequest) -> JSONResponse:
+        metrics.rejected.labels("bad_request").inc()
+        return error_response(400, str(error), "invalid_request_error", error.param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        return error_response(error.status_code, str(error.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(error).__name__}", "server_error")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not scheduler.accepting:
+            return error_response(503, "the server is shutting down", "server_error")
+        return JSONResponse({"status": "ok", "running": scheduler.running})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": target.name, "object": "model", "created": 0, "owned_by": "verispec",
+            "verispec": {"methods": methods, "default_method": methods[0]}}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/")
+    async def playground() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    async def generate(http: Request, kind: type[Common]) -> Response:
+        body = parse_body(await http.body(), kind)
+        request = build_request(body, target, methods, max_batch, scheduler.check_prompt)
+        try:
+            ticket = scheduler.submit(request)
+        except QueueFull:
+            metrics.rejected.labels("queue_full").inc()
+            return error_response(429, "the server's queue is full; retry shortly", "rate_limit_error",
+                                  headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        except ShuttingDown:
+            metrics.rejected.labels("shutting_down").inc()
+            return error_response(503, "the server is shutting down", "server_error")
+        # Until the response starts (and for all of a non-streaming one) a watcher cancels the
+        # work the moment the client disconnects; a stream's own end cancels it after that.
+        watcher = asyncio.create_task(_cancel_on_disconnect(http, scheduler, ticket))
+        streaming = None
+        try:
+            first = await ticket.events.get()
+            if isinstance(first, Refused):
+                raise BadRequest(first.message)
+            if not isinstance(first, Admitted):
+                return _gone_or_failed(first)
+            output = _Output(kind is ChatBody, request, target.tokenizer, body.model or target.name)
+            if body.stream:
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                streaming = _TicketStream(_stream(ticket, output, include_usage), scheduler, ticket)
+                return streaming
+            while not output.done:
+                event = await ticket.events.get()
+                if not isinstance(event, Stepped):
+                    return _gone_or_failed(event)
+                output.add(event)
+            return JSONResponse(output.response())
+        finally:
+            watcher.cancel()
+            if streaming is None:  # else the stream cancels it when it ends
+                scheduler.cancel(ticket)  # a no-op once every sequence has finished
+
+    async def _stream(ticket: Ticket, output: _Output, include_usage: bool) -> AsyncIterator[str]:
+        while not output.done:
+            event = await ticket.events.get()
+            if event is None:  # the client went away before the stream began
+                return
+            if isinstance(event, Failed):
+                yield _sse({"error": {"message": event.message, "type": "server_error", "param": None,
+                                      "code": 500}})
+                return
+            yield _sse(output.add(event))
+        if include_usage:
+            yield _sse(output.usage_chunk())
+        yield _sse("[DONE]")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request) -> Response:
+        return await generate(http, ChatBody)
+
+    @app.post("/v1/completions")
+    async def completions(http: Request) -> Response:
+        return await generate(http, CompletionBody)
+
+    return app
+
+
+async def _cancel_on_disconnect(http: Request, scheduler: Scheduler, ticket: Ticket) -> None:
+    """Wait for the client to disconnect (the body has been read: nothing else arrives), then
+    cancel its work and wake its handler (with None)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    scheduler.cancel(ticket)
+    ticket.events.put_nowait(None)
+
+
+def _gone_or_failed(event: Failed | None) -> JSONResponse:
+    """The answer when a request ends early: its client went away (None), or the engine failed."""
+    return error_response(500, "the client went away" if event is None else event.message,
+                          "server_error")
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, with SIGTERM / SIGINT draining first: new requests get 503 while those in flight
+    finish (up to drain_seconds); a second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, drain_seconds: float) -> None:
+        super().__init__(config)
+        self.scheduler, self.drain_seconds = scheduler, drain_seconds
+        self.draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.draining:
+            super().handle_exit(sig, frame)
+            return
+        self.draining = True
+        threading.Thread(target=self._drain, name="verispec-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        self.scheduler.drain(self.drain_seconds)
+        self.should_exit = True
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_seconds: float = 30.0) -> None:
+    """Run `app` until SIGTERM / SIGINT, then drain."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    _DrainingServer(config, app.state.scheduler, drain_seconds).run()
