@@ -137,14 +137,16 @@ def test_mtp_caches_restart_with_every_generation(loaded, trained, prompts):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_sampled_tokens_follow_the_target(loaded, kind):
+def test_sampled_tokens_follow_the_target(loaded, trained, prompts, kind):
     """The first three tokens of N seeded runs (top-k 4, temperature 1; k = 2, so two drafted
     positions, each from its head's q, and one more) against the target's exact marginals, by
     total variation against the sample-size bound (tokens outside the target's support lumped
-    into one category, which the truth gives 0)."""
-    model, prompt, trials = loaded.model, [1, 17, 42, 9], 2500
+    into one category, which the truth gives 0). The fitted heads on a training prompt: q close
+    to p, so most drafts are accepted and a misreported q would show."""
+    model, prompt, trials = loaded.model, prompts[0], 2500
     sampling = SamplingParams(do_sample=True, temperature=1.0, top_k=4)
-    engine = SpeculativeEngine(model, _random(kind, model, heads=2), ConstantK(2))
+    drafter = {"hydra": HydraDrafter, "mtp": MTPDrafter}[kind].load(trained[kind], model)
+    engine = SpeculativeEngine(model, drafter, ConstantK(2))
     counts = torch.zeros(3, VOCAB + 1, dtype=torch.float64)  # [position, token or 'outside']
     for seed in range(trials):
         result = engine.generate(prompt, StoppingRules.build(3), sampling, seed=seed)
