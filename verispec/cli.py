@@ -55,8 +55,8 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
                         + f" (default: {FASTEST}, the fastest measured here, where the model can "
                         f"run it; else {FALLBACK})")
     parser.add_argument("--draft", help="draft model for --method draft (name, directory or .gguf); "
-                        "for eagle, medusa, early-exit: a trained drafter directory (default: the "
-                        "one shipped for the model)")
+                        "for eagle, medusa, hydra, mtp, early-exit: a trained drafter directory "
+                        "(default: the one shipped for the model)")
     parser.add_argument("--k", type=int, help="tokens drafted per step (0: no drafting; default: "
                         + ", ".join(f"{m.name} {m.default_k}" for m in METHODS.values() if m.build)
                         + "); clamped to what fits")

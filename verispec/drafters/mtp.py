@@ -50,8 +50,8 @@ class MTPNet(nn.Module):
 
 
 def mtp_settings(target: PreTrainedModel, heads: int = 4) -> dict:
-    """Heads as wide as the target's layers, with half its MLP width (a quarter of a layer's
-    weights fewer: 2.7 M a head for the built-in model, so four ship in 21 MB of float16)."""
+    """Heads as wide as the target's layers, with half its MLP width: a third fewer weights than
+    one of its layers (2.7 M a head for the built-in model, so four ship in 21 MB of float16)."""
     config = target.config.get_text_config(decoder=True)
     return {"hidden": int(config.hidden_size), "attention_heads": int(config.num_attention_heads),
             "intermediate": int(config.intermediate_size) // 2, "heads": heads}
