@@ -77,6 +77,8 @@ class MedusaDrafter:
     head's top `tree.topk` tokens, shaped by the heads' measured rank accuracies."""
 
     needs_hidden = True
+    kind = "medusa"  # the trained drafter kind `load` reads, and its network:
+    net_class: type[nn.Module] = MedusaNet
 
     def __init__(self, target: PreTrainedModel, net: MedusaNet, head: ReducedHead,
                  tree: TreeSettings | None = None,
@@ -89,9 +91,6 @@ class MedusaDrafter:
                 raise VerispecError("a Medusa tree needs the heads' measured rank accuracies "
                                     "(drafter.json rank_accuracy, written by verispec train medusa)")
             self.choices = static_tree([row[: tree.topk] for row in rank_accuracy], tree.nodes)
-
-    kind = "medusa"  # the trained drafter kind `load` reads, and its network:
-    net_class: type[nn.Module] = MedusaNet
 
     @classmethod
     def load(cls, path: str | Path, target: PreTrainedModel,

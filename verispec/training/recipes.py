@@ -183,7 +183,9 @@ class Recipe:
         """The target's logits over the reduced vocabulary. hidden [..., hidden] -> [..., reduced]."""
         return hidden @ self.head_t
 
-    def loss(self, items: list[Sequence], max_len: int) -> tuple[torch.Tensor, dict]:
+    def loss(self, items: list[Sequence], max_len: int) -> tuple[torch.Tensor | None, dict]:
+        """(loss, metrics) of a batch; loss None where the kind has run its backward itself (MTP,
+        while gradients are on)."""
         batch = collate(items, max_len)
         return {"eagle": self._eagle, "medusa": self._medusa, "early-exit": self._exit,
                 "draft": self._draft, "eagle3": self._eagle3, "hydra": self._hydra,
