@@ -56,7 +56,7 @@ def test_cache_respects_xdg_cache_home(monkeypatch, tmp_path):
     assert cache_root() == tmp_path / "verispec" / "models"
 
 
-@pytest.mark.parametrize("method", ["eagle", "medusa", "early-exit", "draft"])
+@pytest.mark.parametrize("method", ["eagle", "medusa", "early-exit", "draft", "hydra", "mtp"])
 def test_shipped_drafters_load_and_are_exact(smollm, prompt_ids, method):
     assert shipped_drafter(smollm.model, method) is not None, f"no {method} drafter ships"
     reference = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW).token_ids
@@ -64,6 +64,14 @@ def test_shipped_drafters_load_and_are_exact(smollm, prompt_ids, method):
     result = engine.generate(prompt_ids, StoppingRules.build(NEW, smollm.eos_token_ids))
     assert result.token_ids == reference
     assert result.stats.mean_accepted_tokens > 1.0  # some drafts are accepted
+
+
+@pytest.mark.parametrize("method", ["hydra", "mtp"])
+def test_shipped_heads_are_exact_in_trees_and_through_generate(smollm, prompt_ids, method):
+    reference = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW).token_ids
+    assert verispec.generate(smollm, prompt_ids, max_new_tokens=NEW, method=method).token_ids == reference
+    tree = build_engine(smollm, method, DraftOptions(k=4, tree=TreeSettings(2, 6)))
+    assert tree.generate(prompt_ids, StoppingRules.build(NEW)).token_ids == reference
 
 
 def test_trained_exit_agrees_with_the_target_more_than_the_plain_exit(smollm, prompt_ids):

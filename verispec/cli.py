@@ -56,8 +56,8 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
                         + f" (default: {FASTEST}, the fastest measured here, where the model can "
                         f"run it; else {FALLBACK})")
     parser.add_argument("--draft", help="draft model for --method draft (name, directory or .gguf); "
-                        "for eagle, medusa, early-exit: a trained drafter directory (default: the "
-                        "one shipped for the model)")
+                        "for eagle, medusa, hydra, mtp, early-exit: a trained drafter directory "
+                        "(default: the one shipped for the model)")
     parser.add_argument("--k", type=int, help="tokens drafted per step (0: no drafting; default: "
                         + ", ".join(f"{m.name} {m.default_k}" for m in METHODS.values() if m.build)
                         + "); clamped to what fits")
@@ -279,6 +279,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise VerispecError("--text-data is where --text FILE's hidden states go: give --text too")
     if args.text:
         read_documents(args.text)  # a bad corpus fails here, before any data is built
+    options = RecipeOptions(loss=args.loss, vocab=args.vocab, heads=args.heads,  # checked here too
+                            unroll=args.unroll, exit_layer=args.exit_layer,
+                            draft_layers=args.layers, init=args.init, mid_state=args.mid_state)
     target = load_model(args.target, args.dtype, args.device)
     aux_layers = ()  # EAGLE-3 reads the target's states after the engines' default aux layers
     if args.kind == "eagle3":
@@ -300,9 +303,6 @@ def cmd_train(args: argparse.Namespace) -> int:
                                             exit_layer=args.exit_layer, aux_layers=aux_layers))
     config = TrainConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                          seed=args.seed, bf16={"auto": None, "on": True, "off": False}[args.bf16])
-    options = RecipeOptions(loss=args.loss, vocab=args.vocab, medusa_heads=args.heads,
-                            unroll=args.unroll, exit_layer=args.exit_layer,
-                            draft_layers=args.layers, init=args.init, mid_state=args.mid_state)
     saved = train_drafter(args.kind, target, data_dirs, out, config, options)
     print(f"verispec: {args.kind} drafter written to {saved} (loss curve: {saved / 'run' / 'loss.png'}); "
           f"use it with --method {args.kind} --draft {saved}")
@@ -468,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="distillation loss: forward KL, reverse KL or total variation")
     train.add_argument("--vocab", type=int, default=RecipeOptions.vocab,
                        help="reduced draft vocabulary size (most frequent tokens)")
-    train.add_argument("--heads", type=int, default=RecipeOptions.medusa_heads, help="Medusa heads")
+    train.add_argument("--heads", type=int, default=RecipeOptions.heads,
+                       help="Medusa, Hydra and MTP heads: tokens drafted past the target's own")
     train.add_argument("--layers", type=int, default=RecipeOptions.draft_layers,
                        help="distilled draft model: its own decoder layers")
     train.add_argument("--unroll", type=int, default=RecipeOptions.unroll,

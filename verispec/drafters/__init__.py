@@ -15,10 +15,12 @@ from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.drafters.early_exit import default_exit_layer, early_exit_drafter
 from verispec.drafters.hybrid import LookupThenModel
+from verispec.drafters.hydra import HydraDrafter
 from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
 from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.model import ModelDrafter, check_same_vocabulary
+from verispec.drafters.mtp import MTPDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.drafters.self_spec import check as check_self
@@ -199,6 +201,14 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "head (exportable to vLLM / SGLang)", 2, _learned("eagle3", lambda path, target, options:
                Eagle3Drafter.load(path, target.model, options.confidence_threshold, options.tree)),
            "eagle3"),
+    # k = 4: every head the shipped drafters have. No default trees: none was swept.
+    Method("hydra", "Hydra heads: Medusa-style heads that also read the tokens drafted before "
+           "them", 4, _learned("hydra", lambda path, target, options: HydraDrafter.load(
+               path, target.model, options.tree)), "hydra"),
+    Method("mtp", "multi-token prediction heads: one decoder layer per future token on the "
+           "target's frozen trunk, the target's norm and LM head shared", 4, _learned(
+               "mtp", lambda path, target, options: MTPDrafter.load(path, target.model, options.tree)),
+           "mtp"),
     # k: held-out prompts (seeds 791, 792; scripts/held_out.py), lean CPU forward, ms per token:
     # self-int4 k 6 / 8 / 10 / 12 / 14 within 10% of each other (acceptance ~99%: the draft
     # cost, not tau, decides), 8 chosen; staged k 10 best or tied with 14 and 16.
@@ -216,7 +226,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
 ]}
 
 
-TREE_METHODS = ("eagle", "medusa", "pld", "draft", "early-exit", "eagle-pld", "eagle3",
+TREE_METHODS = ("eagle", "medusa", "pld", "draft", "early-exit", "eagle-pld", "eagle3", "hydra", "mtp",
                 *(f"self-{fmt}" for fmt in FORMATS))
 
 
@@ -295,6 +305,7 @@ def build_engine(target: LoadedModel, method: str = "ar",
 
 
 __all__ = ["DEFAULT_TREE", "FALLBACK", "FASTEST", "Drafter", "DraftRequest", "DraftOptions", "Eagle3Drafter",
-           "EagleDrafter", "LookaheadDrafter", "LookupThenModel", "METHODS", "MedusaDrafter", "Method",
-           "ModelDrafter", "PromptLookupDrafter", "SelfDrafter", "Speculation", "build_engine",
-           "build_speculation", "early_exit_drafter", "fastest_method", "parse_tree", "resolve_tree"]
+           "EagleDrafter", "HydraDrafter", "LookaheadDrafter", "LookupThenModel", "METHODS", "MTPDrafter",
+           "MedusaDrafter", "Method", "ModelDrafter", "PromptLookupDrafter", "SelfDrafter", "Speculation",
+           "build_engine", "build_speculation", "early_exit_drafter", "fastest_method", "parse_tree",
+           "resolve_tree"]

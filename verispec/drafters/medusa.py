@@ -77,6 +77,8 @@ class MedusaDrafter:
     head's top `tree.topk` tokens, shaped by the heads' measured rank accuracies."""
 
     needs_hidden = True
+    kind = "medusa"  # the trained drafter kind `load` reads, and its network:
+    net_class: type[nn.Module] = MedusaNet
 
     def __init__(self, target: PreTrainedModel, net: MedusaNet, head: ReducedHead,
                  tree: TreeSettings | None = None,
@@ -93,8 +95,8 @@ class MedusaDrafter:
     @classmethod
     def load(cls, path: str | Path, target: PreTrainedModel,
              tree: TreeSettings | None = None) -> MedusaDrafter:
-        config, weights = load_drafter(path, target, "medusa")
-        net = MedusaNet(**config["settings"])
+        config, weights = load_drafter(path, target, cls.kind)
+        net = cls.net_class(**config["settings"])
         net.load_state_dict({k.removeprefix("net."): v for k, v in weights.items()
                              if k.startswith("net.")})
         return cls(target, net, ReducedHead(target, weights["vocab_ids"].long()), tree,
@@ -107,18 +109,22 @@ class MedusaDrafter:
     def propose(self, request: DraftRequest) -> Proposal:
         hidden = request.target_hidden  # [context_len - 1, hidden]
         if hidden is None:
-            raise VerispecError("Medusa heads need the target's hidden states")
+            raise VerispecError(f"{type(self).__name__} needs the target's hidden states")
         if hidden.shape[0] == 0:
             return Proposal(request.tokens[:0])
         k = min(request.k, self.net.num_heads)
-        features = self.net(hidden[-1])[:k]  # [k, hidden]
-        logits = self.head.logits(features).float()  # [k, reduced]
+        logits = self.head.logits(self._features(hidden, k)).float()  # [k, reduced]
         if self.choices is not None:
             return self._tree(logits)
         if request.sampling.greedy:
             return Proposal(self.head.vocab_ids[logits.argmax(-1)])
         q = warp_probs(self.head.full(logits), request.sampling)  # [k, vocab]
         return Proposal(sample(q, request.generator), q)
+
+    def _features(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """The first k heads' features [k, hidden] for the LM head, from the target's states at
+        every committed position but the last (hidden [n, hidden]); Medusa reads the newest only."""
+        return self.net(hidden[-1])[:k]
 
     def _tree(self, logits: torch.Tensor) -> Proposal:
         """The static tree's nodes no deeper than the heads run; logits [heads run, reduced].

@@ -8,6 +8,8 @@ Vocabulary: teacher = the target's distribution p, student = the drafter's q.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.nn import functional as F
 
@@ -60,3 +62,31 @@ def agreement(name: str, student: torch.Tensor, teacher: torch.Tensor, mask: tor
         return float((same & where).sum() / where.sum().clamp_min(1))
 
     return {name: rate(mask), f"{name}_answer": rate(mask & answer)}
+
+
+def multi_head_backward(trunk_out: torch.Tensor, head_losses: list[Callable[[torch.Tensor], torch.Tensor]],
+                        sequential: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backpropagate the sum of several heads' losses on one trunk output trunk_out [..., hidden].
+
+    sequential (Gloeckle et al. 2024, multi-token prediction): trunk_out is detached into a leaf,
+    then each head in turn runs forward, loss and backward into that leaf, so its activations and
+    logits are freed before the next head runs: peak memory holds one head's, not all of them.
+    The leaf accumulates every head's gradient; that sum then flows into the trunk once, where
+    trunk_out has a graph or requires a gradient (a frozen trunk's output needs none). With
+    sequential False, the reference order: all heads' losses summed, then one backward.
+    Both give the same gradients (up to float summation order). Returns (the summed loss,
+    detached; the gradient accumulated at the trunk output, like trunk_out).
+    """
+    leaf = trunk_out.detach().requires_grad_()
+    if sequential:
+        total = torch.zeros((), device=trunk_out.device)
+        for head_loss in head_losses:
+            loss = head_loss(leaf)
+            loss.backward()
+            total = total + loss.detach()
+    else:
+        total = sum(head_loss(leaf) for head_loss in head_losses)
+        total.backward()
+    if trunk_out.requires_grad:
+        trunk_out.backward(leaf.grad)
+    return total.detach(), leaf.grad

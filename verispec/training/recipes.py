@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from transformers import PreTrainedModel
 from verispec.drafters.distilled import DraftStudent, draft_settings
 from verispec.drafters.eagle import EagleNet, eagle_settings
 from verispec.drafters.eagle3 import Eagle3Net, eagle3_settings
+from verispec.drafters.hydra import HydraNet, hydra_settings
 from verispec.drafters.learned import (
     CONFIG_FILE,
     ReducedHead,
@@ -27,17 +29,22 @@ from verispec.drafters.learned import (
     save_drafter,
 )
 from verispec.drafters.medusa import MedusaNet, medusa_settings
+from verispec.drafters.mtp import MTPNet, mtp_settings, unembedding_norm
 from verispec.drafters.trained_exit import exit_settings, new_adapter
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel
 from verispec.training.data import Sequence, load_dataset
-from verispec.training.losses import agreement, distill_loss, feature_loss
+from verispec.training.losses import agreement, distill_loss, feature_loss, multi_head_backward
 from verispec.training.trainer import TrainConfig, bf16_is_fast, train
 
-KINDS = ("eagle", "medusa", "early-exit", "draft", "eagle3")
+KINDS = ("eagle", "medusa", "early-exit", "draft", "eagle3", "hydra", "mtp")
 # Key prefix of each kind's own weights in weights.safetensors.
 PREFIX = {"eagle": "net.", "medusa": "net.", "early-exit": "adapter.", "draft": "student.",
-          "eagle3": "net."}
+          "eagle3": "net.", "hydra": "net.", "mtp": "net."}
+# Kinds that draft through the target's LM head restricted to their own vocabulary (vocab_ids).
+REDUCED_VOCAB = ("eagle", "medusa", "eagle3", "hydra", "mtp")
+# Kinds whose heads read only the target's states: a static tree shaped by measured rank accuracy.
+STATIC_TREE = ("medusa", "mtp")
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,7 @@ def collate(items: list[Sequence], max_len: int) -> Batch:
 class RecipeOptions:
     loss: str = "fkl"  # distillation loss: fkl, rkl or tvd
     vocab: int = 8192  # reduced draft vocabulary (most frequent answer tokens)
-    medusa_heads: int = 4
+    heads: int = 4  # Medusa, Hydra and MTP heads
     unroll: int = 2  # EAGLE: also train on its own predicted features, this many steps deep
     feature_weight: float = 1.0  # EAGLE: feature regression weight (token loss weight is 0.1)
     exit_layer: int | None = None  # early exit: default from the data
@@ -92,6 +99,10 @@ class RecipeOptions:
     mid_state: bool = False  # EAGLE: also read the target's state at the data's exit layer
     # EAGLE-3: train its own lm_head (it starts as the target's rows of the draft vocabulary)
     train_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.heads < 1:
+            raise VerispecError(f"--heads must be >= 1 (draft heads to train), got {self.heads}")
 
 
 class Recipe:
@@ -128,8 +139,15 @@ class Recipe:
             self.settings = draft_settings(options.draft_layers)
             self.module = DraftStudent(model, options.draft_layers).float()
         elif kind == "medusa":
-            self.settings = medusa_settings(model, options.medusa_heads)
+            self.settings = medusa_settings(model, options.heads)
             self.module = MedusaNet(**self.settings)
+        elif kind == "hydra":
+            self.settings = hydra_settings(model, options.heads)
+            self.module = HydraNet(**self.settings)
+        elif kind == "mtp":
+            self.settings = mtp_settings(model, options.heads)
+            self.module = MTPNet(**self.settings)
+            self.norm = unembedding_norm(model)
         else:
             layer = meta["exit_layer"] if options.exit_layer is None else options.exit_layer
             if layer != meta["exit_layer"]:
@@ -165,10 +183,13 @@ class Recipe:
         """The target's logits over the reduced vocabulary. hidden [..., hidden] -> [..., reduced]."""
         return hidden @ self.head_t
 
-    def loss(self, items: list[Sequence], max_len: int) -> tuple[torch.Tensor, dict]:
+    def loss(self, items: list[Sequence], max_len: int) -> tuple[torch.Tensor | None, dict]:
+        """(loss, metrics) of a batch; loss None where the kind has run its backward itself (MTP,
+        while gradients are on)."""
         batch = collate(items, max_len)
         return {"eagle": self._eagle, "medusa": self._medusa, "early-exit": self._exit,
-                "draft": self._draft, "eagle3": self._eagle3}[self.kind](batch)
+                "draft": self._draft, "eagle3": self._eagle3, "hydra": self._hydra,
+                "mtp": self._mtp}[self.kind](batch)
 
     def _eagle(self, b: Batch) -> tuple[torch.Tensor, dict]:
         # Position i: (h_i, x_{i+1}) -> h_{i+1}. Unrolled step s feeds back the step s-1 predictions.
@@ -216,19 +237,68 @@ class Recipe:
         metrics["loss"] = float(total.detach())
         return total, metrics
 
+    def _head_term(self, k: int, student: torch.Tensor, teacher_all: torch.Tensor,
+                   b: Batch) -> tuple[torch.Tensor, dict]:
+        """Loss and agreement of head k, whose prediction at t is the target's at t + k.
+        student: [B, T - k, reduced]; teacher_all: [B, T, reduced]."""
+        teacher, m = teacher_all[:, k:], b.mask[:, k:]
+        return (distill_loss(student, teacher, self.options.loss, m),
+                agreement(f"top1_head{k}", student, teacher, m, b.answer[:, k:]))
+
     def _medusa(self, b: Batch) -> tuple[torch.Tensor, dict]:
         # Head k on h_i predicts x_{i+1+k}: its teacher is the target's distribution at i + k.
         features = self.module(b.hidden)  # [B, T, heads, hidden]
         teacher_all = self.teacher(b.hidden)  # [B, T, reduced], computed once for every head
         total, metrics = 0.0, {}
         for k in range(1, self.module.num_heads + 1):
-            student = self.teacher(features[:, :-k, k - 1])
-            teacher = teacher_all[:, k:]
-            m = b.mask[:, k:]
-            total = total + distill_loss(student, teacher, self.options.loss, m)
-            metrics.update(agreement(f"top1_head{k}", student, teacher, m, b.answer[:, k:]))
+            loss, agree = self._head_term(k, self.teacher(features[:, :-k, k - 1]), teacher_all, b)
+            total = total + loss
+            metrics.update(agree)
         metrics["loss"] = float(total.detach())
         return total, metrics
+
+    def _hydra(self, b: Batch) -> tuple[torch.Tensor, dict]:
+        # Head k on h_i reads x_{i+1}..x_{i+k} (the data's own tokens: teacher forcing) and
+        # predicts x_{i+1+k}: its teacher is the target's distribution at i + k.
+        embeds = self.embed[b.tokens]  # [B, T, hidden]
+        teacher_all = self.teacher(b.hidden)  # [B, T, reduced]
+        total, metrics = 0.0, {}
+        for k in range(1, self.module.num_heads + 1):
+            width = max(0, b.tokens.shape[1] - k)
+            inputs = torch.cat([b.hidden[:, :width], *(embeds[:, j: j + width] for j in range(1, k + 1))],
+                               dim=-1)  # [B, T - k, (k + 1) * hidden]
+            loss, agree = self._head_term(k, self.teacher(self.module.head(inputs)), teacher_all, b)
+            total = total + loss
+            metrics.update(agree)
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+    def mtp_head_losses(self, b: Batch) -> tuple[list[Callable[[torch.Tensor], torch.Tensor]], dict]:
+        """MTP: one loss function per head of the trunk's output [B, T, hidden] (the target's
+        final states), and the metrics dict they fill in as they run. Head k reads the states up
+        to i and predicts x_{i+1+k}: its teacher is the target's distribution at i + k."""
+        positions = torch.arange(b.tokens.shape[1])
+        teacher_all = self.teacher(b.hidden)  # [B, T, reduced]
+        metrics: dict = {}
+
+        def head_loss(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            def loss(trunk: torch.Tensor) -> torch.Tensor:
+                output = self.module.layers[k - 1](trunk, positions)[:, :-k]  # [B, T - k, hidden]
+                value, agree = self._head_term(k, self.teacher(self.norm(output)), teacher_all, b)
+                metrics.update(agree)
+                return value
+            return loss
+
+        return [head_loss(k) for k in range(1, self.module.num_heads + 1)], metrics
+
+    def _mtp(self, b: Batch) -> tuple[torch.Tensor | None, dict]:
+        # With gradients on: backward head by head, here (the trainer gets None to skip its own).
+        losses, metrics = self.mtp_head_losses(b)
+        if torch.is_grad_enabled():
+            total, _ = multi_head_backward(b.hidden, losses)
+            return None, {**metrics, "loss": float(total)}
+        total = sum(loss(b.hidden) for loss in losses)
+        return total, {**metrics, "loss": float(total)}
 
     def _exit(self, b: Batch) -> tuple[torch.Tensor, dict]:
         student = self.teacher(self.module(b.exit_hidden))
@@ -242,16 +312,23 @@ class Recipe:
         loss = distill_loss(student, teacher, self.options.loss, b.mask)
         return loss, {"loss": float(loss.detach()), **agreement("top1", student, teacher, b.mask, b.answer)}
 
+    def _head_features(self, b: Batch) -> torch.Tensor:
+        """Medusa's or MTP's features of every head at every position, before the LM head:
+        [B, T, heads, hidden]."""
+        if self.kind == "mtp":
+            return self.norm(self.module(b.hidden, torch.arange(b.tokens.shape[1])))
+        return self.module(b.hidden)
+
     @torch.no_grad()
     def rank_accuracy(self, items: list[Sequence], max_len: int, ranks: int = 8,
                       chunk: int = 8) -> list[list[float]]:
-        """Medusa: [head][r], how often head k's r-th most probable token is the target's own
-        choice k positions on, over the given (held-out) sequences; shapes the static tree."""
+        """Medusa, MTP: [head][r], how often head k's r-th most probable token is the target's
+        own choice k positions on, over the given (held-out) sequences; shapes the static tree."""
         hits = torch.zeros(self.module.num_heads, ranks)
         counts = torch.zeros(self.module.num_heads)
         for start in range(0, len(items), chunk):
             b = collate(items[start: start + chunk], max_len)
-            features = self.module(b.hidden)  # [B, T, heads, hidden]
+            features = self._head_features(b)  # [B, T, heads, hidden]
             target_top = self.teacher(b.hidden).argmax(-1)  # [B, T]
             for k in range(1, self.module.num_heads + 1):
                 ranked = self.teacher(features[:, :-k, k - 1]).topk(ranks, dim=-1).indices
@@ -262,7 +339,7 @@ class Recipe:
 
     def export(self, out_dir: Path, extra: dict) -> Path:
         weights = {PREFIX[self.kind] + k: v for k, v in self.module.state_dict().items()}
-        if self.kind in ("eagle", "medusa", "eagle3"):
+        if self.kind in REDUCED_VOCAB:
             weights["vocab_ids"] = self.vocab_ids
         return save_drafter(out_dir, self.kind, self.target,
                             {k: v for k, v in self.settings.items()}, weights, extra)
@@ -286,7 +363,7 @@ def calibrate_medusa(drafter_dir: Path, target: LoadedModel, data_dir: Path,
     _, weights = load_drafter(drafter_dir, target.model, "medusa")
     meta, sequences = load_dataset(data_dir)
     recipe = Recipe("medusa", target, meta, sequences,
-                    RecipeOptions(medusa_heads=config["settings"]["heads"]))
+                    RecipeOptions(heads=config["settings"]["heads"]))
     recipe.module.load_state_dict({k.removeprefix("net."): v.float() for k, v in weights.items()
                                    if k.startswith("net.")})
     recipe.head = ReducedHead(target.model, weights["vocab_ids"].long())
@@ -330,6 +407,6 @@ def train_drafter(kind: str, target: LoadedModel, data_dirs: list[Path], out_dir
     final_eval = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
     extra = {"training": {"data": meta, "sequences": len(sequences), "config": asdict(config),
                           "options": asdict(options), "final_eval": final_eval}}
-    if kind == "medusa":
+    if kind in STATIC_TREE:
         extra["rank_accuracy"] = recipe.rank_accuracy(eval_items, config.max_len)
     return recipe.export(out_dir, extra)

@@ -59,12 +59,14 @@ def learning_rate(step: int, config: TrainConfig) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor, dict]],
+def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor | None, dict]],
           train_items: list, eval_items: list, config: TrainConfig, work_dir: Path,
           desc: str = "training") -> list[dict]:
     """Minimise loss_fn(batch) over random batches of train_items; returns the history.
 
-    loss_fn returns (loss to minimise, metrics to log). Resumes from work_dir/checkpoint.pt.
+    loss_fn returns (loss to minimise, metrics to log), or (None, metrics) where it has run the
+    backward pass itself (MTP's head-by-head order, see losses.multi_head_backward). Resumes from
+    work_dir/checkpoint.pt.
     """
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / "checkpoint.pt"
@@ -109,10 +111,11 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor,
     while step < config.steps:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, config)
+        optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device_type, torch.bfloat16, enabled=bf16):
             loss, metrics = loss_fn(rng.sample(train_items, min(config.batch_size, len(train_items))))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if loss is not None:  # None: loss_fn has accumulated the gradients itself
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         step += 1

@@ -1,0 +1,237 @@
+"""Hydra and MTP drafters: exactness (greedy, sampling), training, the MTP head-by-head backward.
+
+Everything runs on a tiny random target the tests build themselves; the shipped drafters for the
+built-in model are checked in test_builtin.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.test_rejection_distribution import tv, tv_bound
+from tests.tiny import VOCAB, plain_greedy, save_tiny
+from verispec.api import make_job, run
+from verispec.cli import main
+from verispec.drafters import METHODS, TREE_METHODS, DraftOptions, HydraDrafter, MTPDrafter, build_engine
+from verispec.drafters.hydra import HydraNet, hydra_settings
+from verispec.drafters.learned import ReducedHead
+from verispec.drafters.mtp import MTPNet, mtp_settings
+from verispec.engine import SpeculativeEngine
+from verispec.errors import VerispecError
+from verispec.models import load_model
+from verispec.policies import ConstantK
+from verispec.stopping import StoppingRules
+from verispec.training.data import build_dataset, load_dataset
+from verispec.training.losses import multi_head_backward
+from verispec.training.recipes import Recipe, RecipeOptions, collate, train_drafter
+from verispec.training.trainer import TrainConfig
+from verispec.tree import TreeSettings
+from verispec.types import SamplingParams
+
+NEW = 40
+OPTIONS = RecipeOptions(vocab=48, heads=3)
+KINDS = ("hydra", "mtp")
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return load_model(str(save_tiny(tmp_path_factory.mktemp("target"), seed=0)))
+
+
+@pytest.fixture(scope="module")
+def data(loaded, tmp_path_factory):
+    return build_dataset(loaded, tmp_path_factory.mktemp("data"), num_prompts=12, max_new_tokens=24,
+                         batch_size=6, exit_layer=1)
+
+
+@pytest.fixture(scope="module")
+def trained(loaded, data, tmp_path_factory):
+    """Each kind fitted hard to the data (the prompts below are its prompts): many accepts."""
+    config = TrainConfig(steps=60, lr=3e-3, warmup=1, batch_size=12, eval_every=60, bf16=False)
+    return {kind: train_drafter(kind, loaded, [data], tmp_path_factory.mktemp(kind), config, OPTIONS)
+            for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def prompts(data):
+    """Two training prompts (where the fitted heads are right often), one they never saw."""
+    _, sequences = load_dataset(data)
+    return [s.tokens[: s.prompt_len].tolist() for s in sequences[:2]] + [[1, 60, 7]]
+
+
+def plain(model, prompt: list[int], new: int) -> list[int]:
+    """Plain decoding. (Hugging Face generate() masks the pad ids the training prompts hold, the
+    tiny tokenizer's unknown word, so it is the reference for the pad-free prompt only.)"""
+    if 0 not in prompt:
+        return plain_greedy(model, prompt, new)
+    return SpeculativeEngine(model).generate(prompt, StoppingRules.build(new)).token_ids
+
+
+def _random(kind: str, model, heads: int = 3, tree: TreeSettings | None = None):
+    """A drafter with random weights (std 0.3) drafting from a reduced vocabulary: q = 0 at the
+    tokens left out, and drafts the target rarely accepts."""
+    torch.manual_seed(7)
+    vocab_ids = torch.arange(3, VOCAB - 5)
+    if kind == "hydra":
+        net = HydraNet(**hydra_settings(model, heads))
+        drafter_class, extra = HydraDrafter, ()
+    else:
+        net = MTPNet(**mtp_settings(model, heads))
+        drafter_class = MTPDrafter
+        extra = (sorted(torch.rand(heads, 4).tolist(), reverse=True),)  # rank accuracies
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return drafter_class(model, net, ReducedHead(model, vocab_ids), tree, *extra)
+
+
+def _drafters(loaded, trained) -> dict:
+    model = loaded.model
+    out = {}
+    for kind, cls in (("hydra", HydraDrafter), ("mtp", MTPDrafter)):
+        out[kind] = cls.load(trained[kind], model)
+        out[f"{kind}-tree"] = cls.load(trained[kind], model, TreeSettings(3, 8))
+        out[f"random-{kind}"] = _random(kind, model)
+        out[f"random-{kind}-tree"] = _random(kind, model, tree=TreeSettings(4, 12))
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8, 12, 16])
+def test_hydra_and_mtp_match_plain_decoding(loaded, trained, prompts, k):
+    drafters = _drafters(loaded, trained)
+    for prompt in prompts:
+        truth = plain(loaded.model, prompt, NEW)
+        for name, drafter in drafters.items():
+            result = SpeculativeEngine(loaded.model, drafter, ConstantK(k)).generate(
+                prompt, StoppingRules.build(NEW))
+            assert result.token_ids == truth, f"{name} with k={k} diverged from plain decoding"
+
+
+def test_trained_heads_are_accepted_on_their_training_prompts(loaded, trained, prompts):
+    # Without accepts the equality test above would only exercise rejections.
+    for kind in KINDS:
+        for tree in (None, TreeSettings(3, 8)):
+            engine = build_engine(loaded, kind, _options(trained[kind], tree))
+            result = engine.generate(prompts[0], StoppingRules.build(NEW))
+            assert result.stats.mean_accepted_tokens > 1.5, (kind, tree)
+
+
+def _options(path, tree=None) -> DraftOptions:
+    return DraftOptions(k=3, draft=str(path), tree=tree)
+
+
+def test_mtp_caches_restart_with_every_generation(loaded, trained, prompts):
+    engine = build_engine(loaded, "mtp", _options(trained["mtp"]))
+    for _ in range(3):  # the same run three times: no state carried over, the same caches
+        result = engine.generate(prompts[0], StoppingRules.build(NEW))
+        assert result.token_ids == plain(loaded.model, prompts[0], NEW)
+        lengths = [cache.length for cache in engine.drafter.caches]
+        assert max(lengths) <= len(prompts[0]) + NEW - 1
+        assert lengths == [c.length for c in engine.drafter.caches]
+    first = [c.keys[:, :, : c.length].clone() for c in engine.drafter.caches]
+    engine.generate(prompts[0], StoppingRules.build(NEW))
+    for before, cache in zip(first, engine.drafter.caches):
+        assert torch.equal(before, cache.keys[:, :, : cache.length])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_tokens_follow_the_target(loaded, trained, prompts, kind):
+    """The first three tokens of N seeded runs (top-k 4, temperature 1; k = 2, so two drafted
+    positions, each from its head's q, and one more) against the target's exact marginals, by
+    total variation against the sample-size bound (tokens outside the target's support lumped
+    into one category, which the truth gives 0). The fitted heads on a training prompt: q close
+    to p, so most drafts are accepted and a misreported q would show."""
+    model, prompt, trials = loaded.model, prompts[0], 2500
+    sampling = SamplingParams(do_sample=True, temperature=1.0, top_k=4)
+    drafter = {"hydra": HydraDrafter, "mtp": MTPDrafter}[kind].load(trained[kind], model)
+    engine = SpeculativeEngine(model, drafter, ConstantK(2))
+    counts = torch.zeros(3, VOCAB + 1, dtype=torch.float64)  # [position, token or 'outside']
+    for seed in range(trials):
+        result = engine.generate(prompt, StoppingRules.build(3), sampling, seed=seed)
+        counts[torch.arange(3), torch.tensor(result.token_ids)] += 1
+    exact = _exact_marginals(model, prompt, 3, top_k=4)  # [3, VOCAB]
+    for position in range(3):
+        support = exact[position] > 0
+        empirical = counts[position, :VOCAB] / trials
+        lumped = torch.cat([empirical[support], empirical[~support].sum()[None]])
+        truth = torch.cat([exact[position][support], torch.zeros(1, dtype=torch.float64)])
+        bound = tv_bound(trials, int(support.sum()) + 1)
+        distance = tv(lumped, truth)
+        assert distance <= bound, f"{kind} position {position + 1}: TV {distance:.4f} > {bound:.4f}"
+
+
+def _exact_marginals(model, prompt: list[int], n: int, top_k: int) -> torch.Tensor:
+    """The target's exact distribution of each of its next n tokens under top-k sampling,
+    enumerating every path with non-zero probability: [n, VOCAB] float64."""
+    out = torch.zeros(n, VOCAB, dtype=torch.float64)
+    paths = {tuple(): 1.0}
+    for position in range(n):
+        grown: dict[tuple, float] = {}
+        for path, weight in paths.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(path)])).logits[0, -1].double()
+            top = logits.topk(top_k)
+            probs = top.values.softmax(-1)
+            for token, p in zip(top.indices.tolist(), probs.tolist()):
+                grown[path + (token,)] = weight * p
+                out[position, token] += weight * p
+        paths = grown
+    return out
+
+
+def test_mtp_head_by_head_backward_gives_the_joint_gradients(loaded, data):
+    """The memory-saving order against the sum of all heads' losses backpropagated at once: the
+    same gradients for every head's weights, at the trunk's output, and in a trainable trunk."""
+    meta, sequences = load_dataset(data)
+    batch = collate(sequences, 64)
+    grads = {}
+    for sequential in (True, False):
+        torch.manual_seed(0)
+        recipe = Recipe("mtp", loaded, meta, sequences, OPTIONS)
+        for p in recipe.module.parameters():  # away from the identity start: real gradients
+            torch.nn.init.normal_(p, std=0.1)
+        trunk = torch.nn.Linear(32, 32)  # a trainable last trunk layer: its output has a graph
+        torch.manual_seed(1)
+        torch.nn.init.normal_(trunk.weight, std=0.2)
+        losses, _ = recipe.mtp_head_losses(batch)
+        total, at_trunk = multi_head_backward(trunk(batch.hidden), losses, sequential)
+        grads[sequential] = {"loss": total, "trunk output": at_trunk, "trunk": trunk.weight.grad,
+                             **{n: p.grad for n, p in recipe.module.named_parameters()}}
+    assert grads[True]["trunk output"].abs().max() > 0
+    for name, value in grads[True].items():
+        torch.testing.assert_close(value, grads[False][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_mtp_training_backs_off_to_one_loss_without_gradients(loaded, data):
+    meta, sequences = load_dataset(data)
+    recipe = Recipe("mtp", loaded, meta, sequences, OPTIONS)
+    loss, metrics = recipe.loss(sequences[:4], 64)
+    assert loss is None and all(p.grad is not None for p in recipe.module.parameters())
+    with torch.no_grad():
+        value, again = recipe.loss(sequences[:4], 64)
+    assert value.item() == pytest.approx(metrics["loss"], rel=1e-5)
+    assert {k for k in again if k.startswith("top1_head")} == {f"top1_head{k}{s}" for k in (1, 2, 3)
+                                                                for s in ("", "_answer")}
+
+
+def test_registry_cli_and_api(loaded, data, trained, tmp_path, capsys, prompts):
+    assert {"hydra", "mtp"} <= set(METHODS) and {"hydra", "mtp"} <= set(TREE_METHODS)
+    config = json.loads((trained["mtp"] / "drafter.json").read_text())
+    assert torch.tensor(config["rank_accuracy"]).shape == (3, 8)  # shapes MTP's static tree
+    out = tmp_path / "mtp2"
+    assert main(["train", "mtp", "--target", str(loaded.name), "--out", str(out), "--data", str(data),
+                 "--steps", "2", "--heads", "2", "--vocab", "40"]) == 0
+    assert json.loads((out / "drafter.json").read_text())["settings"]["heads"] == 2
+    for kind in KINDS:
+        result = run(make_job(loaded, prompts[1], method=kind, options=DraftOptions(draft=str(trained[kind])),
+                              max_new_tokens=12))
+        assert result.token_ids == plain(loaded.model, prompts[1], 12)
+    capsys.readouterr()
+    assert main(["train", "hydra", "--target", str(loaded.name), "--out", str(tmp_path / "bad"),
+                 "--data", str(data), "--heads", "0"]) == 2
+    assert "--heads must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(VerispecError, match="no trained hydra drafter ships"):
+        build_engine(loaded, "hydra")

@@ -1,0 +1,99 @@
+"""Multi-token prediction heads (Gloeckle et al. 2024) on the target's frozen trunk.
+
+Gloeckle et al. pretrain a shared trunk with n output heads, head i a transformer layer that
+predicts token t+i, all feeding one shared unembedding. verispec cannot pretrain the target, so
+the target is the trunk, frozen, and its own last layer and LM head are the next-token head
+(head 1): the trained heads 2..N+1 are Llama-shaped decoder layers (verispec.drafters.nn) over
+the target's final hidden states h_{<=t}, each read out through the target's final norm and LM
+head (restricted to a frequency-ranked vocabulary, see ReducedHead), trained head by head in the
+paper's memory-saving order (verispec.training.losses.multi_head_backward).
+
+Drafting is self-speculation with those heads: as Medusa's heads, they read only the target's
+real states, so each draft is a chain of every head's top token or a static tree over their top
+tokens. Unlike Medusa's, a head attends over every position before t, through its own KV cache
+that holds real positions only (nothing to rewind after verification).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from verispec.drafters.learned import ReducedHead
+from verispec.drafters.medusa import MedusaDrafter
+from verispec.drafters.nn import DecoderLayer, RMSNorm
+from verispec.errors import VerispecError
+from verispec.kv_cache import KVCache
+from verispec.packed import packed_view
+from verispec.tree import TreeSettings
+
+
+class MTPNet(nn.Module):
+    """`heads` decoder layers, each on the trunk's output h [batch, T, hidden] (causal over T)."""
+
+    def __init__(self, hidden: int, attention_heads: int, intermediate: int, heads: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(hidden, attention_heads, intermediate)
+                                    for _ in range(heads))
+        for layer in self.layers:  # each head starts as the identity: the target's own next token
+            nn.init.zeros_(layer.out.weight)
+            nn.init.zeros_(layer.down.weight)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.layers)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # hidden: [batch, T, hidden]; positions: [T] -> [batch, T, heads, hidden] (before the norm)
+        return torch.stack([layer(hidden, positions) for layer in self.layers], dim=-2)
+
+
+def mtp_settings(target: PreTrainedModel, heads: int = 4) -> dict:
+    """Heads as wide as the target's layers, with half its MLP width: a third fewer weights than
+    one of its layers (2.7 M a head for the built-in model, so four ship in 21 MB of float16)."""
+    config = target.config.get_text_config(decoder=True)
+    return {"hidden": int(config.hidden_size), "attention_heads": int(config.num_attention_heads),
+            "intermediate": int(config.intermediate_size) // 2, "heads": heads}
+
+
+def unembedding_norm(target: PreTrainedModel) -> RMSNorm:
+    """A frozen float32 copy of the target's final norm: with its LM head, the unembedding every
+    MTP head shares."""
+    norm = getattr(getattr(target, "model", None), "norm", None)
+    if getattr(norm, "weight", None) is None:
+        raise VerispecError(f"MTP heads read out through the target's final norm; "
+                            f"{type(target).__name__} has none at .model.norm")
+    config = target.config.get_text_config(decoder=True)
+    copy = RMSNorm(norm.weight.shape[0], float(getattr(config, "rms_norm_eps", 1e-5)))
+    copy.weight.data.copy_(norm.weight.detach().float())
+    return copy.requires_grad_(False)
+
+
+class MTPDrafter(MedusaDrafter):
+    """Medusa's drafting (chain or static tree, see MedusaDrafter) with MTP heads' features."""
+
+    kind = "mtp"
+    net_class = MTPNet
+
+    def __init__(self, target: PreTrainedModel, net: MTPNet, head: ReducedHead,
+                 tree: TreeSettings | None = None,
+                 rank_accuracy: list[list[float]] | None = None) -> None:
+        super().__init__(target, net, head, tree, rank_accuracy)
+        self.net = packed_view(self.net)
+        self.norm = unembedding_norm(target).to(device=target.device, dtype=target.dtype)
+        self.caches = [KVCache() for _ in range(net.num_heads)]
+
+    def reset(self) -> None:
+        self.caches = [KVCache() for _ in self.caches]
+
+    def _features(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Heads 1..k over the positions of hidden [n, hidden] their caches lack (a head left out
+        of a short draft catches up later); their outputs at the newest, normed: [k, hidden]."""
+        n = hidden.shape[0]
+        out = []
+        for layer, cache in zip(self.net.layers[:k], self.caches):
+            start = cache.length
+            positions = torch.arange(start, n, device=hidden.device)
+            out.append(layer(hidden[None, start:], positions, cache)[0, -1])
+        return self.norm(torch.stack(out))
