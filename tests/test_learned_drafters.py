@@ -528,8 +528,9 @@ def test_reduced_head_scores_its_tokens_as_the_targets_head_does():
 
 
 def test_learned_drafters_batch_with_each_rows_own_hidden_states(loaded, trained):
-    """In a batch every row's EAGLE / Medusa drafter reads its own sequence's target states (the
-    mid-state ones a layer's too, while other rows read none): each row is its prompt alone."""
+    """In a batch every row's EAGLE / Medusa / Hydra / MTP drafter reads its own sequence's target
+    states (the mid-state ones a layer's too, while other rows read none): each row is its prompt
+    alone."""
     prompts = [*PROMPTS, [1, 33, 34, 35, 36], [1, 9]]
     rules = [StoppingRules.build(n) for n in (NEW, 17, 29, 8)]
     truth = [plain_greedy(loaded.model, p, r.max_new_tokens) for p, r in zip(prompts, rules)]
@@ -539,11 +540,12 @@ def test_learned_drafters_batch_with_each_rows_own_hidden_states(loaded, trained
         engine = SpeculativeEngine(loaded.model, make(), ConstantK(3), spawn=make)
         assert [r.token_ids for r in engine.generate_batch(prompts, rules)] == truth, name
     engine = build_engine(loaded, "ar")
-    ways = [build_engine(loaded, m, DraftOptions(draft=trained[m])).speculation
-            for m in ("eagle", "medusa", "eagle3")] + [None]
-    ids = [engine.add(p, r, speculation=w)[0] for p, r, w in zip(prompts, rules, ways)]
-    got = {i: [] for i in ids}
-    while engine.active:
-        for row_id, step in engine.step():
-            got[row_id] += step.tokens
-    assert [got[i] for i in ids] == truth
+    for methods in (("eagle", "medusa", "eagle3"), ("hydra", "mtp", "hydra")):
+        ways = [build_engine(loaded, m, DraftOptions(k=3, draft=trained[m])).speculation
+                for m in methods] + [None]
+        ids = [engine.add(p, r, speculation=w)[0] for p, r, w in zip(prompts, rules, ways)]
+        got = {i: [] for i in ids}
+        while engine.active:
+            for row_id, step in engine.step():
+                got[row_id] += step.tokens
+        assert [got[i] for i in ids] == truth, methods
