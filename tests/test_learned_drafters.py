@@ -9,6 +9,7 @@ decoding token for token, and a drafter made for another target must be refused.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -549,3 +550,27 @@ def test_learned_drafters_batch_with_each_rows_own_hidden_states(loaded, trained
             for row_id, step in engine.step():
                 got[row_id] += step.tokens
         assert [got[i] for i in ids] == truth, methods
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_no_method_leaks_across_200_generations(loaded, trained):
+    """Issue 19's comparison set: after warm-up, 200 more generations with each method (greedy and
+    sampled, engine reused as a server would) grow the resident set by less than 8 MiB."""
+    engines = [build_engine(loaded, m, DraftOptions(draft=trained[m]))
+               for m in ("medusa", "hydra", "mtp", "eagle")] + [build_engine(loaded, "lookahead")]
+    prompts = [PROMPTS[i % 2] for i in range(200)]
+
+    def calls(count: int) -> None:
+        for engine in engines:
+            for i, prompt in enumerate(prompts[:count]):
+                engine.generate(prompt, StoppingRules.build(12), SamplingParams(do_sample=bool(i % 2)),
+                                seed=i)
+
+    calls(20)
+    before = _rss_mib()
+    calls(200)
+    assert _rss_mib() - before < 8
