@@ -180,12 +180,11 @@ class SpeculativeEngine:
         for another sequence of a batch. policy: each sequence starts from a copy of it.
         load_cap: the draft length allowed per sequence at each batch size (default: measured)."""
         verifier_for(SamplingParams(), acceptance)  # reject an unknown rule before any work
-        self.acceptance = acceptance
         self.model = target
         self.target = CachedModel(target)
         self.drafter = drafter
-        self.policy = policy or ConstantK(0 if drafter is None else 5)
-        self.speculation = Speculation(drafter, self.policy, acceptance, spawn)
+        self.speculation = Speculation(drafter, policy or ConstantK(0 if drafter is None else 5),
+                                       acceptance, spawn)
         self.load_cap = load_cap or LoadCap()
         self.max_length = context_length(target)
         self.vocab_size = target.get_input_embeddings().num_embeddings
@@ -214,7 +213,6 @@ class SpeculativeEngine:
               seed: int | None, source: _Row | None = None,
               speculation: Speculation | None = None) -> _Row:
         speculation = speculation or self.speculation
-        verifier_for(sampling, speculation.acceptance)
         if speculation not in self._free:  # first seen: its own drafter is the first to use
             self._free[speculation] = [(CachedModel(self.model), speculation.drafter)]
         free = self._free[speculation]
@@ -226,11 +224,12 @@ class SpeculativeEngine:
                                     "build the engine with verispec.drafters.build_engine")
             target = CachedModel(self.model)
             drafter = None if speculation.drafter is None else speculation.spawn()
-        row = _Row(speculation, target, drafter, self.hidden_size, prompt_ids, stopping, sampling, seed)
         try:
+            row = _Row(speculation, target, drafter, self.hidden_size, prompt_ids, stopping, sampling,
+                       seed)
             row.prefill(source)
-        except BaseException:
-            self._close(row)
+        except BaseException:  # a bad setting or a failed prefill: the cache and drafter go back
+            free.append((target, drafter))
             raise
         return row
 

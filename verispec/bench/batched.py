@@ -20,7 +20,7 @@ import transformers
 from tqdm import tqdm
 
 from verispec.api import encode_prompt
-from verispec.bench.plots import MARKERS, PALETTE, _legend_right, _new_figure, _save, _title
+from verispec.bench.plots import plot_batched_throughput
 from verispec.bench.questions import load_questions
 from verispec.bench.runner import machine_info, write_json
 from verispec.drafters import METHODS, DraftOptions, build_engine
@@ -183,20 +183,4 @@ def write_batched_report(results: dict, out: Path) -> Path:
             cells.append(cell)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     (out / "batched.md").write_text("\n".join(lines) + "\n")
-    figure = _new_figure(8.5, 4.6)
-    ax = figure.subplots()
-    xs = [int(s) for s in sizes]
-    for i, label in enumerate(labels):
-        colour = {"hf": "#7F7F7F", "ar": "#4D4D4D"}.get(label, PALETTE[i % len(PALETTE)])
-        ax.plot(xs, [results["sizes"][s][label]["tokens_per_second"] for s in sizes],
-                marker=MARKERS[i % len(MARKERS)], color=colour, linewidth=1.8,
-                linestyle="--" if label in BASELINES else "-", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.set_xlabel("batch size (sequences decoded together)")
-    ax.set_ylabel("generated tokens / s, all rows")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    _legend_right(ax)
-    _title(figure, "Throughput against batch size", results["machine"]["processor"])
-    return _save(figure, out / "batched.png")
+    return plot_batched_throughput(results, out / "batched.png")

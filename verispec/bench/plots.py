@@ -229,3 +229,27 @@ def plot_k_sweep(summary: dict, runs: list[dict], path: Path, subtitle: str | No
     _legend_right(ax_speed, *ax_tau.get_legend_handles_labels())
     _title(figure, "Draft length sweep", subtitle)
     return _save(figure, path)
+
+
+def plot_batched_throughput(results: dict, path: Path) -> Path:
+    """Generated tokens per second over all rows against batch size, one line per method
+    (`verispec bench --batch-size`); baselines dashed grey."""
+    sizes = list(results["sizes"])
+    labels = results["config"]["labels"]
+    figure = _new_figure(8.5, 4.6)
+    ax = figure.subplots()
+    xs = [int(s) for s in sizes]
+    for i, label in enumerate(labels):
+        colour = {HF_LABEL: GREYS[0], AR_LABEL: GREYS[2]}.get(label, PALETTE[i % len(PALETTE)])
+        ax.plot(xs, [results["sizes"][s][label]["tokens_per_second"] for s in sizes],
+                marker=MARKERS[i % len(MARKERS)], color=colour, linewidth=1.8,
+                linestyle="--" if label in (HF_LABEL, AR_LABEL) else "-", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("batch size (sequences decoded together)")
+    ax.set_ylabel("generated tokens / s, all rows")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    _legend_right(ax)
+    _title(figure, "Throughput against batch size", results["machine"]["processor"])
+    return _save(figure, path)

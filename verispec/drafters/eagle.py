@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from verispec.drafters.base import DraftRequest
-from verispec.drafters.learned import ReducedHead, load_drafter
+from verispec.drafters.learned import ReducedHead, load_net
 from verispec.drafters.nn import DecoderLayer, KVCache, RMSNorm
 from verispec.errors import VerispecError
 from verispec.packed import packed_view
@@ -91,10 +91,7 @@ class EagleDrafter:
     def load(cls, path: str | Path, target: PreTrainedModel,
              confidence_threshold: float | None = None,
              tree: TreeSettings | None = None) -> EagleDrafter:
-        config, weights = load_drafter(path, target, "eagle")
-        net = EagleNet(**config["settings"])
-        net.load_state_dict({k.removeprefix("net."): v for k, v in weights.items()
-                             if k.startswith("net.")})
+        net, _, weights = load_net(path, target, "eagle", EagleNet)
         head = ReducedHead(target, weights["vocab_ids"].long())
         return cls(target, net, head, confidence_threshold, tree)
 

@@ -31,7 +31,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from verispec.drafters.eagle import EagleDrafter
-from verispec.drafters.learned import load_drafter
+from verispec.drafters.learned import load_net
 from verispec.drafters.nn import KVCache, RMSNorm, rotary
 from verispec.errors import VerispecError
 from verispec.tree import TreeSettings
@@ -191,10 +191,7 @@ class Eagle3Drafter(EagleDrafter):
     def load(cls, path: str | Path, target: PreTrainedModel,
              confidence_threshold: float | None = None,
              tree: TreeSettings | None = None) -> Eagle3Drafter:
-        config, weights = load_drafter(path, target, "eagle3")
-        net = Eagle3Net(**config["settings"])
-        net.load_state_dict({k.removeprefix("net."): v for k, v in weights.items()
-                             if k.startswith("net.")})
+        net, _, weights = load_net(path, target, "eagle3", Eagle3Net)
         return cls(target, net, weights["vocab_ids"].long(), confidence_threshold, tree)
 
     def _run(self, embedded: torch.Tensor, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from verispec.drafters.base import DraftRequest
-from verispec.drafters.learned import ReducedHead, load_drafter
+from verispec.drafters.learned import ReducedHead, load_net
 from verispec.drafters.nn import ResBlock
 from verispec.errors import VerispecError
 from verispec.packed import packed_view
@@ -79,10 +79,7 @@ class HydraDrafter:
     @classmethod
     def load(cls, path: str | Path, target: PreTrainedModel,
              tree: TreeSettings | None = None) -> HydraDrafter:
-        config, weights = load_drafter(path, target, "hydra")
-        net = HydraNet(**config["settings"])
-        net.load_state_dict({k.removeprefix("net."): v for k, v in weights.items()
-                             if k.startswith("net.")})
+        net, _, weights = load_net(path, target, "hydra", HydraNet)
         return cls(target, net, ReducedHead(target, weights["vocab_ids"].long()), tree)
 
     def reset(self) -> None:

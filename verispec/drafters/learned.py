@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import PreTrainedModel
 
 from verispec.errors import VerispecError
@@ -95,6 +97,16 @@ def load_drafter(path: str | Path, target: PreTrainedModel,
             f"({', '.join(f'{k}: {expected.get(k)} there, {found[k]} here' for k in differing)})")
     weights = load_file(directory / WEIGHTS_FILE)
     return config, weights
+
+
+def load_net(path: str | Path, target: PreTrainedModel, kind: str, net_class: Callable[..., nn.Module]
+             ) -> tuple[nn.Module, dict, dict[str, torch.Tensor]]:
+    """A trained drafter's network, built from its settings with its `net.` weights loaded, and
+    its config and weights (for what else the drafter keeps there, e.g. vocab_ids)."""
+    config, weights = load_drafter(path, target, kind)
+    net = net_class(**config["settings"])
+    net.load_state_dict({k.removeprefix("net."): v for k, v in weights.items() if k.startswith("net.")})
+    return net, config, weights
 
 
 class ReducedHead:

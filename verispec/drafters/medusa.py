@@ -19,7 +19,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from verispec.drafters.base import DraftRequest
-from verispec.drafters.learned import ReducedHead, load_drafter
+from verispec.drafters.learned import ReducedHead, load_net
 from verispec.errors import VerispecError
 from verispec.sampling import sample, warp_probs
 from verispec.tree import TreeSettings
@@ -95,10 +95,7 @@ class MedusaDrafter:
     @classmethod
     def load(cls, path: str | Path, target: PreTrainedModel,
              tree: TreeSettings | None = None) -> MedusaDrafter:
-        config, weights = load_drafter(path, target, cls.kind)
-        net = cls.net_class(**config["settings"])
-        net.load_state_dict({k.removeprefix("net."): v for k, v in weights.items()
-                             if k.startswith("net.")})
+        net, config, weights = load_net(path, target, cls.kind, cls.net_class)
         return cls(target, net, ReducedHead(target, weights["vocab_ids"].long()), tree,
                    config.get("rank_accuracy"))
 
