@@ -81,6 +81,18 @@ def test_dataset_holds_answers_and_hidden_states(loaded, data):
     assert answer == plain.token_ids
 
 
+def test_answers_from_verispecs_engine_equal_hugging_face_generate(loaded, monkeypatch):
+    # The lean path answers through verispec's batched engine; generate() is the reference.
+    import verispec.training.data as data_module
+    prompts = [[1, 17, 42, 9, 33, 17, 42, 5], [1, 60, 7], [1, 5, 9, 11, 3], [1, 2]]
+    assert data_module.lean_supported(loaded.model)
+    engine = data_module.answer(loaded, prompts, 24)
+    monkeypatch.setattr(data_module, "lean_supported", lambda model: False)
+    assert engine == data_module.answer(loaded, prompts, 24)
+    assert [s[: len(p)] for s, p in zip(engine, prompts)] == prompts
+    assert all(len(s) - len(p) == 24 or s[-1] in loaded.eos_token_ids for s, p in zip(engine, prompts))
+
+
 def _fit(recipe, sequences, steps: int = 25) -> tuple[float, float]:
     """The recipe's loss before and after `steps` AdamW steps on all of `sequences`."""
     optimizer = torch.optim.AdamW(recipe.module.parameters(), lr=3e-3)
