@@ -93,6 +93,18 @@ def test_answers_from_verispecs_engine_equal_hugging_face_generate(loaded, monke
     assert all(len(s) - len(p) == 24 or s[-1] in loaded.eos_token_ids for s, p in zip(engine, prompts))
 
 
+def test_a_larger_data_batches_adds_the_missing_shards(loaded, tmp_path):
+    out = tmp_path / "data"
+    build_dataset(loaded, out, num_prompts=12, max_new_tokens=4, batch_size=4, exit_layer=1,
+                  max_batches=1)
+    first = (out / "shard-00000.pt").stat().st_mtime_ns
+    assert len(load_dataset(out)[1]) == 4
+    build_dataset(loaded, out, num_prompts=12, max_new_tokens=4, batch_size=4, exit_layer=1,
+                  max_batches=3)
+    assert len(load_dataset(out)[1]) == 12
+    assert (out / "shard-00000.pt").stat().st_mtime_ns == first  # kept, not rebuilt
+
+
 def _fit(recipe, sequences, steps: int = 25) -> tuple[float, float]:
     """The recipe's loss before and after `steps` AdamW steps on all of `sequences`."""
     optimizer = torch.optim.AdamW(recipe.module.parameters(), lr=3e-3)

@@ -262,7 +262,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from verispec.training.data import (
         build_dataset,
         build_text_dataset,
-        is_complete,
         read_documents,
     )
     from verispec.training.recipes import RecipeOptions, train_drafter
@@ -290,12 +289,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         aux_layers = default_aux_layers(target.model.config.get_text_config(decoder=True)
                                         .num_hidden_layers)
     data = Path(args.data) if args.data else out / "data"
-    if is_complete(data):
-        print(f"verispec: training on the existing data in {data}", file=sys.stderr)
-    else:  # builds it, or resumes an interrupted build
-        build_dataset(target, data, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                      exit_layer=args.exit_layer, max_batches=args.data_batches,
-                      aux_layers=aux_layers)
+    # Builds the data, resumes an interrupted build, or adds the shards a larger --data-batches
+    # asks for; shards already there are kept.
+    build_dataset(target, data, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                  exit_layer=args.exit_layer, max_batches=args.data_batches, aux_layers=aux_layers)
     data_dirs = [data]
     if args.text:  # checked against its meta.json (same file, same settings) when reused
         text_data = Path(args.text_data) if args.text_data else out / "text-data"
@@ -457,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "OUT/text-data)")
     train.add_argument("--data-batches", type=int,
                        help="build only this many of the data's batches of 64 prompts (a "
-                       "representative subset: batches come in a fixed random order)")
+                       "representative subset: batches come in a fixed random order); a larger "
+                       "number later adds the missing ones; training reads every batch built")
     train.add_argument("--max-new-tokens", type=int, default=160,
                        help="answer length in the data (default: 160)")
     train.add_argument("--steps", type=int, default=TrainConfig.steps)

@@ -30,8 +30,6 @@ from verispec.models import LoadedModel
 from verispec.stopping import StoppingRules
 from verispec.training.prompts import make_prompts
 
-COMPLETE = "complete"  # marker file written after the last shard
-
 
 @dataclass(frozen=True)
 class Sequence:
@@ -114,7 +112,8 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1
     EAGLE-3 drafters; recorded in meta.json only when given, so older data stays valid.
 
     max_batches: stop after this many shards (of num_prompts / batch_size, in their fixed random
-    order) and call the data complete: a smaller dataset that is still a mix of every prompt kind.
+    order): a smaller dataset that is still a mix of every prompt kind. Called again with more,
+    it adds the shards missing; shards already written are never rebuilt.
     """
     out, exit_layer = _start(target, out_dir, exit_layer, {
         "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "seed": seed}, aux_layers)
@@ -134,7 +133,6 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1
         sequences = answer(target, chosen, max_new_tokens)
         _write_shard(shard, features(target, sequences, exit_layer, aux_layers),
                      [len(p) for p in chosen])
-    (out / COMPLETE).touch()
     return out
 
 
@@ -246,13 +244,7 @@ def build_text_dataset(target: LoadedModel, corpus: str | Path, out_dir: str | P
         if not shard.exists():
             _write_shard(shard, features(target, [ids for ids, _ in batch], exit_layer, aux_layers),
                          [n for _, n in batch])
-    (out / COMPLETE).touch()
     return out
-
-
-def is_complete(data_dir: str | Path) -> bool:
-    """True once build_dataset has written every shard of the directory."""
-    return (Path(data_dir) / COMPLETE).is_file()
 
 
 def load_dataset(data_dir: str | Path) -> tuple[dict, list[Sequence]]:
