@@ -33,7 +33,13 @@ from verispec.errors import VerispecError
 from verispec.models import load_model
 from verispec.policies import ConstantK
 from verispec.stopping import StoppingRules
-from verispec.training.data import Sequence, build_dataset, build_text_dataset, load_dataset
+from verispec.training.data import (
+    Sequence,
+    build_dataset,
+    build_text_dataset,
+    is_complete,
+    load_dataset,
+)
 from verispec.training.recipes import KINDS, PREFIX, Recipe, RecipeOptions, collate, train_drafter
 from verispec.training.trainer import TrainConfig
 from verispec.tree import TreeSettings
@@ -99,9 +105,10 @@ def test_a_larger_data_batches_adds_the_missing_shards(loaded, tmp_path):
                   max_batches=1)
     first = (out / "shard-00000.pt").stat().st_mtime_ns
     assert len(load_dataset(out)[1]) == 4
+    assert is_complete(out, 1) and is_complete(out) and not is_complete(out, 3)
     build_dataset(loaded, out, num_prompts=12, max_new_tokens=4, batch_size=4, exit_layer=1,
                   max_batches=3)
-    assert len(load_dataset(out)[1]) == 12
+    assert len(load_dataset(out)[1]) == 12 and is_complete(out, 3)
     assert (out / "shard-00000.pt").stat().st_mtime_ns == first  # kept, not rebuilt
 
 

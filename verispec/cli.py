@@ -262,6 +262,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from verispec.training.data import (
         build_dataset,
         build_text_dataset,
+        is_complete,
         read_documents,
     )
     from verispec.training.recipes import RecipeOptions, train_drafter
@@ -289,10 +290,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         aux_layers = default_aux_layers(target.model.config.get_text_config(decoder=True)
                                         .num_hidden_layers)
     data = Path(args.data) if args.data else out / "data"
-    # Builds the data, resumes an interrupted build, or adds the shards a larger --data-batches
-    # asks for; shards already there are kept.
-    build_dataset(target, data, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                  exit_layer=args.exit_layer, max_batches=args.data_batches, aux_layers=aux_layers)
+    if is_complete(data, args.data_batches):
+        print(f"verispec: training on the existing data in {data}", file=sys.stderr)
+    else:  # builds it, resumes an interrupted build, or adds the batches a larger count asks for
+        build_dataset(target, data, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                      exit_layer=args.exit_layer, max_batches=args.data_batches,
+                      aux_layers=aux_layers)
     data_dirs = [data]
     if args.text:  # checked against its meta.json (same file, same settings) when reused
         text_data = Path(args.text_data) if args.text_data else out / "text-data"

@@ -30,6 +30,8 @@ from verispec.models import LoadedModel
 from verispec.stopping import StoppingRules
 from verispec.training.prompts import make_prompts
 
+COMPLETE = "complete"  # marker file written after the last shard
+
 
 @dataclass(frozen=True)
 class Sequence:
@@ -112,8 +114,8 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1
     EAGLE-3 drafters; recorded in meta.json only when given, so older data stays valid.
 
     max_batches: stop after this many shards (of num_prompts / batch_size, in their fixed random
-    order): a smaller dataset that is still a mix of every prompt kind. Called again with more,
-    it adds the shards missing; shards already written are never rebuilt.
+    order) and call the data complete: a smaller dataset that is still a mix of every prompt kind.
+    Called again with more, it adds the missing shards; shards already written are kept.
     """
     out, exit_layer = _start(target, out_dir, exit_layer, {
         "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "seed": seed}, aux_layers)
@@ -133,6 +135,7 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1
         sequences = answer(target, chosen, max_new_tokens)
         _write_shard(shard, features(target, sequences, exit_layer, aux_layers),
                      [len(p) for p in chosen])
+    (out / COMPLETE).touch()
     return out
 
 
@@ -244,7 +247,16 @@ def build_text_dataset(target: LoadedModel, corpus: str | Path, out_dir: str | P
         if not shard.exists():
             _write_shard(shard, features(target, [ids for ids, _ in batch], exit_layer, aux_layers),
                          [n for _, n in batch])
+    (out / COMPLETE).touch()
     return out
+
+
+def is_complete(data_dir: str | Path, batches: int | None = None) -> bool:
+    """True once build_dataset has written every shard it was asked for, and at least `batches`
+    of them (a larger --data-batches than a directory was built with adds the missing ones)."""
+    data = Path(data_dir)
+    return (data / COMPLETE).is_file() and (batches is None
+                                            or len(list(data.glob("shard-*.pt"))) >= batches)
 
 
 def load_dataset(data_dir: str | Path) -> tuple[dict, list[Sequence]]:
