@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -305,6 +306,11 @@ def test_cli_export(target, tmp_path, capsys):
     assert '"num_speculative_tokens": 4' in printed
     assert json.loads((out / "config.json").read_text())["speculators_config"]["proposal_methods"][0][
         "speculative_tokens"] == 4
+    # Readable by the engine's user too (a container): safetensors alone writes owner-only files.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for written in (out / "model.safetensors", drafter / "weights.safetensors"):
+        assert written.stat().st_mode & 0o777 == 0o666 & ~mask, written
     assert main(["export", "--model", target.name, "--method", "eagle", "--format", "vllm",
                  "--out", str(tmp_path / "x")]) == 2
     assert "only eagle3 drafters export" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,6 +63,17 @@ def is_drafter_dir(path: str | Path) -> bool:
     return (Path(path) / CONFIG_FILE).is_file()
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path,
+                      metadata: dict[str, str] | None = None) -> None:
+    """save_file, then the permissions of any file this process writes: safetensors creates its
+    files owner-only (0600), which an engine running as another user (a container, say) cannot
+    read."""
+    save_file(tensors, path, metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
+
+
 def save_drafter(out_dir: str | Path, kind: str, target: PreTrainedModel, settings: dict,
                  weights: dict[str, torch.Tensor], extra: dict | None = None) -> Path:
     """Write drafter.json and float16 weights (integer tensors kept as they are)."""
@@ -69,7 +81,7 @@ def save_drafter(out_dir: str | Path, kind: str, target: PreTrainedModel, settin
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: (t.detach().to("cpu", torch.float16) if t.is_floating_point()
                       else t.detach().cpu()).contiguous() for name, t in weights.items()}
-    save_file(tensors, out / WEIGHTS_FILE)
+    write_safetensors(tensors, out / WEIGHTS_FILE)
     config = {"kind": kind, "target": target_identity(target), "settings": settings, **(extra or {})}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
     return out

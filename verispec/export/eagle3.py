@@ -26,10 +26,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from verispec.drafters.eagle3 import default_aux_layers
-from verispec.drafters.learned import load_drafter
+from verispec.drafters.learned import load_drafter, write_safetensors
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel
 
@@ -130,7 +129,7 @@ def export_eagle3(drafter_dir: str | Path, target: LoadedModel, out_dir: str | P
     if out.exists() and not out.is_dir():
         raise VerispecError(f"--out {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
+    write_safetensors(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
     engine = engine_config(config["settings"], target, fmt, verifier, num_speculative_tokens, dtype)
     (out / "config.json").write_text(json.dumps(engine, indent=1) + "\n")
     line = launch_lines(fmt, verifier, out.resolve(), num_speculative_tokens)
