@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -65,13 +64,10 @@ def is_drafter_dir(path: str | Path) -> bool:
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path,
                       metadata: dict[str, str] | None = None) -> None:
-    """save_file, then the permissions of any file this process writes: safetensors creates its
-    files owner-only (0600), which an engine running as another user (a container, say) cannot
-    read."""
-    save_file(tensors, path, metadata=metadata)
-    mask = os.umask(0)
-    os.umask(mask)
-    path.chmod(0o666 & ~mask)
+    """A safetensors file with the permissions of any file this process writes: safetensors'
+    save_file creates owner-only files (0600), which an engine running as another user (a
+    container, say) cannot read."""
+    path.write_bytes(save(tensors, metadata=metadata))
 
 
 def save_drafter(out_dir: str | Path, kind: str, target: PreTrainedModel, settings: dict,
