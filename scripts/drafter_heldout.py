@@ -21,7 +21,8 @@ import random
 from held_out import held_out
 
 from verispec.api import encode_prompt
-from verispec.drafters import METHODS, DraftOptions, build_engine
+from verispec.methods import METHODS, build_engine
+from verispec.options import DraftOptions
 from verispec.stopping import StoppingRules
 from verispec.types import GenerationStats
 

@@ -14,10 +14,11 @@ import sys
 
 from held_out import compare, held_out
 
-from verispec.drafters import DraftOptions, build_engine
 from verispec.drafters.hybrid import LookupThenModel
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine
+from verispec.methods import build_engine
+from verispec.options import DraftOptions
 from verispec.policies import ConstantK
 
 

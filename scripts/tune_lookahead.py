@@ -14,7 +14,8 @@ import sys
 
 from held_out import compare, held_out
 
-from verispec.drafters import DraftOptions, build_engine
+from verispec.methods import build_engine
+from verispec.options import DraftOptions
 
 FIRST_ROUND = "2x3x2,3x3x3,5x3x5,3x4x3,5x4x5,5x4x5c,7x4x7"
 

@@ -3,7 +3,7 @@
 Runs plain decoding and the low-precision self drafters at several draft lengths (and, with
 --skip, with decoder layers left out), interleaved prompt by prompt, greedy, 128 new tokens,
 float32, and prints milliseconds per token, tau and the ratio to plain decoding; outputs must
-equal plain decoding's. The defaults in verispec.drafters.METHODS came from seeds 791 and 792:
+equal plain decoding's. The defaults in verispec.methods.METHODS came from seeds 791 and 792:
 
     python scripts/tune_self.py 8 792 self-int4@8 self-int4@10 self-int4-pld@10 self-int4-pld@16
     python scripts/tune_self.py 8 793 self-int4 self-int4/skip=28,29   # layer skipping
@@ -17,7 +17,8 @@ import sys
 
 from held_out import compare, held_out
 
-from verispec.drafters import DraftOptions, build_engine
+from verispec.methods import build_engine
+from verispec.options import DraftOptions
 
 
 def engine_for(target, spec: str):

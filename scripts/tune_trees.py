@@ -14,7 +14,8 @@ import sys
 
 from held_out import compare, held_out
 
-from verispec.drafters import METHODS, DraftOptions, build_engine
+from verispec.methods import METHODS, build_engine
+from verispec.options import DraftOptions
 from verispec.tree import TreeSettings
 
 # The first round: each tree-capable method worth speculating with on a CPU, chain first.

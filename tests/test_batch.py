@@ -12,18 +12,15 @@ import torch
 
 from tests.drafters import RandomDrafter
 from tests.tiny import EOS, VOCAB, save_tiny, tiny_llama, tiny_qwen3
-from verispec.drafters import (
-    DraftOptions,
-    ModelDrafter,
-    PromptLookupDrafter,
-    build_engine,
-    build_speculation,
-    early_exit_drafter,
-)
+from verispec.drafters.early_exit import early_exit_drafter
 from verispec.drafters.lookahead import LookaheadDrafter
+from verispec.drafters.model import ModelDrafter
+from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
+from verispec.methods import build_engine, build_speculation
 from verispec.models import load_model
+from verispec.options import DraftOptions
 from verispec.policies import ConstantK, LoadCap
 from verispec.sampling import warp_probs
 from verispec.stopping import StoppingRules

@@ -8,8 +8,9 @@ import pytest
 
 from verispec.bench.runner import BenchConfig, run_bench
 from verispec.cli import main
-from verispec.drafters import DEFAULT_TREE, METHODS
 from verispec.errors import VerispecError
+from verispec.methods import METHODS
+from verispec.options import DEFAULT_TREE
 from verispec.tree import TreeSettings
 from verispec.verifiers import greedy
 

@@ -7,11 +7,12 @@ import torch
 
 import verispec
 from verispec.cli import main
-from verispec.drafters import DraftOptions, build_engine
 from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.trained_exit import trained_exit_drafter
+from verispec.methods import build_engine
 from verispec.models import cache_root
+from verispec.options import DraftOptions
 from verispec.stopping import StoppingRules
 from verispec.tree import TreeSettings
 

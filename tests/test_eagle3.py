@@ -24,14 +24,15 @@ from safetensors.torch import load_file
 
 from tests.tiny import save_tiny, tiny_llama, tiny_tokenizer
 from verispec.cli import main
-from verispec.drafters import DraftOptions, build_engine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, default_aux_layers, eagle3_settings
 from verispec.drafters.learned import save_drafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.export import export_eagle3
+from verispec.methods import build_engine
 from verispec.models import load_model
+from verispec.options import DraftOptions
 from verispec.policies import ConstantK
 from verispec.stopping import StoppingRules
 from verispec.training.data import build_dataset

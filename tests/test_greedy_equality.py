@@ -7,7 +7,9 @@ import torch
 
 from tests.drafters import OracleDrafter, RandomDrafter
 from tests.tiny import VOCAB, plain_greedy, tiny_llama, tiny_qwen3
-from verispec.drafters import ModelDrafter, PromptLookupDrafter, early_exit_drafter
+from verispec.drafters.early_exit import early_exit_drafter
+from verispec.drafters.model import ModelDrafter
+from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.policies import ConstantK, HeuristicK
 from verispec.stopping import StoppingRules

@@ -15,13 +15,14 @@ from tests.test_rejection_distribution import tv, tv_bound
 from tests.tiny import VOCAB, plain_greedy, save_tiny
 from verispec.api import make_job, run
 from verispec.cli import main
-from verispec.drafters import METHODS, TREE_METHODS, DraftOptions, HydraDrafter, MTPDrafter, build_engine
-from verispec.drafters.hydra import HydraNet, hydra_settings
+from verispec.drafters.hydra import HydraDrafter, HydraNet, hydra_settings
 from verispec.drafters.learned import ReducedHead
-from verispec.drafters.mtp import MTPNet, mtp_settings
+from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
+from verispec.methods import METHODS, TREE_METHODS, build_engine
 from verispec.models import load_model
+from verispec.options import DraftOptions
 from verispec.policies import ConstantK
 from verispec.stopping import StoppingRules
 from verispec.training.data import build_dataset, load_dataset

@@ -19,18 +19,20 @@ from tests.tiny import VOCAB, plain_greedy, save_tiny, tiny_llama
 from verispec.bench.runner import BenchConfig, run_bench
 from verispec.cached_model import CachedModel
 from verispec.cli import main
-from verispec.drafters import DraftOptions, EagleDrafter, LookupThenModel, MedusaDrafter, build_engine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.distilled import distilled_drafter
-from verispec.drafters.eagle import EagleNet, eagle_settings
+from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
+from verispec.drafters.hybrid import LookupThenModel
 from verispec.drafters.learned import ReducedHead, load_drafter, target_identity
-from verispec.drafters.medusa import MedusaNet, medusa_settings
+from verispec.drafters.medusa import MedusaDrafter, MedusaNet, medusa_settings
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
+from verispec.methods import build_engine
 from verispec.models import load_model
+from verispec.options import DraftOptions
 from verispec.policies import ConstantK
 from verispec.stopping import StoppingRules
 from verispec.training.data import (

@@ -10,11 +10,12 @@ import verispec.verifiers.tree as tree_verifier
 from tests.test_rejection_distribution import tv, tv_bound
 from tests.test_tree_sampling import P0, TABLE, V
 from tests.tiny import plain_greedy, tiny_qwen3
-from verispec.drafters import DraftOptions, LookaheadDrafter, build_engine
 from verispec.drafters.base import DraftRequest
-from verispec.drafters.lookahead import lookahead_branch
+from verispec.drafters.lookahead import LookaheadDrafter, lookahead_branch
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
+from verispec.methods import build_engine
+from verispec.options import DraftOptions
 from verispec.policies import ConstantK, HeuristicK
 from verispec.sampling import sample
 from verispec.stopping import StoppingRules

@@ -12,7 +12,6 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from tests.tiny import VOCAB, plain_greedy, tiny_llama, tiny_qwen3, tiny_tokenizer
-from verispec.drafters import DraftOptions, build_engine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
@@ -28,7 +27,9 @@ from verispec.lowbit import (
     q4_blocks,
     quantize,
 )
+from verispec.methods import build_engine
 from verispec.models import LoadedModel
+from verispec.options import DraftOptions
 from verispec.sampling import warp_probs
 from verispec.stopping import StoppingRules
 from verispec.tree import TreeSettings
@@ -300,7 +301,7 @@ def test_drafter_starts_from_the_targets_prompt_cache(loaded):
 
 
 def test_default_method_falls_back_off_the_lean_path(loaded):
-    from verispec.drafters import FALLBACK, FASTEST, fastest_method
+    from verispec.methods import FALLBACK, FASTEST, fastest_method
 
     assert fastest_method(loaded) == FASTEST
     assert fastest_method(LoadedModel(tiny_qwen3(seed=1), None, "qwen3")) == FALLBACK

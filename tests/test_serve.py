@@ -353,7 +353,7 @@ def test_playground_paints_tokens_by_fate_in_chromium(server, tmp_path):
 
 @pytest.mark.slow
 def test_builtin_model_answers_equal_verispec_generate(capsys, tmp_path):
-    from verispec.drafters import fastest_method
+    from verispec.methods import fastest_method
 
     loaded = load_model("smollm2-135m-instruct")
     prompt = "Name three rivers in Europe."

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.tiny import VOCAB, plain_greedy, tiny_tokenizer
-from verispec.drafters import ModelDrafter
+from verispec.drafters.model import ModelDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.policies import ConstantK
 from verispec.stopping import StoppingRules

@@ -13,10 +13,11 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from verispec.drafters import DraftOptions, build_engine
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
+from verispec.methods import build_engine
 from verispec.models import LoadedModel, load
+from verispec.options import DraftOptions
 from verispec.stopping import StoppingRules
 from verispec.tree import TreeSettings
 from verispec.types import GenerationResult, SamplingParams, Step

@@ -9,18 +9,10 @@ import sys
 
 from verispec.api import make_job, run
 from verispec.display import LEGEND, acceptance_line, render_steps, render_tree, stats_table
-from verispec.drafters import (
-    DEFAULT_TREE,
-    FALLBACK,
-    FASTEST,
-    METHODS,
-    TREE_METHODS,
-    DraftOptions,
-    fastest_method,
-    parse_tree,
-)
 from verispec.errors import VerispecError
+from verispec.methods import FALLBACK, FASTEST, METHODS, TREE_METHODS, fastest_method
 from verispec.models import BUILTIN_MODELS, DEFAULT_MODEL, DTYPES, load_model
+from verispec.options import DEFAULT_TREE, DraftOptions, parse_tree
 from verispec.policies import SCHEDULES
 from verispec.tree import TreeSettings
 from verispec.types import GenerationStats, SamplingParams
@@ -100,7 +92,7 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tree_settings(text: str) -> TreeSettings | str:
-    """argparse's face of verispec.drafters.parse_tree."""
+    """argparse's face of verispec.options.parse_tree."""
     try:
         return parse_tree(text)
     except VerispecError as error:

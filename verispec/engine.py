@@ -168,7 +168,7 @@ class SpeculativeEngine:
 
     One sequence: `steps` / `generate`. Several: `generate_batch`, or `add` sequences and `step`
     them (continuous batching). Every sequence after the first drafts with its own drafter, made
-    by `spawn` (verispec.drafters.build_engine passes one); drafters and caches are reused once a
+    by `spawn` (verispec.methods.build_engine passes one); drafters and caches are reused once a
     sequence leaves, so memory follows the largest batch, not the number of calls.
     """
 
@@ -221,7 +221,7 @@ class SpeculativeEngine:
         else:
             if speculation.drafter is not None and speculation.spawn is None:
                 raise VerispecError("this engine's drafter cannot be copied for a second sequence: "
-                                    "build the engine with verispec.drafters.build_engine")
+                                    "build the engine with verispec.methods.build_engine")
             target = CachedModel(self.model)
             drafter = None if speculation.drafter is None else speculation.spawn()
         try:
@@ -314,7 +314,7 @@ class SpeculativeEngine:
             samples: int = 1, speculation: Speculation | None = None) -> list[int]:
         """Start `samples` sequences of one prompt (they share its prefill); each joins the batch
         at the next `step`. Sample i is seeded with seed + i. speculation: how they draft
-        (default: the engine's own; see verispec.drafters.build_speculation). Returns their ids."""
+        (default: the engine's own; see verispec.methods.build_speculation). Returns their ids."""
         self.check_prompt(prompt_ids, stopping.max_new_tokens)
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise VerispecError(f"the number of samples must be a positive integer, got {samples!r}")

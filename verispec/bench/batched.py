@@ -23,9 +23,10 @@ from verispec.api import encode_prompt
 from verispec.bench.plots import plot_batched_throughput
 from verispec.bench.questions import load_questions
 from verispec.bench.runner import machine_info, write_json
-from verispec.drafters import METHODS, DraftOptions, build_engine
 from verispec.errors import VerispecError
+from verispec.methods import METHODS, build_engine
 from verispec.models import LoadedModel, load_model
+from verispec.options import DraftOptions
 from verispec.policies import LoadCap
 from verispec.stopping import StoppingRules
 from verispec.types import SamplingParams

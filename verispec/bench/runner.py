@@ -27,14 +27,15 @@ from verispec.api import encode_prompt
 from verispec.bench.questions import Question, load_questions
 from verispec.bench.report import summarize, theory, write_report
 from verispec.cached_model import CachedModel
-from verispec.drafters import DEFAULT_TREE, METHODS, TREE_METHODS, DraftOptions, build_engine, resolve_tree
 from verispec.drafters.early_exit import default_exit_layer
 from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
 from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.self_spec import check as check_self
 from verispec.engine import context_length
 from verispec.errors import VerispecError
+from verispec.methods import METHODS, TREE_METHODS, build_engine, resolve_tree
 from verispec.models import LoadedModel, load_model
+from verispec.options import DEFAULT_TREE, DraftOptions
 from verispec.packed import packed_view
 from verispec.stopping import StoppingRules
 from verispec.tree import TreeSettings

@@ -25,8 +25,8 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from verispec.drafters import METHODS, fastest_method
 from verispec.errors import VerispecError
+from verispec.methods import METHODS, fastest_method
 from verispec.models import LoadedModel
 from verispec.server.metrics import Metrics
 from verispec.server.requests import BadRequest, ChatBody, Common, CompletionBody, build_request, parse_body

@@ -12,10 +12,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from verispec.api import encode_chat, encode_prompt
-from verispec.drafters import DraftOptions, parse_tree, resolve_tree
 from verispec.engine import context_length
 from verispec.errors import VerispecError
+from verispec.methods import resolve_tree
 from verispec.models import LoadedModel
+from verispec.options import DraftOptions, parse_tree
 from verispec.server.scheduler import GenerationRequest
 from verispec.stopping import StoppingRules
 from verispec.types import SamplingParams

@@ -15,10 +15,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from verispec.drafters import DraftOptions, build_engine, build_speculation
 from verispec.engine import Speculation
 from verispec.errors import VerispecError
+from verispec.methods import build_engine, build_speculation
 from verispec.models import LoadedModel
+from verispec.options import DraftOptions
 from verispec.server.metrics import Metrics
 from verispec.stopping import StoppingRules
 from verispec.types import SamplingParams, Step

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from verispec.drafters import build_engine
 from verispec.drafters.early_exit import decoder_layers, default_exit_layer
 from verispec.errors import VerispecError
 from verispec.lean import lean_supported
+from verispec.methods import build_engine
 from verispec.models import LoadedModel
 from verispec.stopping import StoppingRules
 from verispec.training.prompts import make_prompts

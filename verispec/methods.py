@@ -1,0 +1,300 @@
+"""The method registry: one record per speculation method, everything the rest of verispec asks
+about it (its drafter, default k, trees, bench default, trained kind, help and README text).
+
+It sits above the engine and the drafters: it builds engines from names. Nothing else lists
+method names; adding a method is one drafter file plus one `Method` entry in METHODS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+
+from verispec.drafters.base import Drafter
+from verispec.drafters.distilled import distilled_drafter
+from verispec.drafters.eagle import EagleDrafter
+from verispec.drafters.eagle3 import Eagle3Drafter
+from verispec.drafters.early_exit import default_exit_layer, early_exit_drafter
+from verispec.drafters.hybrid import LookupThenModel
+from verispec.drafters.hydra import HydraDrafter
+from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
+from verispec.drafters.lookahead import LookaheadDrafter
+from verispec.drafters.medusa import MedusaDrafter
+from verispec.drafters.model import ModelDrafter, check_same_vocabulary
+from verispec.drafters.mtp import MTPDrafter
+from verispec.drafters.ngram import PromptLookupDrafter
+from verispec.drafters.self_spec import SelfDrafter, SelfSettings
+from verispec.drafters.self_spec import check as check_self
+from verispec.drafters.trained_exit import trained_exit_drafter
+from verispec.engine import Speculation, SpeculativeEngine
+from verispec.errors import VerispecError
+from verispec.lowbit import FORMATS
+from verispec.models import LoadedModel, load
+from verispec.options import DEFAULT_TREE, DraftOptions
+from verispec.policies import SCHEDULES
+from verispec.tree import TreeSettings
+from verispec.types import SamplingParams
+from verispec.verifiers import verifier_for
+
+
+def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
+    """A distilled student (given as --draft DIR, or shipped for the target), else any causal LM."""
+    draft = options.draft
+    if draft is None or (not isinstance(draft, LoadedModel) and is_drafter_dir(draft)):
+        trained = _trained(target, options, "draft")
+        if trained is None:
+            raise VerispecError("method 'draft' needs a draft model (--draft PATH / assistant_model=)")
+        return distilled_drafter(trained, target.model, target.vocab_size,
+                                 options.confidence_threshold, options.tree)
+    if not isinstance(draft, LoadedModel):
+        draft = load(draft, dtype=_dtype_name(target), device=str(target.model.device))
+    if draft.tokenizer is None and target.tokenizer is not None:
+        raise VerispecError(f"draft model {draft.name} has no tokenizer to check against the target's")
+    check_same_vocabulary(target.tokenizer, draft.tokenizer)
+    return ModelDrafter(draft.model, target.vocab_size, options.confidence_threshold, options.tree)
+
+
+def _trained(target: LoadedModel, options: DraftOptions, kind: str) -> Path | None:
+    """The trained drafter directory to use: --draft if given, else the one shipped for target."""
+    if options.draft is None:
+        return shipped_drafter(target.model, kind)
+    if isinstance(options.draft, LoadedModel) or not is_drafter_dir(options.draft):
+        raise VerispecError(f"method {kind!r} takes a trained drafter directory as --draft "
+                            f"(made by `verispec train {kind}`), got {options.draft}")
+    return Path(options.draft)
+
+
+def _learned(kind: str, load_drafter: Callable[[Path, LoadedModel, DraftOptions], Drafter]
+             ) -> Callable[[LoadedModel, DraftOptions], Drafter]:
+    """A builder for a method that only exists as a trained drafter of `kind`."""
+    def build(target: LoadedModel, options: DraftOptions) -> Drafter:
+        path = _trained(target, options, kind)
+        if path is None:
+            raise VerispecError(
+                f"no trained {kind} drafter ships for {target.name}: train one with "
+                f"`verispec train {kind} --target {target.name} --out DIR` and pass --draft DIR")
+        return load_drafter(path, target, options)
+    return build
+
+
+def _early_exit(target: LoadedModel, options: DraftOptions) -> Drafter:
+    """The trained exit when one is given or shipped (and the layer agrees), else the plain one."""
+    trained = _trained(target, options, "early-exit")
+    if trained is not None:
+        layer = drafter_config(trained)["settings"]["exit_layer"]
+        if options.exit_layer is None or options.exit_layer == layer:
+            return trained_exit_drafter(trained, target.model, target.vocab_size,
+                                        options.confidence_threshold, options.tree)
+        if options.draft is not None:
+            raise VerispecError(f"the trained exit in {trained} is at layer {layer}, "
+                                f"not {options.exit_layer}")
+    layers = default_exit_layer(target.model) if options.exit_layer is None else options.exit_layer
+    return early_exit_drafter(target.model, layers, target.vocab_size, options.confidence_threshold,
+                              options.tree)
+
+
+def _prompt_lookup(target: LoadedModel, options: DraftOptions) -> Drafter:
+    return PromptLookupDrafter(options.max_ngram, options.min_ngram, options.tree)
+
+
+def _lookahead(target: LoadedModel, options: DraftOptions) -> Drafter:
+    """N defaults to k + 1: the draft length is the n-gram's tail."""
+    k = METHODS["lookahead"].default_k if options.k is None else options.k
+    ngram = k + 1 if options.lookahead_ngram is None else options.lookahead_ngram
+    return LookaheadDrafter(options.lookahead_window, ngram, options.lookahead_guesses,
+                            options.lookahead_pool_context)
+
+
+def _lookup_then(method: str) -> Callable[[LoadedModel, DraftOptions], Drafter]:
+    """A builder for prompt lookup backed by `method`'s drafter (drafting up to its default k)."""
+    def build(target: LoadedModel, options: DraftOptions) -> Drafter:
+        spec = METHODS[method]
+        return LookupThenModel(_prompt_lookup(target, options), spec.build(target, options),
+                               spec.default_k)
+    return build
+
+
+def _self(fmt: str, staged: bool) -> Callable[[LoadedModel, DraftOptions], Drafter]:
+    """A builder for the target's own weights in `fmt` drafting (behind prompt lookup if staged)."""
+    def build(target: LoadedModel, options: DraftOptions) -> Drafter:
+        settings = SelfSettings(fmt, options.group, tuple(options.skip_layers))
+        return SelfDrafter(target, settings, options.confidence_threshold, options.tree,
+                           _prompt_lookup(target, options) if staged else None)
+    return build
+
+
+def _dtype_name(target: LoadedModel) -> str:
+    return str(target.model.dtype).removeprefix("torch.")
+
+
+class Needs(Enum):
+    """What a method needs beyond the target."""
+
+    NOTHING = "nothing"
+    SELF = "a Llama-shaped model on CPU"  # the target's own weights, stored again in low precision
+    TRAINED = "a trained drafter"  # of the method's trained_kind, given (--draft) or shipped
+    DRAFT_MODEL = "a draft model (`--draft`) or a distilled student"
+
+
+@dataclass(frozen=True)
+class Method:
+    """Everything verispec knows about one method. Tuning behind the defaults: docs/tuning.md."""
+
+    name: str
+    description: str  # what drafts, one line: help texts and the README's method table
+    default_k: int
+    build: Callable[[LoadedModel, DraftOptions], Drafter] | None  # None: plain decoding
+    use_when: str = ""  # the README table's advice
+    needs: Needs = Needs.NOTHING
+    trained_kind: str | None = None  # the trained drafter (`verispec train KIND`) it runs, if any
+    trees: bool = False  # drafts token trees (--tree)
+    # The tree `--tree` alone drafts (depth default_k): the fastest measured on held-out prompts
+    # on a CPU (scripts/tune_trees.py); None: none measured.
+    default_tree: TreeSettings | None = None
+    bench: bool = True  # in `verispec bench`'s default set, where the model can run it
+    hf_peer: str | None = None  # the Hugging Face generate() baseline doing the same, in the bench
+
+    @property
+    def needs_text(self) -> str:
+        if self.needs is Needs.TRAINED:
+            return f"a trained `{self.trained_kind}` drafter"
+        return self.needs.value
+
+
+def _self_methods() -> list[Method]:
+    advice = {"int4": "any Llama-shaped model, no training; agrees with the float32 target ~99% "
+                      "of the time",
+              "int8": "for comparison: slower drafts than int4 on the CPUs measured",
+              "bf16": "for comparison: slower drafts than int4 on the CPUs measured"}
+    single = [Method(f"self-{fmt}", f"the target's own weights in {fmt}, its own KV cache", 8,
+                     _self(fmt, False), advice[fmt], Needs.SELF, trees=True) for fmt in FORMATS]
+    staged = [Method(f"self-{fmt}-pld", f"staged: prompt lookup guesses, the target's own weights "
+                     f"in {fmt} check and extend them, the target verifies", 10, _self(fmt, True),
+                     "the default of `generate` and `demo`: the fastest measured on the built-in "
+                     "model" if fmt == "int4" else "for comparison with self-int4-pld",
+                     Needs.SELF, bench=fmt == "int4") for fmt in FORMATS]
+    return [staged[0], *single, *staged[1:]]
+
+
+METHODS: dict[str, Method] = {m.name: m for m in [
+    Method("ar", "nothing: plain autoregressive decoding", 0, None,
+           "the reference, or a baseline to compare with"),
+    *_self_methods(),
+    Method("pld", "prompt lookup: the tokens that followed the context's last n-gram where it "
+           "occurred before", 7, _prompt_lookup,
+           "answers that copy the prompt (editing code, RAG, summaries); any model",
+           trees=True, default_tree=TreeSettings(4, 16), hf_peer="hf-pld"),
+    Method("lookahead", "lookahead decoding: Jacobi iterations in the verifying forward fill an "
+           "n-gram pool whose n-grams after the last token are the draft", 2, _lookahead,
+           "any model, no training, where a wider forward costs little (GPU); about break-even "
+           "on a 2-core CPU"),
+    Method("eagle-pld", "prompt lookup where the context repeats, the EAGLE drafter elsewhere", 7,
+           _lookup_then("eagle"), "the fastest trained drafter on the built-in model",
+           Needs.TRAINED, "eagle", trees=True, default_tree=TreeSettings(2, 3)),
+    Method("eagle", "one trained decoder layer that predicts the target's next hidden state "
+           "(EAGLE)", 2, _learned("eagle", lambda path, target, options: EagleDrafter.load(
+               path, target.model, options.confidence_threshold, options.tree)),
+           "answers that do not copy the prompt, when a trained drafter exists", Needs.TRAINED,
+           "eagle", trees=True, default_tree=TreeSettings(2, 3)),
+    Method("eagle3", "EAGLE-3: three target layers fused, a reduced-vocabulary head", 2,
+           _learned("eagle3", lambda path, target, options: Eagle3Drafter.load(
+               path, target.model, options.confidence_threshold, options.tree)),
+           "taking a drafter to vLLM or SGLang (`verispec export`)", Needs.TRAINED, "eagle3",
+           trees=True),
+    Method("medusa", "Medusa-1 heads on the target's last hidden state", 3, _learned(
+        "medusa", lambda path, target, options: MedusaDrafter.load(path, target.model, options.tree)),
+        "mainly for comparison: about break-even with plain decoding on CPU", Needs.TRAINED,
+        "medusa", trees=True, default_tree=TreeSettings(2, 4)),
+    Method("hydra", "Medusa-style heads that also read the tokens drafted before them (Hydra)", 4,
+           _learned("hydra", lambda path, target, options: HydraDrafter.load(
+               path, target.model, options.tree)),
+           "instead of medusa where drafting is cheap next to the target (GPU, larger target)",
+           Needs.TRAINED, "hydra", trees=True, bench=False),
+    Method("mtp", "multi-token prediction heads: one decoder layer per future token over the "
+           "target's final states, its norm and LM head shared", 4, _learned(
+               "mtp", lambda path, target, options: MTPDrafter.load(path, target.model, options.tree)),
+           "a model trained with MTP heads, or to train them (`verispec train mtp`)",
+           Needs.TRAINED, "mtp", trees=True, bench=False),
+    Method("draft", "an independent small model with the target's tokenizer, or a distilled "
+           "student", 5, _draft_model, "you have a small model of the same family; slower than "
+           "plain decoding on CPU so far", Needs.DRAFT_MODEL, "draft", trees=True,
+           hf_peer="hf-assisted"),
+    Method("early-exit", "the target's own first layers, through a trained exit when one exists "
+           "(LayerSkip-style)", 5, _early_exit, "no other drafter fits; slower than plain decoding "
+           "on CPU so far", trained_kind="early-exit", trees=True, hf_peer="hf-early-exit"),
+]}
+
+TREE_METHODS = tuple(name for name, method in METHODS.items() if method.trees)
+
+# The fastest combination measured on the built-in model (README "Results"), and what models that
+# cannot run it (off the lean CPU path) get instead.
+FASTEST = "self-int4-pld"
+FALLBACK = "pld"
+
+
+def methods_table() -> str:
+    """The README's method table, in markdown, from the records."""
+    rows = ["| method | what drafts | needs | k | use it when |", "| :--- | :--- | :--- | ---: | :--- |"]
+    rows += [f"| `{m.name}` | {m.description} | {m.needs_text} | {m.default_k} | {m.use_when} |"
+             for m in METHODS.values()]
+    return "\n".join(rows)
+
+
+def resolve_tree(method: str, tree: TreeSettings | str | None) -> TreeSettings | None:
+    """The tree settings `tree` stands for (DEFAULT_TREE: the method's default tree), after
+    checking that `method` drafts trees at all."""
+    if tree is None:
+        return None
+    if method not in TREE_METHODS:
+        raise VerispecError(f"method {method!r} drafts chains only; trees: {', '.join(TREE_METHODS)}")
+    if isinstance(tree, TreeSettings):
+        return tree
+    if tree != DEFAULT_TREE:
+        raise VerispecError(f"a tree is TreeSettings(topk, nodes) or {DEFAULT_TREE!r}, got {tree!r}")
+    default = METHODS[method].default_tree
+    if default is None:
+        measured = ", ".join(m for m in TREE_METHODS if METHODS[m].default_tree is not None)
+        raise VerispecError(f"method {method!r} has no measured default tree (those with one: "
+                            f"{measured}); give its size as TOPKxNODES")
+    return default
+
+
+def fastest_method(target: LoadedModel) -> str:
+    """The default method for `target`: FASTEST where it can run it, else FALLBACK."""
+    try:
+        check_self(target, SelfSettings())
+    except VerispecError:
+        return FALLBACK
+    return FASTEST
+
+
+def build_speculation(target: LoadedModel, method: str = "ar",
+                      options: DraftOptions = DraftOptions()) -> Speculation:
+    """How sequences speculate with `method` on `target` (a drafter, a way to make more, the
+    draft-length policy, the acceptance rule); validates every option."""
+    if method not in METHODS:
+        raise VerispecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    spec = METHODS[method]
+    k = spec.default_k if options.k is None else options.k
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise VerispecError(f"draft length k must be an integer >= 0 (0: no drafting), got {k!r}")
+    if options.schedule not in SCHEDULES:
+        raise VerispecError(
+            f"unknown draft-length schedule {options.schedule!r}; choose from {', '.join(SCHEDULES)}")
+    verifier_for(SamplingParams(), options.acceptance)
+    options = replace(options, tree=resolve_tree(method, options.tree))
+    if spec.build is None or k == 0:
+        return Speculation(acceptance=options.acceptance)
+    return Speculation(spec.build(target, options), SCHEDULES[options.schedule](k), options.acceptance,
+                       lambda: spec.build(target, options))
+
+
+def build_engine(target: LoadedModel, method: str = "ar",
+                 options: DraftOptions = DraftOptions()) -> SpeculativeEngine:
+    """An engine for `target` speculating with `method`; validates every option."""
+    how = build_speculation(target, method, options)
+    return SpeculativeEngine(target.model, how.drafter, how.policy, how.acceptance, how.spawn)
+
+
