@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
-from verispec.methods import build_engine
+from verispec.methods import HF_SELECTORS, PLAIN, build_engine
 from verispec.models import LoadedModel, load
 from verispec.options import DraftOptions
 from verispec.stopping import StoppingRules
@@ -38,8 +38,9 @@ def _as_loaded(model: ModelLike, tokenizer=None) -> LoadedModel:
 
 
 def encode_prompt(target: LoadedModel, inputs: str | list[int] | torch.Tensor,
-                  chat: bool = False) -> list[int]:
-    """Token ids for a prompt: ids pass through; text is tokenized (via the chat template if chat)."""
+                  chat: bool | None = False) -> list[int]:
+    """Token ids for a prompt: ids pass through; text is tokenized, through the chat template if
+    chat (None: where the model has one, else raw)."""
     if isinstance(inputs, torch.Tensor):
         if inputs.dim() == 2 and inputs.shape[0] != 1:
             raise VerispecError(f"one prompt expected, got input_ids of shape {tuple(inputs.shape)}")
@@ -49,6 +50,8 @@ def encode_prompt(target: LoadedModel, inputs: str | list[int] | torch.Tensor,
             raise VerispecError("the prompt is empty")
         if target.tokenizer is None:
             raise VerispecError(f"{target.name} has no tokenizer: pass token ids instead of text")
+        if chat is None:
+            chat = bool(getattr(target.tokenizer, "chat_template", None))
         if chat:
             return encode_chat(target, [{"role": "user", "content": inputs}])
         return target.tokenizer(inputs)["input_ids"]
@@ -102,7 +105,7 @@ class Job:
         return self.prompts[0]
 
 
-def make_job(target: LoadedModel, inputs: Prompts, *, method: str = "ar",
+def make_job(target: LoadedModel, inputs: Prompts, *, method: str = PLAIN,
              options: DraftOptions = DraftOptions(), sampling: SamplingParams = SamplingParams(),
              max_new_tokens: int = 128, eos_token_id: int | Iterable[int] | None = None,
              stop_strings: str | Iterable[str] | None = None, chat: bool = False,
@@ -134,13 +137,13 @@ def prepare(
     seed: int | None = None,
     assistant_model: ModelLike | None = None,
     num_assistant_tokens: int | None = None,
-    num_assistant_tokens_schedule: str = "constant",
+    num_assistant_tokens_schedule: str | None = None,
     assistant_confidence_threshold: float | None = None,
     prompt_lookup_num_tokens: int | None = None,
     max_matching_ngram_size: int | None = None,
     assistant_early_exit: int | None = None,
     tree: TreeSettings | str | None = None,
-    acceptance: str = "exact",
+    acceptance: str | None = None,
     method: str | None = None,
     options: DraftOptions | None = None,
     eos_token_id: int | Iterable[int] | None = None,
@@ -151,32 +154,46 @@ def prepare(
 ) -> Job:
     """Map Hugging Face-style arguments to a method and validate; see `generate`."""
     target = _as_loaded(model, tokenizer)
-    chosen = [name for name, value in [("assistant_model", assistant_model),
-                                       ("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
-                                       ("assistant_early_exit", assistant_early_exit)]
-              if value is not None]
+    selectors = {"assistant_model": assistant_model, "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
+                 "assistant_early_exit": assistant_early_exit}
+    chosen = [name for name, value in selectors.items() if value is not None]
     if method is not None:
         chosen.append(f"method={method!r}")
     if len(chosen) > 1:
         raise VerispecError(f"choose one speculation method, got {' and '.join(chosen)}")
-    common = {"schedule": num_assistant_tokens_schedule,
-              "confidence_threshold": assistant_confidence_threshold, "acceptance": acceptance, "tree": tree}
-    if options is not None and method is None:
+    if options is not None and not chosen:
         raise VerispecError("options= sets a method's settings: give method= too")
-    options = replace(options or DraftOptions(), k=num_assistant_tokens, **common)
-    if method is None:
-        method, options = "ar", DraftOptions(**common)
+    # Hugging Face-style keywords for DraftOptions fields: given ones apply, and may not
+    # contradict a field options= sets.
+    keywords = {"num_assistant_tokens": ("k", num_assistant_tokens),
+                "num_assistant_tokens_schedule": ("schedule", num_assistant_tokens_schedule),
+                "assistant_confidence_threshold": ("confidence_threshold", assistant_confidence_threshold),
+                "max_matching_ngram_size": ("max_ngram", max_matching_ngram_size),
+                "tree": ("tree", tree), "acceptance": ("acceptance", acceptance)}
+    if prompt_lookup_num_tokens is not None:
+        keywords["prompt_lookup_num_tokens"] = ("k", prompt_lookup_num_tokens)
+    if assistant_early_exit is not None:
+        keywords["assistant_early_exit"] = ("exit_layer", assistant_early_exit)
     if assistant_model is not None:
         draft = assistant_model if isinstance(assistant_model, (str, LoadedModel)) else _as_loaded(
             assistant_model, target.tokenizer)
-        method, options = "draft", DraftOptions(num_assistant_tokens, draft=draft, **common)
-    elif prompt_lookup_num_tokens is not None:
-        method = "pld"
-        options = DraftOptions(prompt_lookup_num_tokens, max_ngram=max_matching_ngram_size
-                               or DraftOptions.max_ngram, **common)
-    elif assistant_early_exit is not None:
-        method = "early-exit"
-        options = DraftOptions(num_assistant_tokens, exit_layer=assistant_early_exit, **common)
+        keywords["assistant_model"] = ("draft", draft)
+    options = options or DraftOptions()
+    given: dict[str, tuple[str, object]] = {}
+    for keyword, (name, value) in keywords.items():
+        if value is None:
+            continue
+        if name in given and given[name][1] != value:
+            raise VerispecError(f"{name} given twice: {given[name][0]}={given[name][1]!r} and "
+                                f"{keyword}={value!r}")
+        set_by_options = getattr(options, name)
+        if set_by_options != getattr(DraftOptions(), name) and set_by_options != value:
+            raise VerispecError(f"{name} given twice: options.{name}={set_by_options!r} and "
+                                f"{keyword}={value!r}")
+        given[name] = (keyword, value)
+    options = replace(options, **{name: value for name, (_, value) in given.items()})
+    if method is None:
+        method = HF_SELECTORS[chosen[0]] if chosen else PLAIN
     return make_job(target, inputs, method=method, options=options,
                     sampling=SamplingParams(do_sample, temperature, top_k, top_p),
                     max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,

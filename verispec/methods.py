@@ -232,6 +232,12 @@ TREE_METHODS = tuple(name for name, method in METHODS.items() if method.trees)
 # cannot run it (off the lean CPU path) get instead.
 FASTEST = "self-int4-pld"
 FALLBACK = "pld"
+PLAIN = "ar"  # no speculation
+# Hugging Face generate()'s keywords that choose a method (verispec.generate takes them too).
+HF_SELECTORS = {"assistant_model": "draft", "prompt_lookup_num_tokens": "pld",
+                "assistant_early_exit": "early-exit"}
+# What `verispec bench --batch-size` runs unless --methods says otherwise.
+BATCH_BENCH = ("pld", "self-int4-pld", "eagle-pld")
 
 
 def methods_table() -> str:

@@ -16,7 +16,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -72,6 +72,7 @@ class BenchConfig:
     # also run tree-capable methods with these trees (DEFAULT_TREE: each method's own)
     trees: list[TreeSettings | str] | None = None
     typical: bool = False  # also run each method with typical acceptance (lossy; sampling only)
+    options: DraftOptions = DraftOptions()  # every other drafting setting, for every method
 
 
 @dataclass
@@ -189,8 +190,9 @@ def verispec_contender(method: str, k: int | None, label: str, target: LoadedMod
                        stopping: StoppingRules, tree: TreeSettings | None = None,
                        acceptance: str = "exact") -> Contender:
     trained = trained_drafters(config).get(METHODS[method].trained_kind)
-    options = DraftOptions(k=k, draft=draft if method == "draft" and draft is not None else trained,
-                           exit_layer=exit_layer(target, config), tree=tree, acceptance=acceptance)
+    options = replace(config.options, k=k,
+                      draft=draft if method == "draft" and draft is not None else trained,
+                      exit_layer=exit_layer(target, config), tree=tree, acceptance=acceptance)
     engine = build_engine(target, method, options)
     describe = getattr(engine.drafter, "describe", None)
     nbytes = getattr(engine.drafter, "nbytes", None)

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from verispec.errors import VerispecError
-from verispec.methods import METHODS, fastest_method
+from verispec.methods import METHODS, PLAIN, fastest_method
 from verispec.models import LoadedModel
 from verispec.server.metrics import Metrics
 from verispec.server.requests import BadRequest, ChatBody, Common, CompletionBody, build_request, parse_body
@@ -150,7 +150,7 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
                max_queue: int = 64) -> FastAPI:
     """The server for `target`. methods: those requests may choose, the first the default
     (default: the fastest for the model, then plain decoding, `ar`)."""
-    methods = list(dict.fromkeys(methods or [fastest_method(target), "ar"]))
+    methods = list(dict.fromkeys(methods or [fastest_method(target), PLAIN]))
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise VerispecError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")

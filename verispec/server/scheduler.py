@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from verispec.engine import Speculation
 from verispec.errors import VerispecError
-from verispec.methods import build_engine, build_speculation
+from verispec.methods import PLAIN, build_engine, build_speculation
 from verispec.models import LoadedModel
 from verispec.options import DraftOptions
 from verispec.server.metrics import Metrics
@@ -116,7 +116,7 @@ class Scheduler:
             raise VerispecError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         self.target, self.metrics = target, metrics
         self.max_batch, self.max_queue = max_batch, max_queue
-        self._engine = build_engine(target, "ar")
+        self._engine = build_engine(target, PLAIN)
         self._speculations: dict[tuple[str, int | None, object], Speculation] = {}
         self._waiting: deque[Ticket] = deque()
         self._rows: dict[int, tuple[Ticket, int, int]] = {}  # row id -> ticket, index, tokens so far

@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from verispec.api import encode_prompt
 from verispec.drafters.early_exit import decoder_layers, default_exit_layer
 from verispec.errors import VerispecError
 from verispec.lean import lean_supported
-from verispec.methods import build_engine
+from verispec.methods import PLAIN, build_engine
 from verispec.models import LoadedModel
 from verispec.stopping import StoppingRules
 from verispec.training.prompts import make_prompts
@@ -44,15 +45,6 @@ class Sequence:
     aux_hidden: torch.Tensor | None = None
 
 
-def _encode(target: LoadedModel, prompt: str) -> list[int]:
-    tok = target.tokenizer
-    if getattr(tok, "chat_template", None):
-        return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True,
-                                            return_dict=False))
-    return tok(prompt)["input_ids"]
-
-
 @torch.inference_mode()
 def answer(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """The target's greedy answers (prompt + answer ids, ending at the first EOS), batched.
@@ -63,7 +55,7 @@ def answer(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -
     """
     if lean_supported(target.model):
         rules = StoppingRules.build(max_new_tokens, sorted(target.eos_token_ids))
-        return [r.sequence for r in build_engine(target, "ar").generate_batch(prompts, rules)]
+        return [r.sequence for r in build_engine(target, PLAIN).generate_batch(prompts, rules)]
     model, pad = target.model, 0
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.int64)
@@ -119,7 +111,7 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1
     """
     out, exit_layer = _start(target, out_dir, exit_layer, {
         "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "seed": seed}, aux_layers)
-    prompts = [_encode(target, p) for p in make_prompts(num_prompts, seed)]
+    prompts = [encode_prompt(target, p, chat=None) for p in make_prompts(num_prompts, seed)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding per batch
     batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
     # Shards are written in random order, so a partly built dataset already mixes every kind of
@@ -220,7 +212,7 @@ def text_sequences(target: LoadedModel, docs: list[dict], chunk_tokens: int,
             piece = ids[start: start + chunk_tokens]
             if len(piece) < 32:
                 continue
-            prompt = _encode(target, rng.choice(requests).format(title=doc["title"]))
+            prompt = encode_prompt(target, rng.choice(requests).format(title=doc["title"]), chat=None)
             out.append((prompt + piece, len(prompt)))
     return out
 

@@ -1,0 +1,95 @@
+"""`verispec bench`: methods against baselines on the same questions (Spec-Bench style), or
+throughput against batch size (--batch-size)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from verispec.cli.options import add_draft_options, add_model_arguments, comma_list, draft_options, list_of
+from verispec.errors import VerispecError
+from verispec.methods import BATCH_BENCH
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser(
+        "bench", help="measure every method against Hugging Face generate() (Spec-Bench style)",
+        description="Runs Hugging Face generate() baselines and verispec methods interleaved on the "
+        "same questions; writes results.json, report.md and PNG plots to --out.")
+    add_model_arguments(bench)
+    bench.add_argument("--methods", type=comma_list,
+                       help="comma-separated; default: every method available for the model. "
+                       "hf and ar baselines always run. Also: hf-pld, hf-assisted, hf-early-exit")
+    bench.add_argument("--trained", type=comma_list,
+                       help="trained drafter directories (from verispec train), comma-separated; "
+                       "default: those shipped for the model")
+    bench.add_argument("--typical", action="store_true",
+                       help="with --temperature > 0: also run each method with typical acceptance "
+                       "(LOSSY; labelled so in the report)")
+    bench.add_argument("--questions", help="Spec-Bench-format .jsonl (default: built-in prompts)")
+    bench.add_argument("--tasks", type=comma_list, help="only these tasks, e.g. qa,rag")
+    bench.add_argument("--limit-per-task", type=int, help="first N questions of each task")
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
+    bench.add_argument("--temperature", type=float, default=0.0,
+                       help="0 (default): greedy, exactness checked")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--warmup", type=int, default=1, help="untimed runs of each method first")
+    bench.add_argument("--batch-size", type=list_of(int), metavar="B,...",
+                       help="measure throughput of batches of these sizes instead (e.g. 1,2,4,8,16): "
+                            "hf batched, ar batched and each method; default methods "
+                            + ", ".join(BATCH_BENCH))
+    bench.add_argument("--no-load-cap", action="store_true",
+                       help="with --batch-size: draft full length at every batch size (the engine "
+                            "otherwise shortens drafts as the batch grows)")
+    bench.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
+    bench.add_argument("--compare", nargs=2, metavar="RESULTS",
+                       help="print the change between two results.json files instead of running")
+    add_draft_options(bench, sweep=("k", "tree"), method_flag=False)
+    bench.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from verispec.bench.report import compare
+    from verispec.bench.runner import BenchConfig, run_bench
+
+    if args.compare:
+        loaded = []
+        for path in args.compare:
+            try:
+                loaded.append(json.loads(Path(path).read_text()))
+            except (OSError, ValueError) as error:
+                raise VerispecError(f"cannot read results file {path}: {error}") from error
+        print(compare(*loaded))
+        return 0
+    if args.batch_size:
+        return bench_batched(args)
+    config = BenchConfig(model=args.model, out=Path(args.out), methods=args.methods, ks=args.k,
+                         draft=args.draft, trained=args.trained, exit_layer=args.exit_layer,
+                         options=draft_options(args, k=None, tree=None),
+                         questions=Path(args.questions) if args.questions else None, tasks=args.tasks,
+                         limit_per_task=args.limit_per_task, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, seed=args.seed, warmup=args.warmup,
+                         dtype=args.dtype, device=args.device, trees=args.tree,
+                         typical=args.typical)
+    results = run_bench(config)
+    print((Path(args.out) / "report.md").read_text() if results["runs"] else "no runs finished")
+    if results["config"]["interrupted"]:
+        print(f"verispec: interrupted; results so far are in {args.out}", file=sys.stderr)
+        return 130
+    return 0
+
+
+def bench_batched(args: argparse.Namespace) -> int:
+    from verispec.bench.batched import BatchBenchConfig, run_batched_bench
+
+    config = BatchBenchConfig(model=args.model, out=Path(args.out), batch_sizes=args.batch_size,
+                              methods=args.methods or list(BATCH_BENCH), ks=args.k,
+                              questions=Path(args.questions) if args.questions else None,
+                              tasks=args.tasks, limit_per_task=args.limit_per_task,
+                              max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=args.device,
+                              seed=args.seed, load_cap=not args.no_load_cap)
+    run_batched_bench(config)
+    print((Path(args.out) / "batched.md").read_text())
+    return 0

@@ -1,0 +1,75 @@
+"""`verispec generate`: one prompt, one method, the output coloured by each token's fate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from verispec.api import make_job, run
+from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
+from verispec.display import LEGEND, acceptance_line, render_steps, render_tree, stats_table
+from verispec.errors import VerispecError
+from verispec.methods import PLAIN, fastest_method
+from verispec.models import load_model
+from verispec.types import SamplingParams
+
+
+def use_colour(choice: str) -> bool:
+    if choice == "auto":
+        return sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    return choice == "always"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    gen = commands.add_parser("generate", help="generate text with one method, coloured by token fate",
+                              description="Generate text from a prompt. Output is exactly the "
+                              "target's (greedy: same tokens; sampling: same distribution).")
+    add_model_arguments(gen)
+    add_draft_options(gen)
+    gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    gen.add_argument("--seed", type=int, help="seed for sampling; seeded runs repeat exactly")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead")
+    gen.add_argument("--color", default="auto", choices=["auto", "always", "never"])
+    gen.add_argument("--show-tree", action="store_true",
+                     help="with --tree: print every step's candidate tree, the accepted path marked")
+    gen.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    sampling = SamplingParams(do_sample=args.temperature > 0, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p)
+    if not args.prompt.strip():
+        raise VerispecError("the prompt is empty")
+    target = load_model(args.model, args.dtype, args.device)
+    args.method = args.method or fastest_method(target)
+    job = make_job(target, args.prompt, method=args.method, options=draft_options(args),
+                   sampling=sampling, max_new_tokens=args.max_new_tokens, stop_strings=args.stop,
+                   chat=not args.raw, seed=args.seed)
+    result = run(job)
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids,
+                          "stats": result.stats.as_dict()}))
+        return 0
+    colour = use_colour(args.color)
+    if args.show_tree:
+        for number, step in enumerate(result.steps, 1):
+            if step.tree is not None:
+                print(f"step {number}: {len(step.tree.tokens)} draft nodes, depth {step.tree.depth}, "
+                      f"{len(step.tree.path)} accepted (marked *)")
+                print(render_tree(step.tree, target.tokenizer) + "\n")
+    print(render_steps(result.steps, target.tokenizer, colour))
+    print()
+    if colour and args.method != PLAIN:
+        print(LEGEND)
+    print(stats_table({args.method: result.stats}))
+    if args.method != PLAIN:
+        print(acceptance_line(result.stats))
+    return 0

@@ -1,0 +1,42 @@
+"""`verispec serve`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from verispec.cli.options import add_model_arguments
+from verispec.methods import FALLBACK, FASTEST, METHODS
+from verispec.models import load_model
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with speculative decoding and a playground",
+        description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics "
+        "(Prometheus) and a playground page at /. Requests join and leave one running batch.")
+    add_model_arguments(serve)
+    serve.add_argument("--method", action="append", choices=list(METHODS),
+                       help="a method requests may choose (repeatable; the first is the default; "
+                       f"default: the fastest for the model ({FASTEST} or {FALLBACK}), then ar)")
+    serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="default: 8000")
+    serve.add_argument("--max-batch", type=int, default=16,
+                       help="sequences decoded together at most (default: 16)")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="requests waiting for the batch at most; more get 429 (default: 64)")
+    serve.add_argument("--drain-seconds", type=float, default=30.0,
+                       help="on SIGTERM, how long requests in flight may take to finish while new "
+                       "ones get 503 (default: 30)")
+    serve.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from verispec.server import create_app, serve
+
+    target = load_model(args.model, args.dtype, args.device)
+    app = create_app(target, args.method, max_batch=args.max_batch, max_queue=args.max_queue)
+    print(f"verispec: serving {target.name} on http://{args.host}:{args.port}/ (playground there, "
+          f"OpenAI API under /v1, metrics at /metrics)", file=sys.stderr)
+    serve(app, args.host, args.port, args.drain_seconds)
+    return 0

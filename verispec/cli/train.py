@@ -1,0 +1,120 @@
+"""`verispec train KIND`: self-distillation data for a target, and a drafter trained on it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from verispec.errors import VerispecError
+from verispec.models import DEFAULT_MODEL, DTYPES, load_model
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    from verispec.training.losses import LOSSES
+    from verispec.training.recipes import KINDS, RecipeOptions
+    from verispec.training.trainer import TrainConfig
+
+    train = commands.add_parser(
+        "train", help="train a drafter for a target (self-distillation)",
+        description="Builds self-distillation data (the target's own answers to generated "
+        "prompts, with its hidden states; resumable) and trains a drafter on it. Writes "
+        "drafter.json + weights.safetensors to --out, plus run/ (checkpoint, loss.png).")
+    train.add_argument("kind", choices=KINDS)
+    train.add_argument("--target", default=DEFAULT_MODEL, help="the model to draft for")
+    train.add_argument("--out", required=True, help="output directory")
+    train.add_argument("--data", help="data directory, shared between kinds; reused as it is once "
+                       "complete (default: OUT/data)")
+    train.add_argument("--prompts", type=int, default=1000, help="training prompts (default: 1000)")
+    train.add_argument("--text", metavar="FILE",
+                       help="also train on the target's states over this text corpus (.jsonl of "
+                       '{"text", "title"} objects, or one document per line): real prose, read '
+                       "in one forward pass per batch, no generation")
+    train.add_argument("--text-data", metavar="DIR",
+                       help="where --text's hidden states are written and reused (default: "
+                       "OUT/text-data)")
+    train.add_argument("--data-batches", type=int,
+                       help="build only this many of the data's batches of 64 prompts (a "
+                       "representative subset: batches come in a fixed random order); a larger "
+                       "number later adds the missing ones; training reads every batch built")
+    train.add_argument("--max-new-tokens", type=int, default=160,
+                       help="answer length in the data (default: 160)")
+    train.add_argument("--steps", type=int, default=TrainConfig.steps)
+    train.add_argument("--lr", type=float, default=TrainConfig.lr)
+    train.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    train.add_argument("--seed", type=int, default=TrainConfig.seed)
+    train.add_argument("--loss", choices=LOSSES, default=RecipeOptions.loss,
+                       help="distillation loss: forward KL, reverse KL or total variation")
+    train.add_argument("--vocab", type=int, default=RecipeOptions.vocab,
+                       help="reduced draft vocabulary size (most frequent tokens)")
+    train.add_argument("--heads", type=int, default=RecipeOptions.heads,
+                       help="Medusa, Hydra and MTP heads: tokens drafted past the target's own")
+    train.add_argument("--layers", type=int, default=RecipeOptions.draft_layers,
+                       help="distilled draft model: its own decoder layers")
+    train.add_argument("--unroll", type=int, default=RecipeOptions.unroll,
+                       help="EAGLE: train on its own predictions this many steps deep")
+    train.add_argument("--exit-layer", type=int, help="early exit layer (default: half the target's)")
+    train.add_argument("--mid-state", action="store_true",
+                       help="EAGLE: also feed the drafter the target's state at the exit layer "
+                       "(EAGLE-3-style fused features; the target hands it over while drafting)")
+    train.add_argument("--init", help="start from the weights of this trained drafter directory "
+                       "(same kind, trained for the same target), e.g. to continue on new data")
+    train.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                       help="the target's dtype while it answers the training prompts")
+    train.add_argument("--bf16", default="auto", choices=["auto", "on", "off"],
+                       help="bfloat16 autocast while training (auto: on CUDA and on CPUs with "
+                       "native bfloat16 instructions, where it is faster)")
+    train.add_argument("--device", default="cpu")
+    train.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from verispec.training.data import (
+        build_dataset,
+        build_text_dataset,
+        is_complete,
+        read_documents,
+    )
+    from verispec.training.recipes import RecipeOptions, train_drafter
+    from verispec.training.trainer import TrainConfig
+
+    if args.steps < 1 or args.batch_size < 1 or args.lr <= 0:
+        raise VerispecError("--steps and --batch-size must be >= 1 and --lr > 0")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise VerispecError(f"--out {out} exists and is not a directory")
+    if args.mid_state and args.kind != "eagle":
+        raise VerispecError(f"--mid-state is an EAGLE option; a {args.kind} drafter has no use for it")
+    if args.text_data and not args.text:
+        raise VerispecError("--text-data is where --text FILE's hidden states go: give --text too")
+    if args.text:
+        read_documents(args.text)  # a bad corpus fails here, before any data is built
+    options = RecipeOptions(loss=args.loss, vocab=args.vocab, heads=args.heads,  # checked here too
+                            unroll=args.unroll, exit_layer=args.exit_layer,
+                            draft_layers=args.layers, init=args.init, mid_state=args.mid_state)
+    target = load_model(args.target, args.dtype, args.device)
+    aux_layers = ()  # EAGLE-3 reads the target's states after the engines' default aux layers
+    if args.kind == "eagle3":
+        from verispec.drafters.eagle3 import default_aux_layers
+
+        aux_layers = default_aux_layers(target.model.config.get_text_config(decoder=True)
+                                        .num_hidden_layers)
+    data = Path(args.data) if args.data else out / "data"
+    if is_complete(data, args.data_batches):
+        print(f"verispec: training on the existing data in {data}", file=sys.stderr)
+    else:  # builds it, resumes an interrupted build, or adds the batches a larger count asks for
+        build_dataset(target, data, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                      exit_layer=args.exit_layer, max_batches=args.data_batches,
+                      aux_layers=aux_layers)
+    data_dirs = [data]
+    if args.text:  # checked against its meta.json (same file, same settings) when reused
+        text_data = Path(args.text_data) if args.text_data else out / "text-data"
+        data_dirs.append(build_text_dataset(target, args.text, text_data,
+                                            exit_layer=args.exit_layer, aux_layers=aux_layers))
+    config = TrainConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size,
+                         seed=args.seed, bf16={"auto": None, "on": True, "off": False}[args.bf16])
+    saved = train_drafter(args.kind, target, data_dirs, out, config, options)
+    print(f"verispec: {args.kind} drafter written to {saved} (loss curve: {saved / 'run' / 'loss.png'}); "
+          f"use it with --method {args.kind} --draft {saved}")
+    return 0
