@@ -30,7 +30,7 @@ from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
-from verispec.methods import build_engine
+from verispec.methods import METHODS, build_engine
 from verispec.models import load_model
 from verispec.options import DraftOptions
 from verispec.policies import ConstantK
@@ -42,7 +42,7 @@ from verispec.training.data import (
     is_complete,
     load_dataset,
 )
-from verispec.training.recipes import KINDS, PREFIX, Recipe, RecipeOptions, collate, train_drafter
+from verispec.training.recipes import KINDS, RECIPES, Recipe, RecipeOptions, collate, train_drafter
 from verispec.training.trainer import TrainConfig
 from verispec.tree import TreeSettings
 from verispec.types import Proposal, SamplingParams
@@ -159,12 +159,17 @@ def test_warm_start_begins_where_the_drafter_left_off(loaded, data, trained, kin
     warm = Recipe(kind, loaded, meta, sequences, replace(OPTIONS, init=str(trained[kind])))
     _, weights = load_drafter(trained[kind], loaded.model, kind)
     own = {k: v for k, v in weights.items() if k != "vocab_ids"}
-    exported = {PREFIX[kind] + k: v.half() for k, v in warm.module.state_dict().items()}
+    exported = {RECIPES[kind].prefix + k: v.half() for k, v in warm.module.state_dict().items()}
     assert exported.keys() == own.keys()
     for name, value in own.items():  # the trained weights, not a fresh initialisation
         assert torch.equal(exported[name], value), name
-    assert any(not torch.equal(v.half(), own[PREFIX[kind] + k])
+    assert any(not torch.equal(v.half(), own[RECIPES[kind].prefix + k])
                for k, v in fresh.module.state_dict().items())
+
+
+def test_the_registry_and_the_recipes_name_the_same_trained_kinds():
+    """Every method's trained kind can be trained, and every trainable kind is some method's."""
+    assert {m.trained_kind for m in METHODS.values() if m.trained_kind} == set(KINDS)
 
 
 def test_warm_start_from_another_kind_or_shape_is_refused(loaded, data, trained):

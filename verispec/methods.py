@@ -13,7 +13,7 @@ from enum import Enum
 from pathlib import Path
 
 from verispec.drafters.base import Drafter
-from verispec.drafters.distilled import distilled_drafter
+from verispec.drafters.distilled import DraftStudent, distilled_drafter
 from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.drafters.early_exit import default_exit_layer, early_exit_drafter
@@ -27,7 +27,7 @@ from verispec.drafters.mtp import MTPDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.drafters.self_spec import check as check_self
-from verispec.drafters.trained_exit import trained_exit_drafter
+from verispec.drafters.trained_exit import ExitAdapter, trained_exit_drafter
 from verispec.engine import Speculation, SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.lowbit import FORMATS
@@ -43,7 +43,7 @@ def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
     """A distilled student (given as --draft DIR, or shipped for the target), else any causal LM."""
     draft = options.draft
     if draft is None or (not isinstance(draft, LoadedModel) and is_drafter_dir(draft)):
-        trained = _trained(target, options, "draft")
+        trained = _trained(target, options, DraftStudent.kind)
         if trained is None:
             raise VerispecError("method 'draft' needs a draft model (--draft PATH / assistant_model=)")
         return distilled_drafter(trained, target.model, target.vocab_size,
@@ -81,7 +81,7 @@ def _learned(kind: str, load_drafter: Callable[[Path, LoadedModel, DraftOptions]
 
 def _early_exit(target: LoadedModel, options: DraftOptions) -> Drafter:
     """The trained exit when one is given or shipped (and the layer agrees), else the plain one."""
-    trained = _trained(target, options, "early-exit")
+    trained = _trained(target, options, ExitAdapter.kind)
     if trained is not None:
         layer = drafter_config(trained)["settings"]["exit_layer"]
         if options.exit_layer is None or options.exit_layer == layer:
@@ -192,38 +192,40 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "on a 2-core CPU"),
     Method("eagle-pld", "prompt lookup where the context repeats, the EAGLE drafter elsewhere", 7,
            _lookup_then("eagle"), "the fastest trained drafter on the built-in model",
-           Needs.TRAINED, "eagle", trees=True, default_tree=TreeSettings(2, 3)),
+           Needs.TRAINED, EagleDrafter.kind, trees=True, default_tree=TreeSettings(2, 3)),
     Method("eagle", "one trained decoder layer that predicts the target's next hidden state "
-           "(EAGLE)", 2, _learned("eagle", lambda path, target, options: EagleDrafter.load(
+           "(EAGLE)", 2, _learned(EagleDrafter.kind, lambda path, target, options: EagleDrafter.load(
                path, target.model, options.confidence_threshold, options.tree)),
            "answers that do not copy the prompt, when a trained drafter exists", Needs.TRAINED,
-           "eagle", trees=True, default_tree=TreeSettings(2, 3)),
+           EagleDrafter.kind, trees=True, default_tree=TreeSettings(2, 3)),
     Method("eagle3", "EAGLE-3: three target layers fused, a reduced-vocabulary head", 2,
-           _learned("eagle3", lambda path, target, options: Eagle3Drafter.load(
+           _learned(Eagle3Drafter.kind, lambda path, target, options: Eagle3Drafter.load(
                path, target.model, options.confidence_threshold, options.tree)),
-           "taking a drafter to vLLM or SGLang (`verispec export`)", Needs.TRAINED, "eagle3",
-           trees=True),
+           "taking a drafter to vLLM or SGLang (`verispec export`)", Needs.TRAINED,
+           Eagle3Drafter.kind, trees=True),
     Method("medusa", "Medusa-1 heads on the target's last hidden state", 3, _learned(
-        "medusa", lambda path, target, options: MedusaDrafter.load(path, target.model, options.tree)),
+        MedusaDrafter.kind, lambda path, target, options: MedusaDrafter.load(
+            path, target.model, options.tree)),
         "mainly for comparison: about break-even with plain decoding on CPU", Needs.TRAINED,
-        "medusa", trees=True, default_tree=TreeSettings(2, 4)),
+        MedusaDrafter.kind, trees=True, default_tree=TreeSettings(2, 4)),
     Method("hydra", "Medusa-style heads that also read the tokens drafted before them (Hydra)", 4,
-           _learned("hydra", lambda path, target, options: HydraDrafter.load(
+           _learned(HydraDrafter.kind, lambda path, target, options: HydraDrafter.load(
                path, target.model, options.tree)),
            "instead of medusa where drafting is cheap next to the target (GPU, larger target)",
-           Needs.TRAINED, "hydra", trees=True, bench=False),
+           Needs.TRAINED, HydraDrafter.kind, trees=True, bench=False),
     Method("mtp", "multi-token prediction heads: one decoder layer per future token over the "
            "target's final states, its norm and LM head shared", 4, _learned(
-               "mtp", lambda path, target, options: MTPDrafter.load(path, target.model, options.tree)),
+               MTPDrafter.kind, lambda path, target, options: MTPDrafter.load(
+                   path, target.model, options.tree)),
            "a model trained with MTP heads, or to train them (`verispec train mtp`)",
-           Needs.TRAINED, "mtp", trees=True, bench=False),
+           Needs.TRAINED, MTPDrafter.kind, trees=True, bench=False),
     Method("draft", "an independent small model with the target's tokenizer, or a distilled "
            "student", 5, _draft_model, "you have a small model of the same family; slower than "
-           "plain decoding on CPU so far", Needs.DRAFT_MODEL, "draft", trees=True,
+           "plain decoding on CPU so far", Needs.DRAFT_MODEL, DraftStudent.kind, trees=True,
            hf_peer="hf-assisted"),
     Method("early-exit", "the target's own first layers, through a trained exit when one exists "
            "(LayerSkip-style)", 5, _early_exit, "no other drafter fits; slower than plain decoding "
-           "on CPU so far", trained_kind="early-exit", trees=True, hf_peer="hf-early-exit"),
+           "on CPU so far", trained_kind=ExitAdapter.kind, trees=True, hf_peer="hf-early-exit"),
 ]}
 
 TREE_METHODS = tuple(name for name, method in METHODS.items() if method.trees)

@@ -65,5 +65,5 @@ def run_command(args: argparse.Namespace) -> int:
     merged = {m: GenerationStats.total([r.stats for r in rs]) for m, rs in totals.items()}
     print(stats_table(merged))
     print(f"\nspeedup of {args.method} over plain decoding (same run, same prompts): "
-          f"{seconds['ar'] / seconds[args.method]:.2f}x, tau {merged[args.method].mean_accepted_tokens:.2f}")
+          f"{seconds[PLAIN] / seconds[args.method]:.2f}x, tau {merged[args.method].mean_accepted_tokens:.2f}")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from verispec.cli.options import add_model_arguments
+from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.errors import VerispecError
 from verispec.methods import METHODS
 from verispec.models import load_model
@@ -16,9 +17,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description="Writes config.json, model.safetensors and a README with the launch line to "
         "--out, in the layout the chosen engine loads (see docs/eagle3.md).")
     add_model_arguments(export)
-    export.add_argument("--method", default="eagle3", help="the drafter kind (eagle3)")
-    export.add_argument("--drafter", help="a trained eagle3 drafter directory (default: the one "
-                        "shipped for --model)")
+    export.add_argument("--method", default=Eagle3Drafter.kind,
+                        help=f"the drafter kind ({Eagle3Drafter.kind})")
+    export.add_argument("--drafter", help=f"a trained {Eagle3Drafter.kind} drafter directory "
+                        "(default: the one shipped for --model)")
     export.add_argument("--format", required=True, choices=["vllm", "sglang"])
     export.add_argument("--out", required=True, help="output directory")
     export.add_argument("--num-speculative-tokens", type=int,
@@ -33,16 +35,17 @@ def run_command(args: argparse.Namespace) -> int:
     from verispec.drafters.learned import shipped_drafter
     from verispec.export import export_eagle3
 
-    if args.method != "eagle3":
-        raise VerispecError(f"only eagle3 drafters export (vLLM and SGLang load no other kind "
+    kind = Eagle3Drafter.kind
+    if args.method != kind:
+        raise VerispecError(f"only {kind} drafters export (vLLM and SGLang load no other kind "
                             f"verispec trains), not {args.method!r}")
     target = load_model(args.model, args.dtype, args.device)
-    drafter = args.drafter or shipped_drafter(target.model, "eagle3")
+    drafter = args.drafter or shipped_drafter(target.model, kind)
     if drafter is None:
-        raise VerispecError(f"no trained eagle3 drafter ships for {target.name}: train one with "
-                            f"`verispec train eagle3 --target {target.name} --out DIR` and pass "
+        raise VerispecError(f"no trained {kind} drafter ships for {target.name}: train one with "
+                            f"`verispec train {kind} --target {target.name} --out DIR` and pass "
                             "--drafter DIR")
-    k = args.num_speculative_tokens or METHODS["eagle3"].default_k
+    k = args.num_speculative_tokens or METHODS[kind].default_k
     out = export_eagle3(drafter, target, args.out, args.format, k, args.verifier)
     print(f"verispec: {args.format} EAGLE-3 drafter written to {out}; serve it with:\n"
           + (out / "README.md").read_text().split("```")[1].strip())

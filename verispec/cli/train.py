@@ -76,7 +76,7 @@ def run_command(args: argparse.Namespace) -> int:
         is_complete,
         read_documents,
     )
-    from verispec.training.recipes import RecipeOptions, train_drafter
+    from verispec.training.recipes import RECIPES, RecipeOptions, train_drafter
     from verispec.training.trainer import TrainConfig
 
     if args.steps < 1 or args.batch_size < 1 or args.lr <= 0:
@@ -84,7 +84,8 @@ def run_command(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise VerispecError(f"--out {out} exists and is not a directory")
-    if args.mid_state and args.kind != "eagle":
+    recipe = RECIPES[args.kind]
+    if args.mid_state and not recipe.mid_state:
         raise VerispecError(f"--mid-state is an EAGLE option; a {args.kind} drafter has no use for it")
     if args.text_data and not args.text:
         raise VerispecError("--text-data is where --text FILE's hidden states go: give --text too")
@@ -95,7 +96,7 @@ def run_command(args: argparse.Namespace) -> int:
                             draft_layers=args.layers, init=args.init, mid_state=args.mid_state)
     target = load_model(args.target, args.dtype, args.device)
     aux_layers = ()  # EAGLE-3 reads the target's states after the engines' default aux layers
-    if args.kind == "eagle3":
+    if recipe.reads_aux:
         from verispec.drafters.eagle3 import default_aux_layers
 
         aux_layers = default_aux_layers(target.model.config.get_text_config(decoder=True)

@@ -28,6 +28,8 @@ class DraftStudent(nn.Module):
     so that training and saving touch only the student's own weights.
     """
 
+    kind = "draft"  # the trained drafter kind whose weights this module holds
+
     def __init__(self, target: PreTrainedModel, num_layers: int) -> None:
         super().__init__()
         shallow = early_exit_model(target, num_layers)
@@ -52,7 +54,7 @@ def draft_settings(num_layers: int = 2) -> dict:
 def distilled_drafter(path: str | Path, target: PreTrainedModel, vocab_size: int,
                       confidence_threshold: float | None = None,
                       tree: TreeSettings | None = None) -> ModelDrafter:
-    config, weights = load_drafter(path, target, "draft")
+    config, weights = load_drafter(path, target, DraftStudent.kind)
     student = DraftStudent(target, config["settings"]["num_layers"])
     student.load_state_dict({k.removeprefix("student."): v for k, v in weights.items()})
     student.to(device=target.device, dtype=target.dtype).eval()

@@ -74,6 +74,7 @@ class EagleDrafter:
     with `tree` settings, an EAGLE-2 dynamic tree of depth k (see verispec.tree.grow_tree)."""
 
     needs_hidden = True
+    kind = "eagle"  # the trained drafter kind `load` reads
 
     def __init__(self, target: PreTrainedModel, net: nn.Module, head: ReducedHead | None,
                  confidence_threshold: float | None = None, tree: TreeSettings | None = None) -> None:
@@ -91,7 +92,7 @@ class EagleDrafter:
     def load(cls, path: str | Path, target: PreTrainedModel,
              confidence_threshold: float | None = None,
              tree: TreeSettings | None = None) -> EagleDrafter:
-        net, _, weights = load_net(path, target, "eagle", EagleNet)
+        net, _, weights = load_net(path, target, cls.kind, EagleNet)
         head = ReducedHead(target, weights["vocab_ids"].long())
         return cls(target, net, head, confidence_threshold, tree)
 

@@ -177,6 +177,8 @@ class Eagle3Drafter(EagleDrafter):
     """EagleDrafter's chains and trees, over an EAGLE-3 net: real positions enter as fc of the
     target's aux states; drafted ones feed back the layer's output before the final norm."""
 
+    kind = "eagle3"
+
     def __init__(self, target: PreTrainedModel, net: Eagle3Net, vocab_ids: torch.Tensor,
                  confidence_threshold: float | None = None, tree: TreeSettings | None = None) -> None:
         vocab_size = target.get_input_embeddings().num_embeddings
@@ -191,7 +193,7 @@ class Eagle3Drafter(EagleDrafter):
     def load(cls, path: str | Path, target: PreTrainedModel,
              confidence_threshold: float | None = None,
              tree: TreeSettings | None = None) -> Eagle3Drafter:
-        net, _, weights = load_net(path, target, "eagle3", Eagle3Net)
+        net, _, weights = load_net(path, target, cls.kind, Eagle3Net)
         return cls(target, net, weights["vocab_ids"].long(), confidence_threshold, tree)
 
     def _run(self, embedded: torch.Tensor, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

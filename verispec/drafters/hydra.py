@@ -68,6 +68,7 @@ class HydraDrafter:
     sampling too; chains under sampling draw each token from its head's warped q."""
 
     needs_hidden = True
+    kind = "hydra"  # the trained drafter kind `load` reads
 
     def __init__(self, target: PreTrainedModel, net: HydraNet, head: ReducedHead,
                  tree: TreeSettings | None = None) -> None:
@@ -79,7 +80,7 @@ class HydraDrafter:
     @classmethod
     def load(cls, path: str | Path, target: PreTrainedModel,
              tree: TreeSettings | None = None) -> HydraDrafter:
-        net, _, weights = load_net(path, target, "hydra", HydraNet)
+        net, _, weights = load_net(path, target, cls.kind, HydraNet)
         return cls(target, net, ReducedHead(target, weights["vocab_ids"].long()), tree)
 
     def reset(self) -> None:

@@ -24,6 +24,8 @@ from verispec.tree import TreeSettings
 class ExitAdapter(nn.Module):
     """Layer-L hidden state [..., hidden] -> a state the target's LM head can read."""
 
+    kind = "early-exit"  # the trained drafter kind whose weights this module holds
+
     def __init__(self, hidden: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.adapt = ResBlock(hidden)
@@ -52,7 +54,7 @@ def trained_exit_drafter(path: str | Path, target: PreTrainedModel, vocab_size: 
                          confidence_threshold: float | None = None,
                          tree: TreeSettings | None = None) -> ModelDrafter:
     """A ModelDrafter over the target's first L layers whose final norm is the trained exit."""
-    config, weights = load_drafter(path, target, "early-exit")
+    config, weights = load_drafter(path, target, ExitAdapter.kind)
     settings = config["settings"]
     adapter = ExitAdapter(settings["hidden"], settings["eps"])
     adapter.load_state_dict({k.removeprefix("adapter."): v for k, v in weights.items()})

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.drafters.eagle3 import default_aux_layers
+from verispec.drafters.eagle3 import Eagle3Drafter, default_aux_layers
 from verispec.drafters.learned import load_drafter, write_safetensors
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel
@@ -37,6 +37,9 @@ WEIGHTS_FILE = "model.safetensors"
 # Hub names of the built-in models, for the verifier an engine loads beside the drafter.
 HUB_NAMES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 LAYER_PREFIX = {"vllm": "layers.0.", "sglang": "midlayer."}
+# The engines' name for the method (speculators_model_type, algorithm, --speculative-config's
+# method), which verispec's drafter kind is named after (tests/test_eagle3.py pins it).
+ENGINE_METHOD = Eagle3Drafter.kind
 
 
 def engine_tensors(weights: dict[str, torch.Tensor], fmt: str,
@@ -84,9 +87,9 @@ def engine_config(settings: dict, target: LoadedModel, fmt: str, verifier: str,
     base = layer_config(settings, target, dtype)
     common = {"draft_vocab_size": settings["draft_vocab"], "target_hidden_size": settings["hidden"]}
     if fmt == "vllm":
-        return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        return {"architectures": ["Eagle3Speculator"], "speculators_model_type": ENGINE_METHOD,
                 "speculators_config": {
-                    "algorithm": "eagle3",
+                    "algorithm": ENGINE_METHOD,
                     "proposal_methods": [{"proposal_type": "greedy",
                                           "speculative_tokens": num_speculative_tokens}],
                     "default_proposal_method": "greedy",
@@ -105,7 +108,7 @@ def engine_config(settings: dict, target: LoadedModel, fmt: str, verifier: str,
 
 
 def launch_lines(fmt: str, verifier: str, out: Path, k: int) -> str:
-    spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": k})
+    spec = json.dumps({"method": ENGINE_METHOD, "model": str(out), "num_speculative_tokens": k})
     if fmt == "vllm":
         return f"vllm serve {verifier} --speculative-config '{spec}'"
     return (f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
@@ -121,7 +124,7 @@ def export_eagle3(drafter_dir: str | Path, target: LoadedModel, out_dir: str | P
         raise VerispecError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
     if num_speculative_tokens < 1:
         raise VerispecError("num_speculative_tokens must be >= 1")
-    config, weights = load_drafter(drafter_dir, target.model, "eagle3")
+    config, weights = load_drafter(drafter_dir, target.model, Eagle3Drafter.kind)
     tensors = engine_tensors(weights, fmt, target.vocab_size)
     dtype = str(weights["net.fc.weight"].dtype).removeprefix("torch.")
     verifier = verifier or HUB_NAMES.get(target.name, target.name)

@@ -1,4 +1,5 @@
-"""What `verispec train KIND` trains: for each drafter kind, its module, its loss, its export.
+"""What `verispec train KIND` trains: for each drafter kind (RECIPES, keyed by the drafters' own
+`kind`), its module, its loss, its export.
 
 All kinds learn from the same self-distillation data (verispec.training.data): the target's own
 answers, its final hidden states h (its logits are h @ lm_head.T) and its exit-layer states.
@@ -14,12 +15,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from verispec.drafters.distilled import DraftStudent, draft_settings
-from verispec.drafters.eagle import EagleNet, eagle_settings
-from verispec.drafters.eagle3 import Eagle3Net, eagle3_settings
-from verispec.drafters.hydra import HydraNet, hydra_settings
+from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
+from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
+from verispec.drafters.hydra import HydraDrafter, HydraNet, hydra_settings
 from verispec.drafters.learned import (
     CONFIG_FILE,
     ReducedHead,
@@ -28,23 +30,15 @@ from verispec.drafters.learned import (
     load_drafter,
     save_drafter,
 )
-from verispec.drafters.medusa import MedusaNet, medusa_settings
-from verispec.drafters.mtp import MTPNet, mtp_settings, unembedding_norm
-from verispec.drafters.trained_exit import exit_settings, new_adapter
+from verispec.drafters.medusa import MedusaDrafter, MedusaNet, medusa_settings
+from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings, unembedding_norm
+from verispec.drafters.nn import RMSNorm
+from verispec.drafters.trained_exit import ExitAdapter, exit_settings, new_adapter
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel
 from verispec.training.data import Sequence, load_dataset
 from verispec.training.losses import agreement, distill_loss, feature_loss, multi_head_backward
 from verispec.training.trainer import TrainConfig, bf16_is_fast, train
-
-KINDS = ("eagle", "medusa", "early-exit", "draft", "eagle3", "hydra", "mtp")
-# Key prefix of each kind's own weights in weights.safetensors.
-PREFIX = {"eagle": "net.", "medusa": "net.", "early-exit": "adapter.", "draft": "student.",
-          "eagle3": "net.", "hydra": "net.", "mtp": "net."}
-# Kinds that draft through the target's LM head restricted to their own vocabulary (vocab_ids).
-REDUCED_VOCAB = ("eagle", "medusa", "eagle3", "hydra", "mtp")
-# Kinds whose heads read only the target's states: a static tree shaped by measured rank accuracy.
-STATIC_TREE = ("medusa", "mtp")
 
 
 @dataclass(frozen=True)
@@ -110,51 +104,18 @@ class Recipe:
 
     def __init__(self, kind: str, target: LoadedModel, meta: dict, sequences: list[Sequence],
                  options: RecipeOptions) -> None:
-        if kind not in KINDS:
+        if kind not in RECIPES:
             raise VerispecError(f"unknown drafter kind {kind!r}; choose from {', '.join(KINDS)}")
         model: PreTrainedModel = target.model
-        self.kind, self.target, self.options = kind, model, options
+        self.kind, self.spec, self.target, self.options = kind, RECIPES[kind], model, options
         answers = [s.tokens[s.prompt_len:] for s in sequences]
         self.vocab_ids = frequent_tokens(answers, target.vocab_size, options.vocab,
                                          set(target.eos_token_ids))
         self.head = ReducedHead(model, self.vocab_ids)
         self.head_t = self.head.weight_t.float()  # [hidden, reduced]
         self.embed = model.get_input_embeddings().weight.detach().float()  # [vocab, hidden]
-        if kind == "eagle":
-            self.settings = eagle_settings(model)
-            if options.mid_state:
-                self.settings["mid_layer"] = int(meta["exit_layer"])
-            self.module = EagleNet(**self.settings)
-        elif kind == "eagle3":
-            if "aux_layers" not in meta or any(s.aux_hidden is None for s in sequences):
-                raise VerispecError("EAGLE-3 trains on the target's states after its aux layers: "
-                                    "this data has none (`verispec train eagle3` builds data "
-                                    "with them; use a new --data directory)")
-            self.settings = eagle3_settings(model, tuple(meta["aux_layers"]), len(self.vocab_ids))
-            self.module = Eagle3Net(**self.settings)
-            with torch.no_grad():  # the target's own head, restricted: a good place to start
-                self.module.lm_head.weight.copy_(self.head_t.t())
-            self.module.lm_head.weight.requires_grad_(options.train_head)
-        elif kind == "draft":
-            self.settings = draft_settings(options.draft_layers)
-            self.module = DraftStudent(model, options.draft_layers).float()
-        elif kind == "medusa":
-            self.settings = medusa_settings(model, options.heads)
-            self.module = MedusaNet(**self.settings)
-        elif kind == "hydra":
-            self.settings = hydra_settings(model, options.heads)
-            self.module = HydraNet(**self.settings)
-        elif kind == "mtp":
-            self.settings = mtp_settings(model, options.heads)
-            self.module = MTPNet(**self.settings)
-            self.norm = unembedding_norm(model)
-        else:
-            layer = meta["exit_layer"] if options.exit_layer is None else options.exit_layer
-            if layer != meta["exit_layer"]:
-                raise VerispecError(f"the data holds layer {meta['exit_layer']} states, not layer "
-                                    f"{layer}: rebuild it with that exit layer")
-            self.settings = exit_settings(model, layer)
-            self.module = new_adapter(model, self.settings)
+        self.norm: RMSNorm | None = None  # MTP: the target's final norm, before the LM head
+        self.settings, self.module = self.spec.build(self, meta, sequences)
         if options.init is not None:
             self._warm_start(Path(options.init))
 
@@ -163,15 +124,15 @@ class Recipe:
         depend on it, and the reduced vocabulary follows the new data; except for EAGLE-3, whose
         own head is its vocabulary's)."""
         config, weights = load_drafter(path, self.target, self.kind)
-        prefix = PREFIX[self.kind]
+        prefix = self.spec.prefix
         own = {k.removeprefix(prefix): v.float() for k, v in weights.items() if k.startswith(prefix)}
-        if self.kind == "eagle3":  # its own head's rows are its vocabulary's: both are kept
+        if self.spec.own_head:  # its own head's rows are its vocabulary's: both are kept
             self.vocab_ids = weights["vocab_ids"].long()
             self.head = ReducedHead(self.target, self.vocab_ids)
             self.head_t = self.head.weight_t.float()
             self.settings["draft_vocab"] = len(self.vocab_ids)
         unfused = {k: v for k, v in self.settings.items() if k != "mid_layer"}
-        if self.kind == "eagle" and unfused != self.settings and config["settings"] == unfused:
+        if self.spec.mid_state and unfused != self.settings and config["settings"] == unfused:
             self.module.load_unfused(own)  # an EAGLE drafter without the mid-layer input
             return
         if config["settings"] != self.settings:
@@ -186,10 +147,7 @@ class Recipe:
     def loss(self, items: list[Sequence], max_len: int) -> tuple[torch.Tensor | None, dict]:
         """(loss, metrics) of a batch; loss None where the kind has run its backward itself (MTP,
         while gradients are on)."""
-        batch = collate(items, max_len)
-        return {"eagle": self._eagle, "medusa": self._medusa, "early-exit": self._exit,
-                "draft": self._draft, "eagle3": self._eagle3, "hydra": self._hydra,
-                "mtp": self._mtp}[self.kind](batch)
+        return self.spec.loss(self, collate(items, max_len))
 
     def _eagle(self, b: Batch) -> tuple[torch.Tensor, dict]:
         # Position i: (h_i, x_{i+1}) -> h_{i+1}. Unrolled step s feeds back the step s-1 predictions.
@@ -312,12 +270,14 @@ class Recipe:
         loss = distill_loss(student, teacher, self.options.loss, b.mask)
         return loss, {"loss": float(loss.detach()), **agreement("top1", student, teacher, b.mask, b.answer)}
 
-    def _head_features(self, b: Batch) -> torch.Tensor:
-        """Medusa's or MTP's features of every head at every position, before the LM head:
+    def _medusa_features(self, b: Batch) -> torch.Tensor:
+        """Medusa's features of every head at every position, before the LM head:
         [B, T, heads, hidden]."""
-        if self.kind == "mtp":
-            return self.norm(self.module(b.hidden, torch.arange(b.tokens.shape[1])))
         return self.module(b.hidden)
+
+    def _mtp_features(self, b: Batch) -> torch.Tensor:
+        """MTP's features of every head at every position, normed: [B, T, heads, hidden]."""
+        return self.norm(self.module(b.hidden, torch.arange(b.tokens.shape[1])))
 
     @torch.no_grad()
     def rank_accuracy(self, items: list[Sequence], max_len: int, ranks: int = 8,
@@ -328,7 +288,7 @@ class Recipe:
         counts = torch.zeros(self.module.num_heads)
         for start in range(0, len(items), chunk):
             b = collate(items[start: start + chunk], max_len)
-            features = self._head_features(b)  # [B, T, heads, hidden]
+            features = self.spec.head_features(self, b)  # [B, T, heads, hidden]
             target_top = self.teacher(b.hidden).argmax(-1)  # [B, T]
             for k in range(1, self.module.num_heads + 1):
                 ranked = self.teacher(features[:, :-k, k - 1]).topk(ranks, dim=-1).indices
@@ -338,11 +298,100 @@ class Recipe:
         return (hits / counts.clamp_min(1)[:, None]).tolist()
 
     def export(self, out_dir: Path, extra: dict) -> Path:
-        weights = {PREFIX[self.kind] + k: v for k, v in self.module.state_dict().items()}
-        if self.kind in REDUCED_VOCAB:
+        weights = {self.spec.prefix + k: v for k, v in self.module.state_dict().items()}
+        if self.spec.reduced_vocab:
             weights["vocab_ids"] = self.vocab_ids
         return save_drafter(out_dir, self.kind, self.target,
                             {k: v for k, v in self.settings.items()}, weights, extra)
+
+
+Built = tuple[dict, nn.Module]  # a kind's settings (drafter.json) and its trainable module
+
+
+def _eagle_module(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
+    settings = eagle_settings(recipe.target)
+    if recipe.options.mid_state:
+        settings["mid_layer"] = int(meta["exit_layer"])
+    return settings, EagleNet(**settings)
+
+
+def _eagle3_module(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
+    if "aux_layers" not in meta or any(s.aux_hidden is None for s in sequences):
+        raise VerispecError("EAGLE-3 trains on the target's states after its aux layers: "
+                            "this data has none (`verispec train eagle3` builds data "
+                            "with them; use a new --data directory)")
+    settings = eagle3_settings(recipe.target, tuple(meta["aux_layers"]), len(recipe.vocab_ids))
+    module = Eagle3Net(**settings)
+    with torch.no_grad():  # the target's own head, restricted: a good place to start
+        module.lm_head.weight.copy_(recipe.head_t.t())
+    module.lm_head.weight.requires_grad_(recipe.options.train_head)
+    return settings, module
+
+
+def _draft_module(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
+    layers = recipe.options.draft_layers
+    return draft_settings(layers), DraftStudent(recipe.target, layers).float()
+
+
+def _medusa_module(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
+    settings = medusa_settings(recipe.target, recipe.options.heads)
+    return settings, MedusaNet(**settings)
+
+
+def _hydra_module(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
+    settings = hydra_settings(recipe.target, recipe.options.heads)
+    return settings, HydraNet(**settings)
+
+
+def _mtp_module(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
+    settings = mtp_settings(recipe.target, recipe.options.heads)
+    recipe.norm = unembedding_norm(recipe.target)
+    return settings, MTPNet(**settings)
+
+
+def _exit_module(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
+    exit_layer = recipe.options.exit_layer
+    layer = meta["exit_layer"] if exit_layer is None else exit_layer
+    if layer != meta["exit_layer"]:
+        raise VerispecError(f"the data holds layer {meta['exit_layer']} states, not layer "
+                            f"{layer}: rebuild it with that exit layer")
+    settings = exit_settings(recipe.target, layer)
+    return settings, new_adapter(recipe.target, settings)
+
+
+@dataclass(frozen=True)
+class KindRecipe:
+    """How one drafter kind trains: everything the recipe, `verispec train` and the export ask."""
+
+    build: Callable[[Recipe, dict, list[Sequence]], Built]  # (recipe so far, data meta, data)
+    loss: Callable[[Recipe, Batch], tuple[torch.Tensor | None, dict]]
+    prefix: str = "net."  # key prefix of the kind's own weights in weights.safetensors
+    # Drafts through the target's LM head restricted to its own vocabulary (vocab_ids, exported)
+    reduced_vocab: bool = True
+    # Static-tree kinds (heads that read only the target's states): every head's features at
+    # every position [B, T, heads, hidden], whose measured rank accuracy shapes the tree
+    head_features: Callable[[Recipe, Batch], torch.Tensor] | None = None
+    reads_aux: bool = False  # trains on the target's states after its aux layers (EAGLE-3)
+    own_head: bool = False  # its own head's rows are its vocabulary's: a warm start keeps both
+    mid_state: bool = False  # can also read the target's state at the exit layer (--mid-state)
+
+    @property
+    def static_tree(self) -> bool:
+        return self.head_features is not None
+
+
+# Every kind `verispec train` knows, keyed by its drafter's own `kind` (the order of the help text).
+RECIPES: dict[str, KindRecipe] = {
+    EagleDrafter.kind: KindRecipe(_eagle_module, Recipe._eagle, mid_state=True),
+    MedusaDrafter.kind: KindRecipe(_medusa_module, Recipe._medusa,
+                                   head_features=Recipe._medusa_features),
+    ExitAdapter.kind: KindRecipe(_exit_module, Recipe._exit, "adapter.", reduced_vocab=False),
+    DraftStudent.kind: KindRecipe(_draft_module, Recipe._draft, "student.", reduced_vocab=False),
+    Eagle3Drafter.kind: KindRecipe(_eagle3_module, Recipe._eagle3, reads_aux=True, own_head=True),
+    HydraDrafter.kind: KindRecipe(_hydra_module, Recipe._hydra),
+    MTPDrafter.kind: KindRecipe(_mtp_module, Recipe._mtp, head_features=Recipe._mtp_features),
+}
+KINDS = tuple(RECIPES)
 
 
 def split(sequences: list[Sequence], seed: int,
@@ -360,12 +409,13 @@ def calibrate_medusa(drafter_dir: Path, target: LoadedModel, data_dir: Path,
     """Measure a trained Medusa drafter's rank accuracies on its training run's held-out data and
     store them in its drafter.json (for drafters trained before verispec measured them itself)."""
     config = drafter_config(drafter_dir)
-    _, weights = load_drafter(drafter_dir, target.model, "medusa")
+    kind = MedusaDrafter.kind
+    _, weights = load_drafter(drafter_dir, target.model, kind)
     meta, sequences = load_dataset(data_dir)
-    recipe = Recipe("medusa", target, meta, sequences,
-                    RecipeOptions(heads=config["settings"]["heads"]))
-    recipe.module.load_state_dict({k.removeprefix("net."): v.float() for k, v in weights.items()
-                                   if k.startswith("net.")})
+    recipe = Recipe(kind, target, meta, sequences, RecipeOptions(heads=config["settings"]["heads"]))
+    prefix = RECIPES[kind].prefix
+    recipe.module.load_state_dict({k.removeprefix(prefix): v.float() for k, v in weights.items()
+                                   if k.startswith(prefix)})
     recipe.head = ReducedHead(target.model, weights["vocab_ids"].long())
     recipe.head_t = recipe.head.weight_t.float()
     train_config = config["training"]["config"]
@@ -407,6 +457,6 @@ def train_drafter(kind: str, target: LoadedModel, data_dirs: list[Path], out_dir
     final_eval = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
     extra = {"training": {"data": meta, "sequences": len(sequences), "config": asdict(config),
                           "options": asdict(options), "final_eval": final_eval}}
-    if kind in STATIC_TREE:
+    if RECIPES[kind].static_tree:
         extra["rank_accuracy"] = recipe.rank_accuracy(eval_items, config.max_len)
     return recipe.export(out_dir, extra)
