@@ -172,8 +172,8 @@ def test_a_method_registered_once_runs_through_generate_the_cli_and_the_bench(
     questions.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["w5 w6 w5"]}) + "\n")
     results = run_bench(BenchConfig(model=str(tiny_dir), out=tmp_path / "out", questions=questions,
                                     methods=["toy-echo"], max_new_tokens=8, warmup=0), progress=False)
-    runs = [r for r in results["runs"] if r["method"] == "toy-echo"]
-    assert runs and all(r["identical_to_baseline"] for r in runs)
+    runs = [r for r in results.runs if r.method == "toy-echo"]
+    assert runs and all(r.identical_to_baseline for r in runs)
 
 
 def every_field_set() -> DraftOptions:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from verispec.bench.runner import BenchConfig, run_bench
+from verispec.bench.report import results_json
+from verispec.bench.runner import BenchConfig, choose_methods, run_bench
 from verispec.cli import main
 from verispec.errors import VerispecError
-from verispec.methods import METHODS
+from verispec.methods import METHODS, Method
 from verispec.options import DEFAULT_TREE
 from verispec.tree import TreeSettings
 from verispec.verifiers import greedy
@@ -38,7 +40,7 @@ def test_bench_writes_every_field_report_and_plots(tiny_dir, questions, tmp_path
     out = tmp_path / "bench"
     results = run_bench(config(tiny_dir, questions, out, ks=[2, 4]), progress=False)
     on_disk = json.loads((out / "results.json").read_text())
-    assert on_disk["summary"] == json.loads(json.dumps(results["summary"]))
+    assert on_disk == json.loads(json.dumps(results_json(results)))
     assert {"config", "machine", "runs", "summary"} <= set(on_disk)
     labels = {r["label"] for r in on_disk["runs"]}
     assert {"hf", "ar", "hf-pld", "hf-early-exit", "pld k=2", "pld k=4", "early-exit k=2", "lookahead k=4",
@@ -75,12 +77,12 @@ def test_exactness_check_catches_a_wrong_method(tiny_dir, questions, tmp_path, m
     monkeypatch.setattr(greedy, "greedy_accept", accept_everything)
     out = tmp_path / "broken"
     results = run_bench(config(tiny_dir, questions, out, methods=["early-exit"], ks=[4]), progress=False)
-    broken = [r for r in results["runs"] if r["label"] == "early-exit"]
-    assert any(r["identical_to_baseline"] is False for r in broken)
-    difference = next(r["first_difference"] for r in broken if r["identical_to_baseline"] is False)
-    assert difference["logit_gap"] > 0  # the baseline token scores higher: not a tie, a bug
-    assert abs(difference["baseline_logit"]) < float("inf")  # recorded: the tie limit scales with it
-    assert results["summary"]["early-exit"]["overall"]["identical"] != "2/2"
+    broken = [r for r in results.runs if r.label == "early-exit"]
+    assert any(r.identical_to_baseline is False for r in broken)
+    difference = next(r.first_difference for r in broken if r.identical_to_baseline is False)
+    assert difference.logit_gap > 0  # the baseline token scores higher: not a tie, a bug
+    assert abs(difference.baseline_logit) < float("inf")  # recorded: the tie limit scales with it
+    assert results_json(results)["summary"]["early-exit"]["overall"]["identical"] != "2/2"
     assert "early-exit" in (out / "report.md").read_text()
 
 
@@ -99,6 +101,28 @@ def test_compare_prints_the_change(tiny_dir, questions, tmp_path, capsys):
     run_bench(config(tiny_dir, questions, out, methods=["pld"]), progress=False)
     assert main(["bench", "--compare", str(out / "results.json"), str(out / "results.json")]) == 0
     assert "pld" in capsys.readouterr().out
+
+
+DEFAULT_SET = {"hf", "ar", "pld", "hf-pld", "early-exit", "hf-early-exit", "lookahead", "eagle", "eagle-pld",
+               "eagle3", "medusa", "draft", "self-int4", "self-int8", "self-bf16", "self-int4-pld"}
+
+
+def test_the_default_set_is_the_registrys(tmp_path, monkeypatch):
+    everything = BenchConfig(model="unused", out=tmp_path)
+    assert set(choose_methods(everything)) == DEFAULT_SET  # the model can run every method
+    assert set(choose_methods(replace(everything, draft="small"))) == DEFAULT_SET | {"hf-assisted"}
+    # A method is left out where the model cannot run it, and its Hugging Face peer with it.
+    chosen = choose_methods(everything, lambda method: method.hf_peer != "hf-pld")
+    assert "hf-pld" not in chosen and "hf-early-exit" in chosen and "lookahead" in chosen
+
+    # A method registered with bench=True is chosen after its peer; one set to bench=False is not.
+    toy = Method("toy-bench", "a test's method", 2, lambda target, options: None, hf_peer="hf-early-exit")
+    monkeypatch.setitem(METHODS, toy.name, toy)
+    monkeypatch.setitem(METHODS, "lookahead", replace(METHODS["lookahead"], bench=False))
+    chosen = choose_methods(everything)
+    assert "toy-bench" in chosen and "lookahead" not in chosen
+    assert chosen[chosen.index("toy-bench") - 1] == "hf-early-exit"
+    assert chosen[:2] == ["hf", "ar"]
 
 
 def test_ctrl_c_keeps_what_was_measured(tiny_dir, questions, tmp_path, monkeypatch):
@@ -121,16 +145,16 @@ def test_ctrl_c_keeps_what_was_measured(tiny_dir, questions, tmp_path, monkeypat
     assert on_disk["config"]["interrupted"] is True
     assert len(on_disk["runs"]) == calls["n"] > 0
     assert {r["question_id"] for r in on_disk["runs"]} == {1}
-    assert (out / "report.md").is_file() and results["runs"]
+    assert (out / "report.md").is_file() and results.runs
 
 
 def test_bench_runs_trees_beside_chains_and_labels_typical_lossy(tiny_dir, questions, tmp_path):
     out = tmp_path / "trees"
     results = run_bench(config(tiny_dir, questions, out, methods=["pld"], trees=[TreeSettings(3, 8)],
                                temperature=0.8, typical=True), progress=False)
-    labels = {r["label"]: r for r in results["runs"]}
+    labels = {r.label: r for r in results.runs}
     assert {"pld", "pld tree=3x8", "pld typical", "pld tree=3x8 typical"} <= set(labels)
-    assert labels["pld tree=3x8"]["tree"] == "3x8" and labels["pld"]["tree"] is None
+    assert labels["pld tree=3x8"].tree == "3x8" and labels["pld"].tree is None
     report = (out / "report.md").read_text()
     assert "pld typical (lossy)" in report and "Tree methods (pld tree=3x8" in report
     assert "## Trees against chains" in report and "| pld tree=3x8 | 3x8 | 8 |" in report
@@ -141,7 +165,7 @@ def test_bench_default_tree_is_each_methods_own(tiny_dir, questions, tmp_path):
     results = run_bench(config(tiny_dir, questions, tmp_path / "default", methods=["pld", "early-exit"],
                                trees=[DEFAULT_TREE]), progress=False)
     tree = METHODS["pld"].default_tree
-    labels = {r["label"] for r in results["runs"]}
+    labels = {r.label for r in results.runs}
     assert labels == {"ar", "hf", "pld", f"pld tree={tree.topk}x{tree.nodes}", "early-exit"}
 
 

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import copy
 import doctest
+import json
+from dataclasses import replace
 
 import pytest
 
-from verispec.bench import plots, report
-from verispec.bench.report import (
+from verispec.bench import plots, summary
+from verispec.bench.markdown import compare, render_markdown
+from verispec.bench.records import FirstDifference, ForwardTimings, Results, Run
+from verispec.bench.report import figure_data, results_json, write_report
+from verispec.bench.summary import (
     acceptance_by_position,
-    compare,
     leviathan_speedup,
     looks_like_tie,
-    render_markdown,
-    summarize,
-    theory,
     verify_cost_ratio,
-    write_report,
 )
 
 QUESTIONS = {0: "mt_bench", 1: "mt_bench", 2: "qa", 3: "qa"}
@@ -30,24 +29,30 @@ BY_TOKENS = {"1": 0.06, "2": 0.08, "4": 0.09, "8": 0.10, "16": 0.12}
 
 def run(label: str, method: str, qid: int, seconds: float, k: int | None = None, forwards: int | None = 100,
         drafted: list[int] = (), accepted: list[int] = (), reached: list[int] = (),
-        draft_seconds: float | None = None, identical: bool | None = None, diff: dict | None = None) -> dict:
-    return {"method": method, "label": label, "task": QUESTIONS.get(qid, "qa"), "question_id": qid, "k": k,
-            "new_tokens": 100, "seconds": seconds, "target_forwards": forwards,
-            "mean_accepted_tokens": None if forwards is None else 100 / forwards,
-            "drafted_by_position": list(drafted), "accepted_by_position": list(accepted),
-            "reached_by_position": list(reached), "draft_seconds": draft_seconds,
-            "verify_seconds": None if draft_seconds is None else seconds - draft_seconds,
-            "identical_to_baseline": identical, "first_difference": diff}
+        draft_seconds: float | None = None, identical: bool | None = None,
+        diff: FirstDifference | None = None) -> Run:
+    return Run(method=method, label=label, task=QUESTIONS.get(qid, "qa"), question_id=qid, k=k,
+               new_tokens=100, seconds=seconds, target_forwards=forwards,
+               baseline=method in ("hf", "ar"), drafted_by_position=tuple(drafted),
+               accepted_by_position=tuple(accepted), reached_by_position=tuple(reached),
+               draft_seconds=draft_seconds,
+               verify_seconds=None if draft_seconds is None else seconds - draft_seconds,
+               identical_to_baseline=identical, first_difference=diff)
 
 
-def synthetic_runs() -> list[dict]:
+def summarize(runs: list[Run]) -> dict:
+    """label -> task -> cell, as results.json holds the summary."""
+    return results_json(Results(runs=runs))["summary"]
+
+
+def synthetic_runs() -> list[Run]:
     """hf, ar, pld k=4 (alpha 0.5, c 0) and pld k=8 (c 0.05, two non-identical runs)."""
     runs = [run("hf", "hf", q, s, forwards=None) for q, s in HF_SECONDS.items()]
     runs += [run("ar", "ar", q, s) for q, s in AR_SECONDS.items()]
     runs += [run("pld k=4", "pld", q, s, k=4, forwards=50, drafted=[40, 40, 40, 40], accepted=[20, 10, 5, 3],
                  reached=[40, 20, 10, 6], draft_seconds=0.0, identical=True) for q, s in PLD4_SECONDS.items()]
-    diffs = {1: {"position": 17, "ours": 5, "baseline": 9, "logit_gap": 0.004},
-             3: {"position": 40, "ours": 7, "baseline": 8, "logit_gap": 2.5}}
+    diffs = {1: FirstDifference(position=17, ours=5, baseline=9, logit_gap=0.004),
+             3: FirstDifference(position=40, ours=7, baseline=8, logit_gap=2.5)}
     runs += [run("pld k=8", "pld", q, s, k=8, forwards=40, drafted=[20] * 8,
                  accepted=[16, 12, 8, 4, 2, 1, 0, 0], reached=[20, 16, 12, 8, 4, 2, 1, 0],
                  draft_seconds=0.64, identical=q not in diffs, diff=diffs.get(q))
@@ -55,18 +60,21 @@ def synthetic_runs() -> list[dict]:
     return runs
 
 
-def synthetic_results(runs: list[dict] | None = None) -> dict:
+def synthetic_results(runs: list[Run] | None = None) -> Results:
     runs = synthetic_runs() if runs is None else runs
     config = {"model": "tiny", "dtype": "float32", "device": "cpu", "methods": ["hf", "ar", "pld"],
               "ks": [4, 8], "max_new_tokens": 100, "temperature": 0.0, "seed": 0, "questions": None,
               "tasks": ["mt_bench", "qa"], "limit_per_task": 2, "warmup": 1}
-    forward = {"bare_forward_seconds": 0.05, "by_tokens": dict(BY_TOKENS)}
-    return {"config": config, "machine": {"cpu": "test", "cores": 2}, "forward": forward, "runs": runs,
-            "summary": summarize(runs), "theory": theory(runs, forward)}
+    return Results(config, {"cpu": "test", "cores": 2}, ForwardTimings(dict(BY_TOKENS)), list(runs))
+
+
+def theory(runs: list[Run], forward: ForwardTimings | None) -> dict:
+    """label -> speedup model, as results.json holds it."""
+    return results_json(Results(forward=forward, runs=runs))["theory"]
 
 
 def test_docstring_examples():
-    assert doctest.testmod(report).failed == 0
+    assert doctest.testmod(summary).failed == 0
 
 
 def test_summarize_is_a_ratio_of_sums_over_common_questions():
@@ -98,7 +106,7 @@ def test_summarize_identical_counts_tau_and_missing_baselines():
     assert s["hf"]["overall"]["mean_accepted_tokens"] is None  # forwards not measurable
     assert s["ar"]["overall"]["mean_accepted_tokens"] == pytest.approx(1.0)
 
-    no_hf = summarize([r for r in synthetic_runs() if r["label"] != "hf"])
+    no_hf = summarize([r for r in synthetic_runs() if r.label != "hf"])
     assert no_hf["pld k=4"]["overall"]["speedup_vs_hf"] is None
     assert no_hf["pld k=4"]["overall"]["speedup_vs_ar"] == pytest.approx(32 / 17)
 
@@ -118,7 +126,7 @@ def test_verify_cost_ratio_interpolates_and_extends():
 
 def test_theory_on_a_hand_computed_case():
     results = synthetic_results()
-    t = theory(results["runs"], results["forward"])
+    t = theory(results.runs, results.forward)
     assert list(t) == ["pld k=4", "pld k=8"]
     pld4 = t["pld k=4"]
     assert pld4["alpha"] == pytest.approx(0.5)
@@ -144,13 +152,13 @@ def test_theory_best_k_mean_k_and_missing_ar():
                 draft_seconds=2.0),
             run("draft", "draft", 1, 5.0, k=4, drafted=[10, 10, 10, 10], accepted=[5, 3, 1, 0],
                 reached=[10, 6, 2, 0], draft_seconds=4.0)]
-    t = theory(runs, {})["draft"]
+    t = theory(runs, None)["draft"]
     assert t["k_is_mean_drafted_length"] and t["k"] == pytest.approx(60 / 20)
     assert t["c"] == pytest.approx((6.0 / 60) / 0.1)
     assert t["alpha"] == pytest.approx(16 / 32)
     assert t["best_k"] == 1
     assert t["predicted_speedup_with_verify_cost"] is None  # no forward timings
-    assert theory([r for r in runs if r["label"] != "ar"], {})["draft"]["c"] is None
+    assert theory([r for r in runs if r.label != "ar"], {})["draft"]["c"] is None
 
 
 def test_acceptance_by_position_is_conditional_and_pooled():
@@ -161,19 +169,19 @@ def test_acceptance_by_position_is_conditional_and_pooled():
 
 
 def test_render_markdown_tables_and_exactness():
-    md = render_markdown(synthetic_results())
+    md = render_markdown(synthetic_results(), list(figure_data(synthetic_results())))
     assert "tiny" in md and "float32" in md and "mt_bench 2, qa 3" in md
     assert "| pld k=4 | 3.33× | 2.50× | **2.94×** | 1.88× | 2.00 | 23.5 | 4/4 |" in md
     assert "| ar |" in md and "| hf |" in md
-    assert "20.0 tok/s" in md and "12.5 tok/s" in md and "38% below" in md  # bare-forward limit
+    assert "16.7 tok/s" in md and "12.5 tok/s" in md and "25% below" in md  # bare-forward limit
     assert "2: 1.33×, 4: 1.50×, 8: 1.67×, 16: 2.00×" in md  # verification cost, from BY_TOKENS
     assert "prepacked" not in md  # no unpacked timings in these results: no comparison line
     results = synthetic_results()
-    results["forward"]["unpacked_by_tokens"] = {"1": 0.08, "8": 0.16}
+    results.forward = replace(results.forward, unpacked_by_tokens={"1": 0.08, "8": 0.16})
     assert ("one token takes 80.0 ms (prepacked: 60.0 ms) and n tokens cost 8: 2.00×"
             in render_markdown(results))
     assert "verispec.packed" in render_markdown(results)
-    results["forward"]["lean"] = True
+    results.forward = replace(results.forward, lean=True)
     assert "through verispec.lean" in render_markdown(results)
     assert "## Theory" in md and "1.94×" in md
     assert "| pld k=8 | mt_bench | 1 | 17 | 5 | 9 | 0.004 | likely a numerical tie |" in md
@@ -185,13 +193,16 @@ def test_render_markdown_tables_and_exactness():
 def test_tie_limit_follows_the_dtype_of_the_run():
     # A bfloat16 logit near 17 moves in steps of 0.125: one step apart is a rounding tie there,
     # a bug in float32; a gap of many steps is never a tie.
-    one_step = {"logit_gap": 0.125, "baseline_logit": 17.0}
+    def gap(logit_gap: float | None, baseline_logit: float | None = None) -> FirstDifference:
+        return FirstDifference(3, 1, 2, logit_gap, baseline_logit)
+
+    one_step = gap(0.125, 17.0)
     assert looks_like_tie(one_step, "bfloat16") is True
     assert looks_like_tie(one_step, "float32") is False
-    assert looks_like_tie({"logit_gap": 1.0, "baseline_logit": 17.0}, "bfloat16") is False
-    assert looks_like_tie({"logit_gap": 0.004, "baseline_logit": 17.0}, "float32") is True
-    assert looks_like_tie({"logit_gap": 0.125}, "bfloat16") is False  # no logit: float32 limit
-    assert looks_like_tie({"logit_gap": None}) is None
+    assert looks_like_tie(gap(1.0, 17.0), "bfloat16") is False
+    assert looks_like_tie(gap(0.004, 17.0), "float32") is True
+    assert looks_like_tie(gap(0.125), "bfloat16") is False  # no logit: float32 limit
+    assert looks_like_tie(gap(None)) is None
 
 
 def test_render_markdown_marks_typical_as_lossy_everywhere():
@@ -204,10 +215,10 @@ def test_render_markdown_marks_typical_as_lossy_everywhere():
 
 
 def test_render_markdown_all_identical_and_sampling():
-    runs = [r for r in synthetic_runs() if r["label"] != "pld k=8"]
+    runs = [r for r in synthetic_runs() if r.label != "pld k=8"]
     assert "All 4 compared runs are identical" in render_markdown(synthetic_results(runs))
-    sampled = synthetic_results([{**r, "identical_to_baseline": None} for r in runs])
-    sampled["config"]["temperature"] = 0.7
+    sampled = synthetic_results([replace(r, identical_to_baseline=None) for r in runs])
+    sampled.config["temperature"] = 0.7
     assert "only the output distribution is exact" in render_markdown(sampled)
 
 
@@ -223,9 +234,8 @@ def test_write_report_writes_markdown_and_pngs(tmp_path):
 
 
 def test_k_sweep_skipped_with_one_k_per_method(tmp_path):
-    runs = [r for r in synthetic_runs() if r["label"] != "pld k=8"]
-    assert plots.plot_k_sweep(summarize(runs), runs, tmp_path / "k.png") is None
-    assert not (tmp_path / "k.png").exists()
+    runs = [r for r in synthetic_runs() if r.label != "pld k=8"]
+    assert set(figure_data(synthetic_results(runs))) == {"speedup_by_task.png", "acceptance_by_position.png"}
     paths = write_report(synthetic_results(runs), tmp_path)
     assert "k_sweep.png" not in [p.name for p in paths]
     assert "k_sweep.png" not in paths[0].read_text()
@@ -233,10 +243,9 @@ def test_k_sweep_skipped_with_one_k_per_method(tmp_path):
 
 def test_compare_shows_changes_and_differences():
     a = synthetic_results()
-    b = copy.deepcopy(a)
-    b["runs"] = [{**r, "seconds": r["seconds"] / 2} if r["label"] == "pld k=4" else r
-                 for r in b["runs"] if r["label"] != "pld k=8"]
-    b["config"]["temperature"] = 0.7
+    b = synthetic_results([replace(r, seconds=r.seconds / 2) if r.label == "pld k=4" else r
+                           for r in a.runs if r.label != "pld k=8"])
+    b.config["temperature"] = 0.7
     text = compare(a, b)
     assert "| pld k=4 | 2.94× | 5.88× | +100.0% | 2.00 | 2.00 |" in text
     assert "| ar | 1.56× | 1.56× | +0.0% |" in text
@@ -244,14 +253,39 @@ def test_compare_shows_changes_and_differences():
     assert "Configurations differ" in text and "temperature" in text
     assert "3.33× → 6.67× (+100.0%)" in text  # per task
     assert "Question sets differ" in text  # question 4 only ran in A's pld k=8
-    assert "Configurations differ" not in compare(a, copy.deepcopy(a))
+    assert "Configurations differ" not in compare(a, synthetic_results())
 
 
 def test_without_hf_the_report_falls_back_to_ar_and_skips_the_bar_chart(tmp_path):
-    runs = [r for r in synthetic_runs() if r["label"] != "hf"]
+    runs = [r for r in synthetic_runs() if r.label != "hf"]
     paths = write_report(synthetic_results(runs), tmp_path)
     assert [p.name for p in paths] == ["report.md", "acceptance_by_position.png", "k_sweep.png"]
     md = paths[0].read_text()
     assert "Speedup over plain decoding" in md and "| pld k=4 | 1.78× | 2.00× | **1.88×** |" in md
     assert "speedup_by_task.png" not in md
-    assert "No runs." in render_markdown({"runs": []})
+    assert "No runs." in render_markdown(Results())
+
+
+def test_results_json_reads_back_to_the_same_records():
+    results = synthetic_results()
+    text = json.dumps(results_json(results))
+    again = Results.from_json(json.loads(text))
+    assert again.runs == results.runs and again.forward == results.forward
+    assert json.dumps(results_json(again)) == text
+    # A file written before runs recorded `baseline`: the names it was written under decide.
+    old = [{k: v for k, v in run.items() if k != "baseline"} for run in json.loads(text)["runs"]]
+    assert [r.baseline for r in Results.from_json({"runs": old}).runs] == [r.baseline for r in results.runs]
+
+
+def test_a_baseline_is_known_by_its_record_not_its_name(tmp_path):
+    # A baseline named like no Hugging Face one (llama.cpp, say) is still a baseline: grouped with
+    # them, no speedup model, no acceptance curve, a grey in the figures.
+    other = [replace(r, label="llama.cpp", method="llama.cpp", baseline=True, target_forwards=None)
+             for r in synthetic_runs() if r.label == "hf"]
+    results = synthetic_results(synthetic_runs() + other)
+    order = [s.label for s in summary.summarize(results.runs)]
+    assert order == ["hf", "llama.cpp", "ar", "pld k=4", "pld k=8"]
+    assert "llama.cpp" not in results_json(results)["theory"]
+    assert "llama.cpp" not in figure_data(results)["acceptance_by_position.png"]["curves"]
+    assert plots.label_styles(summary.summarize(results.runs))["llama.cpp"]["color"] in plots.GREYS
+    assert "| llama.cpp |" in render_markdown(results)

@@ -17,6 +17,7 @@ import torch
 
 from tests.tiny import VOCAB, plain_greedy, save_tiny, tiny_llama
 from verispec.bench.runner import BenchConfig, run_bench
+from verispec.bench.summary import summarize
 from verispec.cached_model import CachedModel
 from verispec.cli import main
 from verispec.drafters.base import DraftRequest
@@ -512,9 +513,9 @@ def test_bench_runs_trained_drafters_by_default(loaded, trained, tmp_path):
     config = BenchConfig(model=loaded.name, out=tmp_path / "bench", questions=questions,
                          max_new_tokens=10, warmup=0, exit_layer=1,
                          trained=[str(trained[k]) for k in ("eagle", "medusa", "draft")])
-    results = run_bench(config, progress=False)
+    summaries = {s.label: s for s in summarize(run_bench(config, progress=False).runs)}
     for label in ("eagle", "medusa", "early-exit", "draft", "eagle-pld"):
-        assert results["summary"][label]["overall"]["identical"] == "1/1", label
+        assert summaries[label].overall.identical == "1/1", label
     with pytest.raises(VerispecError, match="not a trained verispec drafter"):
         run_bench(BenchConfig(model=loaded.name, out=tmp_path / "x", trained=[str(tmp_path)]))
 

@@ -33,3 +33,13 @@ def test_total_sums_counters_of_different_lengths():
     assert total.reached_by_position == [2, 2]
     assert total.new_tokens == 5 and total.target_forwards == 2
     assert abs(total.verify_seconds - 0.4) < 1e-12
+
+
+def test_a_position_reached_but_never_accepted_counts_as_zero():
+    # Drafting 3 and accepting none reaches position 0 only: its rate is 0, not missing (the
+    # accepted counter never grew there, the reached one did).
+    stats = GenerationStats()
+    stats.add(step(3, 0))
+    stats.add(step(3, 1))
+    assert stats.accepted_by_position == [1] and stats.reached_by_position == [2, 1]
+    assert stats.acceptance_by_position == [1 / 2, 0.0]

@@ -201,8 +201,20 @@ class GenerationStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        """Per draft position i: P(accepted | drafted and positions 0..i-1 accepted)."""
-        return [a / r for a, r in zip(self.accepted_by_position, self.reached_by_position) if r]
+        """Per draft position i: P(accepted | drafted and positions 0..i-1 accepted), up to the
+        last position reached (accepted_by_position stops at the last position ever accepted).
+
+        >>> GenerationStats(accepted_by_position=[3, 1], reached_by_position=[4, 3, 1]).acceptance_by_position
+        [0.75, 0.3333333333333333, 0.0]
+        """
+        accepted = self.accepted_by_position + [0] * (len(self.reached_by_position)
+                                                      - len(self.accepted_by_position))
+        rates = []
+        for a, r in zip(accepted, self.reached_by_position):
+            if r <= 0:
+                break
+            rates.append(a / r)
+        return rates
 
     @property
     def tokens_per_second(self) -> float:

@@ -15,15 +15,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 import transformers
 from tqdm import tqdm
 
 from verispec.api import encode_prompt
+from verispec.bench.machine import machine_info
 from verispec.bench.plots import plot_batched_throughput
 from verispec.bench.questions import load_questions
-from verispec.bench.runner import machine_info, write_json
+from verispec.bench.records import AR, HF, write_json
 from verispec.errors import VerispecError
+from verispec.hf_generate import hf_generate_batch
 from verispec.methods import METHODS, build_engine
 from verispec.models import LoadedModel, load_model
 from verispec.options import DraftOptions
@@ -31,7 +32,7 @@ from verispec.policies import LoadCap
 from verispec.stopping import StoppingRules
 from verispec.types import SamplingParams
 
-BASELINES = ("hf", "ar")
+BASELINES = (HF, AR)
 
 
 @dataclass(frozen=True)
@@ -56,23 +57,10 @@ class BatchBenchConfig:
 Decode = Callable[[list[list[int]]], tuple[list[list[int]], int | None]]
 
 
-def hf_batched(target: LoadedModel, config: BatchBenchConfig, eos: list[int]) -> Decode:
+def hf_batched(target: LoadedModel, config: BatchBenchConfig) -> Decode:
     """Hugging Face generate() on a left-padded batch, greedy; rows cut after their first EOS."""
-    model = target.model
-    pad = target.tokenizer.pad_token_id
-    pad = (eos[0] if eos else 0) if pad is None else pad
-
     def decode(prompts: list[list[int]]) -> tuple[list[list[int]], int | None]:
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-        output = model.generate(ids, attention_mask=mask, max_new_tokens=config.max_new_tokens,
-                                do_sample=False, eos_token_id=eos, pad_token_id=pad)
-        rows = []
-        for row in output[:, width:].tolist():
-            end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-            rows.append(row[:end])
-        return rows, None
+        return hf_generate_batch(target, prompts, config.max_new_tokens), None
 
     return decode
 
@@ -102,13 +90,12 @@ def run_batched_bench(config: BatchBenchConfig, progress: bool = True) -> dict:
     target = load_model(config.model, config.dtype, config.device)
     if target.tokenizer is None:
         raise VerispecError(f"{config.model} has no tokenizer: the benchmark needs text prompts")
-    eos = sorted(target.eos_token_ids)
-    stopping = StoppingRules.build(config.max_new_tokens, eos)
+    stopping = StoppingRules.build(config.max_new_tokens, sorted(target.eos_token_ids))
     chat = bool(getattr(target.tokenizer, "chat_template", None))
     prompts = [encode_prompt(target, q.prompt, chat=chat) for q in questions]
-    contenders: dict[str, Decode] = {"hf": hf_batched(target, config, eos)}
-    for method in ["ar", *(m for m in config.methods if m not in BASELINES)]:
-        for k in [None] if method == "ar" else (config.ks or [None]):
+    contenders: dict[str, Decode] = {HF: hf_batched(target, config)}
+    for method in [AR, *(m for m in config.methods if m not in BASELINES)]:
+        for k in [None] if method == AR else (config.ks or [None]):
             label = method if k is None or not config.ks or len(config.ks) == 1 else f"{method} k={k}"
             contenders[label] = verispec_batched(target, method, k, config, stopping)
     transformers.utils.logging.set_verbosity_error()
@@ -151,12 +138,12 @@ def summarize_size(measured: dict[str, dict]) -> dict:
     """Throughput, ratios to hf and ar, and rows identical to ar's, per contender."""
     summary = {}
     rate = {label: m["tokens"] / m["seconds"] for label, m in measured.items()}
-    reference = measured["ar"]["rows"]
+    reference = measured[AR]["rows"]
     for label, m in measured.items():
         same = sum(a == b for a, b in zip(m["rows"], reference))
         summary[label] = {"tokens": m["tokens"], "seconds": m["seconds"],
                           "tokens_per_second": rate[label],
-                          "vs_hf": rate[label] / rate["hf"], "vs_ar": rate[label] / rate["ar"],
+                          "vs_hf": rate[label] / rate[HF], "vs_ar": rate[label] / rate[AR],
                           "tau": m["tokens"] / m["forwards"] if m["forwards"] else None,
                           "identical_to_ar": f"{same}/{len(reference)}"}
     return summary

@@ -1,4 +1,5 @@
-"""Benchmark figures (PNG) from a summary and run records.
+"""Benchmark figures (PNG) from summaries, acceptance curves and batched throughput: data in,
+files out (what is worth drawing is the caller's choice).
 
 Drawn with matplotlib's Agg canvas set explicitly on each Figure (no pyplot): headless, no global
 backend switch in the caller's process, no figure registry to leak. Colours are the Okabe-Ito
@@ -13,18 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, MaxNLocator, PercentFormatter
 
-from verispec.bench.report import (
-    AR_LABEL,
-    HF_LABEL,
-    OVERALL,
-    acceptance_by_position,
-    display_label,
-    is_speculative_method,
-    k_sweep_labels,
-    labels_in_order,
-    position_counts,
-    summary_tasks,
-)
+from verispec.bench.records import AR, HF, OVERALL, MethodSummary, display_label, tasks_in_order
 
 DPI = 120
 MIN_REACHED = 10  # acceptance at a position reached fewer times is drawn dotted (noisy)
@@ -36,37 +26,26 @@ LINESTYLES = ["-", "--", "-.", ":"]
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 
 
-def label_styles(runs: list[dict]) -> dict[str, dict]:
+def label_styles(summaries: list[MethodSummary]) -> dict[str, dict]:
     """A style per label: the colour names the method, the hatch / line style / marker its variant (K).
 
-    Speculative methods take the palette in order of appearance; hf* and ar baselines take greys.
+    Speculative methods take the palette in order of appearance; baselines take greys.
     """
-    method_of = {r["label"]: r["method"] for r in runs}
-    methods = list(dict.fromkeys(method_of[lb] for lb in labels_in_order(runs)))
-    speculative = [m for m in methods if is_speculative_method(m)]
-    baselines = [m for m in methods if not is_speculative_method(m)]
+    methods = list(dict.fromkeys(s.method for s in summaries))
+    baseline = {s.method: s.baseline for s in summaries}
+    speculative = [m for m in methods if not baseline[m]]
     colour = {m: PALETTE[i % len(PALETTE)] for i, m in enumerate(speculative)}
-    colour.update({m: GREYS[i % len(GREYS)] for i, m in enumerate(baselines)})
+    colour.update({m: GREYS[i % len(GREYS)] for i, m in enumerate(m for m in methods if baseline[m])})
     rounds = {m: i // len(PALETTE) for i, m in enumerate(speculative)}  # palette exhausted: shift hatches
     seen: dict[str, int] = {}
     styles = {}
-    for label in labels_in_order(runs):
-        method = method_of[label]
-        variant = seen.get(method, 0) + 2 * rounds.get(method, 0)
-        seen[method] = seen.get(method, 0) + 1
-        styles[label] = {"color": colour[method], "hatch": HATCHES[variant % len(HATCHES)],
-                         "linestyle": LINESTYLES[variant % len(LINESTYLES)],
-                         "marker": MARKERS[variant % len(MARKERS)]}
+    for s in summaries:
+        variant = seen.get(s.method, 0) + 2 * rounds.get(s.method, 0)
+        seen[s.method] = seen.get(s.method, 0) + 1
+        styles[s.label] = {"color": colour[s.method], "hatch": HATCHES[variant % len(HATCHES)],
+                           "linestyle": LINESTYLES[variant % len(LINESTYLES)],
+                           "marker": MARKERS[variant % len(MARKERS)]}
     return styles
-
-
-def _summary_runs(summary: dict) -> list[dict]:
-    """Stand-in run records for styling a summary alone: a label is its method plus " k=N"."""
-    stand_ins = []
-    for label in summary:
-        method, _, k = label.partition(" k=")
-        stand_ins.append({"label": label, "method": method, "k": int(k) if k.isdigit() else None})
-    return stand_ins
 
 
 def _new_figure(width: float, height: float) -> Figure:
@@ -94,18 +73,12 @@ def _save(figure: Figure, path: Path) -> Path:
     return path
 
 
-def plot_speedup_by_task(summary: dict, path: Path, subtitle: str | None = None,
-                         runs: list[dict] | None = None) -> Path | None:
-    """Grouped bars of speedup vs hf: x = tasks then overall, one bar per label; hf is the dashed 1.0.
-
-    `runs` (optional) gives each label's method for colouring; without it the label is parsed.
-    Returns the path written, or None when no label has a speedup vs hf (no hf runs).
-    """
-    labels = [lb for lb in summary if lb != HF_LABEL]
-    if not any(summary[lb][OVERALL]["speedup_vs_hf"] is not None for lb in labels):
-        return None
-    styles = label_styles(runs or _summary_runs(summary))
-    groups = [*summary_tasks(summary), OVERALL]
+def plot_speedup_by_task(summaries: list[MethodSummary], path: Path, subtitle: str | None = None) -> Path:
+    """Grouped bars of speedup vs hf: x = tasks then overall, one bar per label; hf is the dashed 1.0."""
+    styles = label_styles(summaries)
+    cells = {s.label: s.cells for s in summaries if s.label != HF}
+    labels = list(cells)
+    groups = [*tasks_in_order(t for c in cells.values() for t in c if t != OVERALL), OVERALL]
     width = 0.84 / len(labels)
     figure = _new_figure(min(15.0, max(8.0, 3.0 + 0.13 * len(groups) * len(labels))), 5.0)
     ax = figure.add_subplot()
@@ -115,7 +88,7 @@ def plot_speedup_by_task(summary: dict, path: Path, subtitle: str | None = None,
         style = styles[label]
         xs, ys = [], []
         for g, group in enumerate(groups):
-            value = summary[label].get(group, {}).get("speedup_vs_hf")
+            value = cells[label][group].speedup_vs_hf if group in cells[label] else None
             if value is not None:
                 xs.append(g - 0.42 + width * (i + 0.5))
                 ys.append(value)
@@ -143,22 +116,15 @@ def plot_speedup_by_task(summary: dict, path: Path, subtitle: str | None = None,
     return _save(figure, path)
 
 
-def plot_acceptance_by_position(runs: list[dict], path: Path, subtitle: str | None = None) -> Path | None:
-    """Conditional acceptance rate vs draft position, one line per speculative label.
+def plot_acceptance_by_position(curves: dict[str, tuple[list[float], list[int]]],
+                                summaries: list[MethodSummary], path: Path,
+                                subtitle: str | None = None) -> Path:
+    """Conditional acceptance rate vs draft position, one line per label in `curves` (label ->
+    (rate per position, times each position was reached)).
 
     Positions reached fewer than MIN_REACHED times are drawn dotted: too few samples to read much.
-    Returns the path written, or None when no speculative label reached any draft position.
     """
-    curves = {}
-    for label in labels_in_order(runs):
-        method = next(r["method"] for r in runs if r["label"] == label)
-        if is_speculative_method(method):
-            rates = acceptance_by_position(runs, label)
-            if rates:
-                curves[label] = (rates, position_counts(runs, label)["reached"][:len(rates)])
-    if not curves:
-        return None
-    styles = label_styles(runs)
+    styles = label_styles(summaries)
     figure = _new_figure(9.0, 4.8)
     ax = figure.add_subplot()
     any_sparse = False
@@ -186,28 +152,24 @@ def plot_acceptance_by_position(runs: list[dict], path: Path, subtitle: str | No
     return _save(figure, path)
 
 
-def plot_k_sweep(summary: dict, runs: list[dict], path: Path, subtitle: str | None = None) -> Path | None:
-    """τ (left) and overall speedup (right) vs K for each method run with several Ks.
-
-    The speedup is vs hf, or vs ar when no hf runs exist. Returns None (writes nothing) when no
-    method was run with at least two Ks.
-    """
-    sweeps = k_sweep_labels(runs)
-    if not sweeps:
-        return None
+def plot_k_sweep(sweeps: dict[str, list[tuple[int, str]]], summaries: list[MethodSummary], path: Path,
+                 subtitle: str | None = None) -> Path:
+    """τ (left) and overall speedup (right) vs K for each method in `sweeps` ({method: [(k, label),
+    ...]}). The speedup is vs hf, or vs ar when no hf runs exist."""
+    overall = {s.label: s.overall for s in summaries}
     swept = [label for points in sweeps.values() for _, label in points]
-    key = "speedup_vs_hf" if any(summary[lb][OVERALL]["speedup_vs_hf"] is not None for lb in swept) \
+    key = "speedup_vs_hf" if any(overall[lb].speedup_vs_hf is not None for lb in swept) \
         else "speedup_vs_ar"
-    baseline = HF_LABEL if key == "speedup_vs_hf" else AR_LABEL
-    styles = label_styles(runs)
+    baseline = HF if key == "speedup_vs_hf" else AR
+    styles = label_styles(summaries)
     figure = _new_figure(10.5, 4.6)
     ax_tau, ax_speed = figure.subplots(1, 2)
     all_ks = sorted({k for points in sweeps.values() for k, _ in points})
     for i, (method, points) in enumerate(sweeps.items()):
         colour = styles[points[0][1]]["color"]
         for ax, metric in ((ax_tau, "mean_accepted_tokens"), (ax_speed, key)):
-            pairs = [(k, summary[lb][OVERALL][metric]) for k, lb in points
-                     if summary[lb][OVERALL][metric] is not None]
+            pairs = [(k, getattr(overall[lb], metric)) for k, lb in points
+                     if getattr(overall[lb], metric) is not None]
             if pairs:
                 ax.plot(*zip(*pairs), marker=MARKERS[i % len(MARKERS)], color=colour, linewidth=1.8,
                         markersize=6, label=display_label(method) if ax is ax_tau else None)
@@ -240,10 +202,10 @@ def plot_batched_throughput(results: dict, path: Path) -> Path:
     ax = figure.subplots()
     xs = [int(s) for s in sizes]
     for i, label in enumerate(labels):
-        colour = {HF_LABEL: GREYS[0], AR_LABEL: GREYS[2]}.get(label, PALETTE[i % len(PALETTE)])
+        colour = {HF: GREYS[0], AR: GREYS[2]}.get(label, PALETTE[i % len(PALETTE)])
         ax.plot(xs, [results["sizes"][s][label]["tokens_per_second"] for s in sizes],
                 marker=MARKERS[i % len(MARKERS)], color=colour, linewidth=1.8,
-                linestyle="--" if label in (HF_LABEL, AR_LABEL) else "-", label=label)
+                linestyle="--" if label in (HF, AR) else "-", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("batch size (sequences decoded together)")

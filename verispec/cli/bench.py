@@ -4,7 +4,6 @@ throughput against batch size (--batch-size)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -51,15 +50,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from verispec.bench.report import compare
+    from verispec.bench.markdown import compare
+    from verispec.bench.records import Results
     from verispec.bench.runner import BenchConfig, run_bench
 
     if args.compare:
         loaded = []
         for path in args.compare:
             try:
-                loaded.append(json.loads(Path(path).read_text()))
-            except (OSError, ValueError) as error:
+                loaded.append(Results.load(Path(path)))
+            except (OSError, ValueError, KeyError, TypeError) as error:
                 raise VerispecError(f"cannot read results file {path}: {error}") from error
         print(compare(*loaded))
         return 0
@@ -74,8 +74,8 @@ def run_command(args: argparse.Namespace) -> int:
                          dtype=args.dtype, device=args.device, trees=args.tree,
                          typical=args.typical)
     results = run_bench(config)
-    print((Path(args.out) / "report.md").read_text() if results["runs"] else "no runs finished")
-    if results["config"]["interrupted"]:
+    print((Path(args.out) / "report.md").read_text() if results.runs else "no runs finished")
+    if results.interrupted:
         print(f"verispec: interrupted; results so far are in {args.out}", file=sys.stderr)
         return 130
     return 0

@@ -20,7 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from verispec.types import Step
+from verispec.types import GenerationStats, Step
 
 if TYPE_CHECKING:
     from verispec.server.scheduler import Ticket
@@ -69,28 +69,24 @@ class Metrics:
                                              registry=r)
         self.e2e_latency = Histogram("verispec:e2e_request_latency_seconds", "From arrival to the "
                                      "last token", buckets=LATENCY_BUCKETS, registry=r)
-        # Totals behind the gauges, per method: [tokens, forwards, drafts, accepted per position].
-        self._totals: dict[str, list] = {}
+        self._totals: dict[str, GenerationStats] = {}  # per method: the counts behind the gauges
 
     def stepped(self, method: str, step: Step) -> None:
         """One sequence's step."""
-        tokens, forwards, drafts, per_pos = self._totals.setdefault(method, [0, 0, 0, []])
-        tokens, forwards = tokens + len(step.tokens), forwards + 1
+        totals = self._totals.setdefault(method, GenerationStats())
+        totals.add(step)
         self.generation_tokens.labels(method).inc(len(step.tokens))
         self.forwards.labels(method).inc()
         if step.num_drafted:
-            drafts += 1
+            drafts = totals.drafted_by_position[0]  # steps that drafted
             self.drafts.labels(method).inc()
             self.draft_tokens.labels(method).inc(step.num_drafted)
             self.accepted_tokens.labels(method).inc(step.num_accepted)
-            per_pos.extend([0] * (step.num_accepted - len(per_pos)))
             for position in range(step.num_accepted):
-                per_pos[position] += 1
                 self.accepted_per_pos.labels(method, str(position)).inc()
-            for position, accepted in enumerate(per_pos):
+            for position, accepted in enumerate(totals.accepted_by_position):
                 self.acceptance_rate.labels(method, str(position)).set(accepted / drafts)
-        self.mean_accepted.labels(method).set(tokens / forwards)
-        self._totals[method] = [tokens, forwards, drafts, per_pos]
+        self.mean_accepted.labels(method).set(totals.mean_accepted_tokens)
 
     def finished(self, ticket: Ticket, reason: str) -> None:
         """A request ended (every sequence finished, or the client went away)."""

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from verispec.api import encode_prompt
 from verispec.drafters.early_exit import decoder_layers, default_exit_layer
 from verispec.errors import VerispecError
+from verispec.hf_generate import hf_generate_batch
 from verispec.lean import lean_supported
 from verispec.methods import PLAIN, build_engine
 from verispec.models import LoadedModel
@@ -56,22 +57,7 @@ def answer(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -
     if lean_supported(target.model):
         rules = StoppingRules.build(max_new_tokens, sorted(target.eos_token_ids))
         return [r.sequence for r in build_engine(target, PLAIN).generate_batch(prompts, rules)]
-    model, pad = target.model, 0
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):  # left padding: every answer starts at the same column
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                         eos_token_id=sorted(target.eos_token_ids))
-    eos = target.eos_token_ids
-    sequences = []
-    for p, row in zip(prompts, out[:, width:].tolist()):
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        sequences.append(p + row[:cut])
-    return sequences
+    return [p + new for p, new in zip(prompts, hf_generate_batch(target, prompts, max_new_tokens))]
 
 
 @torch.inference_mode()

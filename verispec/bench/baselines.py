@@ -1,0 +1,72 @@
+"""The baselines the bench runs beside verispec's methods: Hugging Face generate() plain and in
+its speculative modes, timed and counted like verispec's runs. A baseline is a function that
+builds a Contender plus its entry in BASELINES."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from verispec.bench.contender import BenchConfig, Contender, Outcome, exit_layer
+from verispec.models import LoadedModel
+from verispec.types import SamplingParams
+
+PLD_TOKENS = 10  # what hf-pld drafts per step (Hugging Face's prompt_lookup_num_tokens)
+
+# name, target, draft model (None without --draft), config, sampling -> a contender
+Build = Callable[[str, LoadedModel, LoadedModel | None, BenchConfig, SamplingParams], Contender]
+
+
+@dataclass(frozen=True)
+class Baseline:
+    build: Build
+    needs_draft: bool = False  # needs --draft: a Hugging Face model, not a verispec student
+
+
+def hf_generate(extra: Callable[[LoadedModel, LoadedModel | None, BenchConfig], dict],
+                counts_forwards: bool = True) -> Build:
+    """A baseline: Hugging Face generate() with the keywords `extra` gives (its speculative mode),
+    HF defaults otherwise. Target forwards are counted by a hook, unless the drafter is the target
+    itself (early exit)."""
+    def build(name: str, target: LoadedModel, draft: LoadedModel | None, config: BenchConfig,
+              sampling: SamplingParams) -> Contender:
+        model = target.model
+        eos = sorted(target.eos_token_ids)
+        settings = {"max_new_tokens": config.max_new_tokens, "do_sample": not sampling.greedy,
+                    "eos_token_id": eos, "pad_token_id": eos[0] if eos else 0,
+                    **extra(target, draft, config)}
+        if not sampling.greedy:  # the same warps as verispec: temperature only, no top-k / top-p
+            settings |= {"temperature": sampling.temperature, "top_k": 0, "top_p": 1.0}
+
+        def generate(prompt_ids: list[int]) -> Outcome:
+            calls = [0]
+            hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+            inputs = torch.tensor([prompt_ids], device=model.device)
+            torch.manual_seed(config.seed)
+            try:
+                started = time.perf_counter()
+                output = model.generate(inputs, **settings)
+                tokens = output[0, len(prompt_ids):].tolist()
+                seconds = time.perf_counter() - started
+            finally:
+                hook.remove()
+            return Outcome(tokens, seconds, calls[0] if counts_forwards else None)
+
+        return Contender(name, name, settings.get("prompt_lookup_num_tokens"), generate, baseline=True)
+
+    return build
+
+
+BASELINES: dict[str, Baseline] = {
+    "hf": Baseline(hf_generate(lambda target, draft, config: {})),
+    "hf-pld": Baseline(hf_generate(lambda target, draft, config: {"prompt_lookup_num_tokens": PLD_TOKENS})),
+    "hf-assisted": Baseline(hf_generate(lambda target, draft, config: {"assistant_model": draft.model}),
+                            needs_draft=True),
+    "hf-early-exit": Baseline(hf_generate(
+        lambda target, draft, config: {"assistant_early_exit": exit_layer(target, config)},
+        counts_forwards=False)),
+}
+
