@@ -116,12 +116,12 @@ def test_the_default_set_is_the_registrys(tmp_path, monkeypatch):
     assert "hf-pld" not in chosen and "hf-early-exit" in chosen and "lookahead" in chosen
 
     # A method registered with bench=True is chosen after its peer; one set to bench=False is not.
-    toy = Method("toy-bench", "a test's method", 2, lambda target, options: None, hf_peer="hf-early-exit")
+    toy = Method("toy-bench", "a test's method", 2, lambda target, options: None, hf_peer="hf-pld")
     monkeypatch.setitem(METHODS, toy.name, toy)
-    monkeypatch.setitem(METHODS, "lookahead", replace(METHODS["lookahead"], bench=False))
+    monkeypatch.setitem(METHODS, "pld", replace(METHODS["pld"], bench=False))
     chosen = choose_methods(everything)
-    assert "toy-bench" in chosen and "lookahead" not in chosen
-    assert chosen[chosen.index("toy-bench") - 1] == "hf-early-exit"
+    assert "toy-bench" in chosen and "pld" not in chosen
+    assert chosen[chosen.index("toy-bench") - 1] == "hf-pld"
     assert chosen[:2] == ["hf", "ar"]
 
 
