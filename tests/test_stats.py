@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verispec.types import Fate, GenerationStats, Step
+from verispec.types import DraftTree, Fate, GenerationStats, Step
 
 
 def step(drafted: int, accepted: int) -> Step:
@@ -43,3 +43,17 @@ def test_a_position_reached_but_never_accepted_counts_as_zero():
     stats.add(step(3, 1))
     assert stats.accepted_by_position == [1] and stats.reached_by_position == [2, 1]
     assert stats.acceptance_by_position == [1 / 2, 0.0]
+
+
+def test_a_tree_reaches_only_the_depths_below_its_accepted_path():
+    # Root children 0 and 1; node 1 has a child 2 (depth 2). Accepting node 0, a leaf, judged
+    # depth 1 only: the tree's depth 2 lay under the other branch.
+    leaf = DraftTree([5, 6, 7], [-1, -1, 1], [0], depth=2)
+    stats = GenerationStats()
+    stats.add(Step([5, 9], [Fate.ACCEPTED, Fate.BONUS], [], 3, 1, 0.1, 0.2, False, leaf))
+    assert stats.drafted_by_position == [1, 1] and stats.reached_by_position == [1]
+    assert stats.acceptance_by_position == [1.0]
+    # Accepting node 1, whose child 2 was refused, judged depth 2 as well.
+    inner = DraftTree([5, 6, 7], [-1, -1, 1], [1], depth=2)
+    stats.add(Step([6, 9], [Fate.ACCEPTED, Fate.RECOVERED], [7], 3, 1, 0.1, 0.2, False, inner))
+    assert stats.reached_by_position == [2, 1] and stats.acceptance_by_position == [1.0, 0.0]

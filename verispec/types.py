@@ -164,7 +164,7 @@ class GenerationStats:
     target_forwards: int = 0
     drafted_by_position: list[int] = field(default_factory=list)  # steps drafting position i
     accepted_by_position: list[int] = field(default_factory=list)  # ... where i was accepted
-    reached_by_position: list[int] = field(default_factory=list)  # ... where 0..i-1 were accepted
+    reached_by_position: list[int] = field(default_factory=list)  # ... 0..i-1 accepted, i judged
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -172,7 +172,11 @@ class GenerationStats:
     def add(self, step: Step) -> None:
         self.new_tokens += len(step.tokens)
         self.target_forwards += 1
-        reached = min(step.draft_depth, step.num_accepted + 1)
+        # Positions the verifier judged: the accepted ones and, where the draft went on past
+        # them, the first refused. In a tree that is where the accepted node has children
+        # (`rejected`), not wherever the tree is deeper than the accepted path.
+        reached = (min(step.draft_depth, step.num_accepted + 1) if step.tree is None
+                   else step.num_accepted + bool(step.rejected))
         _add_counts(self.drafted_by_position, [1] * step.draft_depth)
         _add_counts(self.accepted_by_position, [1] * step.num_accepted)
         _add_counts(self.reached_by_position, [1] * reached)
