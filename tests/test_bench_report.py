@@ -289,3 +289,14 @@ def test_a_baseline_is_known_by_its_record_not_its_name(tmp_path):
     assert "llama.cpp" not in figure_data(results)["acceptance_by_position.png"]["curves"]
     assert plots.label_styles(summary.summarize(results.runs))["llama.cpp"]["color"] in plots.GREYS
     assert "| llama.cpp |" in render_markdown(results)
+
+
+def test_the_speedup_model_measures_trees_but_predicts_only_chains():
+    trees = [replace(r, label="pld k=4 tree=2x6", tree="2x6")
+             for r in synthetic_runs() if r.label == "pld k=4"]
+    models = summary.speedup_model(synthetic_runs() + trees, ForwardTimings(dict(BY_TOKENS)))
+    chain, tree = models["pld k=4"], models["pld k=4 tree=2x6"]
+    assert tree.alpha == chain.alpha == pytest.approx(0.5) and tree.c == chain.c
+    assert tree.measured_speedup_vs_ar == pytest.approx(32 / 17) and tree.tree == "2x6"
+    assert chain.predicted_speedup == pytest.approx(1.9375) and chain.best_k == 32
+    assert tree.predicted_speedup is None and tree.best_k is None  # the chain model is not a tree's
