@@ -9,7 +9,6 @@ Acceptance by position here is vLLM's: accepted at position i / steps that draft
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,9 +20,6 @@ from prometheus_client import (
 )
 
 from verispec.types import GenerationStats, Step
-
-if TYPE_CHECKING:
-    from verispec.server.scheduler import Ticket
 
 disable_created_metrics()  # no *_created series (process-wide, as vLLM does)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -88,10 +84,11 @@ class Metrics:
                 self.acceptance_rate.labels(method, str(position)).set(accepted / drafts)
         self.mean_accepted.labels(method).set(totals.mean_accepted_tokens)
 
-    def finished(self, ticket: Ticket, reason: str) -> None:
-        """A request ended (every sequence finished, or the client went away)."""
+    def finished(self, submitted: float, reason: str) -> None:
+        """A request that arrived at `submitted` (perf_counter) ended (every sequence finished, or
+        the client went away)."""
         self.success.labels(reason).inc()
-        self.e2e_latency.observe(time.perf_counter() - ticket.submitted)
+        self.e2e_latency.observe(time.perf_counter() - submitted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

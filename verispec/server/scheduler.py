@@ -214,7 +214,7 @@ class Scheduler:
                         t.request.n for t in admitted) + self._waiting[0].request.n <= self.max_batch):
                     ticket = self._waiting.popleft()
                     if ticket.cancelled:
-                        self.metrics.finished(ticket, "abort")
+                        self.metrics.finished(ticket.submitted, "abort")
                     else:
                         admitted.append(ticket)
                 self.metrics.waiting.set(len(self._waiting))
@@ -235,7 +235,7 @@ class Scheduler:
                 del self._rows[row_id]
                 ticket.unfinished -= 1
                 if ticket.unfinished == 0:
-                    self.metrics.finished(ticket, "abort")
+                    self.metrics.finished(ticket.submitted, "abort")
 
     def _admit(self, ticket: Ticket) -> None:
         request = ticket.request
@@ -281,5 +281,5 @@ class Scheduler:
                 del self._rows[row_id]
                 ticket.unfinished -= 1
                 if ticket.unfinished == 0:
-                    self.metrics.finished(ticket, reason)
+                    self.metrics.finished(ticket.submitted, reason)
             ticket.post(Stepped(index, step, reason))
