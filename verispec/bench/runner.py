@@ -31,6 +31,7 @@ from verispec.drafters.early_exit import default_exit_layer
 from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
 from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.self_spec import check as check_self
+from verispec.drafters.suffix import forget_outputs
 from verispec.engine import context_length
 from verispec.errors import VerispecError
 from verispec.methods import METHODS, TREE_METHODS, build_engine, resolve_tree
@@ -417,7 +418,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
                 bar.set_postfix_str(f"warm-up {contender.label}")
                 contender.generate(first_prompt)
                 bar.update()
-        # Timed after the warm-up: the first forwards after loading are slow.
+        # Timed after the warm-up: the first forwards after loading are slow. The warm-up's
+        # outputs leave the suffix cache, or the first question would draft from its own answer.
+        forget_outputs(target.model)
         results["forward"] = measure_forward(target, (first_prompt * (300 // len(first_prompt) + 1))[:300])
         for index, question in enumerate(questions):
             prompt_ids = prompts[question]
