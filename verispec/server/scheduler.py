@@ -49,6 +49,7 @@ class GenerationRequest:
     n: int
     method: str
     options: DraftOptions  # k and tree; the rest are the method's defaults
+    prediction: list[int] | None = None  # the predicted output's ids (OpenAI's `prediction`)
 
 
 # Events a ticket receives, in order: Admitted or Refused; then Stepped until every sequence has
@@ -242,7 +243,8 @@ class Scheduler:
         try:
             speculation = self.speculation(request.method, request.options)
             row_ids = self._engine.add(request.prompt_ids, request.stopping, request.sampling,
-                                       request.seed, samples=request.n, speculation=speculation)
+                                       request.seed, samples=request.n, speculation=speculation,
+                                       prediction=request.prediction)
         except VerispecError as error:  # counted as a bad request by the handler
             ticket.post(Refused(str(error)))
             return
