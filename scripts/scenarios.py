@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from verispec.api import encode_prompt
+from verispec.drafters.prediction import PredictionDrafter
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import build_engine
 from verispec.models import load
@@ -65,7 +66,8 @@ def run(engine, prompts: list[list[int]], stopping: StoppingRules,
     stats, outputs = [], []
     started = time.perf_counter()
     for prompt, prediction in zip(prompts, predictions or [None] * len(prompts)):
-        result = engine.generate(prompt, stopping, prediction=prediction)
+        result = engine.generate(prompt, stopping, prediction=None if prediction is None
+                                 else PredictionDrafter(prediction))
         stats.append(result.stats)
         outputs.append(result.token_ids)
     return GenerationStats.total(stats), time.perf_counter() - started, outputs

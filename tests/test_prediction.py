@@ -64,7 +64,7 @@ def test_predicted_outputs_match_plain_decoding_and_are_counted(target, truth, d
     made = None if drafter is None else PromptLookupDrafter(max_ngram=3)
     engine = SpeculativeEngine(target, made, ConstantK(k))
     for prediction in (truth, edited(truth)):
-        result = engine.generate(PROMPT, StoppingRules.build(NEW), prediction=prediction)
+        result = engine.generate(PROMPT, StoppingRules.build(NEW), prediction=PredictionDrafter(prediction))
         assert result.token_ids == truth
         stats = result.stats
         drafted = sum(s.num_drafted for s in result.steps if s.from_prediction)
@@ -88,7 +88,8 @@ def test_predicted_outputs_match_plain_decoding_and_are_counted(target, truth, d
 def test_a_batch_with_a_prediction_beside_a_row_without(target, truth):
     other = [1, 33, 5]
     engine = SpeculativeEngine(target, PromptLookupDrafter(), ConstantK(4), spawn=PromptLookupDrafter)
-    results = engine.generate_batch([PROMPT, other], StoppingRules.build(NEW), predictions=[truth, None])
+    results = engine.generate_batch([PROMPT, other], StoppingRules.build(NEW),
+                                    predictions=[PredictionDrafter(truth), None])
     assert results[0].token_ids == truth and results[1].token_ids == plain_greedy(target, other, NEW)
     assert results[0].stats.accepted_prediction_tokens > NEW // 2
     assert results[1].stats.accepted_prediction_tokens == 0
@@ -103,7 +104,8 @@ def test_predicted_outputs_sample_the_target_distribution():
     sampling = SamplingParams(True, 1.5)
     engine = SpeculativeEngine(model)
     samples = 3000
-    empirical, results = empirical_pairs(engine, prompt, sampling, samples, seed=0, prediction=[3, 4, 5])
+    empirical, results = empirical_pairs(engine, prompt, sampling, samples, seed=0,
+                                         prediction=PredictionDrafter([3, 4, 5]))
     accepted = sum(r.stats.accepted_prediction_tokens for r in results)
     assert results[0].steps[0].from_prediction and 0 < accepted < 2 * samples
     assert tv(empirical.flatten(), exact_pairs(model, prompt, sampling).flatten()) <= tv_bound(samples, 36)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
+from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.methods import HF_SELECTORS, PLAIN, build_engine
@@ -106,9 +107,14 @@ class Job:
         return self.prompts[0]
 
     @property
-    def prediction(self) -> list[int] | None:
-        """The predicted output of a single-prompt job."""
-        return None if self.predictions is None else self.predictions[0]
+    def prediction(self) -> PredictionDrafter | None:
+        """A drafter of the predicted output of a single-prompt job."""
+        return self.predictors()[0]
+
+    def predictors(self) -> list[PredictionDrafter | None]:
+        """A drafter of each prompt's predicted output (None: it has none)."""
+        ids = self.predictions or [None] * len(self.prompts)
+        return [None if p is None else PredictionDrafter(p) for p in ids]
 
 
 def make_job(target: LoadedModel, inputs: Prompts, *, method: str = PLAIN,
@@ -240,7 +246,7 @@ def run(job: Job, streamer=None) -> GenerationResult | list[GenerationResult]:
             raise VerispecError("a streamer takes one sequence: stream a batch through verispec.serve "
                                 "or SpeculativeEngine.add / step")
         results = job.engine.generate_batch(job.prompts, job.stopping, job.sampling, job.seed,
-                                            job.samples, job.predictions)
+                                            job.samples, job.predictors())
     elif streamer is None:
         results = [job.engine.generate(job.prompt_ids, job.stopping, job.sampling, job.seed,
                                        prediction=job.prediction)]

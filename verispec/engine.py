@@ -25,7 +25,6 @@ from transformers import PreTrainedModel
 
 from verispec.cached_model import CachedModel, forward_rows
 from verispec.drafters.base import Drafter, DraftRequest
-from verispec.drafters.prediction import PREDICTION_K, PredictionDrafter
 from verispec.errors import VerispecError
 from verispec.policies import ConstantK, DraftLengthPolicy, LoadCap
 from verispec.stopping import StoppingRules
@@ -58,7 +57,7 @@ class _Row:
 
     def __init__(self, speculation: Speculation, target: CachedModel, drafter: Drafter | None,
                  hidden_size: int, prompt_ids: list[int], stopping: StoppingRules,
-                 sampling: SamplingParams, seed: int | None, prediction: list[int] | None = None) -> None:
+                 sampling: SamplingParams, seed: int | None, prediction: Drafter | None = None) -> None:
         device = target.device
         self.speculation = speculation
         self.target, self.drafter = target, drafter
@@ -83,7 +82,7 @@ class _Row:
         self.proposal = Proposal(self.buffer[:0])
         self.draft_seconds = 0.0
         # The caller's predicted output, drafted before the row's own drafter while it has a draft.
-        self.predicted = None if prediction is None else PredictionDrafter(prediction)
+        self.predicted = prediction
         self.from_prediction = False  # this step's draft came from the prediction
 
     def prefill(self, source: _Row | None = None) -> None:
@@ -120,11 +119,11 @@ class _Row:
         return DraftRequest(self.buffer[: self.length], k, self.sampling, self.generator, hidden)
 
     def predict(self, cap: int | None) -> bool:
-        """Take the prediction's draft for this step if it has one (up to PREDICTION_K tokens,
-        within the budget and the batch's cap); False: the row's own drafter drafts."""
+        """Take the prediction's draft for this step if it has one (as long as it likes, within
+        the budget and the batch's cap); False: the row's own drafter drafts."""
         if self.predicted is None:
             return False
-        k = min(PREDICTION_K, self.stopping.max_new_tokens - len(self.generated) - 1)
+        k = self.stopping.max_new_tokens - len(self.generated) - 1
         if cap is not None:
             k = min(k, cap)
         if k <= 0:
@@ -238,7 +237,7 @@ class SpeculativeEngine:
 
     def _open(self, prompt_ids: list[int], stopping: StoppingRules, sampling: SamplingParams,
               seed: int | None, source: _Row | None = None,
-              speculation: Speculation | None = None, prediction: list[int] | None = None) -> _Row:
+              speculation: Speculation | None = None, prediction: Drafter | None = None) -> _Row:
         speculation = speculation or self.speculation
         if speculation not in self._free:  # first seen: its own drafter is the first to use
             self._free[speculation] = [(CachedModel(self.model), speculation.drafter)]
@@ -306,10 +305,11 @@ class SpeculativeEngine:
 
     def steps(self, prompt_ids: list[int], stopping: StoppingRules,
               sampling: SamplingParams = SamplingParams(),
-              seed: int | None = None, prediction: list[int] | None = None) -> Iterator[Step]:
+              seed: int | None = None, prediction: Drafter | None = None) -> Iterator[Step]:
         """Run generation, yielding each step's emitted tokens as soon as they are committed.
-        prediction: token ids the output is expected to be mostly (verispec.drafters.prediction),
-        drafted before the engine's drafter wherever the output is in it."""
+        prediction: a drafter for this sequence alone, asked before the engine's own each step
+        (verispec.drafters.prediction: the caller's predicted output); its steps are counted as
+        prediction tokens."""
         self.check_prompt(prompt_ids, stopping.max_new_tokens)
         row = self._open(prompt_ids, stopping, sampling, seed, prediction=prediction)
         try:
@@ -325,7 +325,7 @@ class SpeculativeEngine:
                  sampling: SamplingParams = SamplingParams(),
                  seed: int | None = None,
                  on_step: Callable[[Step], None] | None = None,
-                 prediction: list[int] | None = None) -> GenerationResult:
+                 prediction: Drafter | None = None) -> GenerationResult:
         """Run to completion and collect tokens, steps and statistics."""
         stats = GenerationStats()
         steps: list[Step] = []
@@ -344,7 +344,7 @@ class SpeculativeEngine:
     def add(self, prompt_ids: list[int], stopping: StoppingRules,
             sampling: SamplingParams = SamplingParams(), seed: int | None = None,
             samples: int = 1, speculation: Speculation | None = None,
-            prediction: list[int] | None = None) -> list[int]:
+            prediction: Drafter | None = None) -> list[int]:
         """Start `samples` sequences of one prompt (they share its prefill); each joins the batch
         at the next `step`. Sample i is seeded with seed + i. speculation: how they draft
         (default: the engine's own; see verispec.methods.build_speculation). prediction: see
@@ -356,8 +356,9 @@ class SpeculativeEngine:
         first = None
         try:
             for i in range(samples):
+                own = prediction if i == 0 or prediction is None else copy.deepcopy(prediction)
                 row = self._open(prompt_ids, stopping, sampling, None if seed is None else seed + i,
-                                 first, speculation, prediction)
+                                 first, speculation, own)
                 first = first or row
                 self._rows[self._next_id] = row
                 ids.append(self._next_id)
@@ -397,7 +398,7 @@ class SpeculativeEngine:
 
     def generate_batch(self, prompts: list[list[int]], stopping: StoppingRules | list[StoppingRules],
                        sampling: SamplingParams = SamplingParams(), seed: int | None = None,
-                       samples: int = 1, predictions: list[list[int] | None] | None = None
+                       samples: int = 1, predictions: list[Drafter | None] | None = None
                        ) -> list[GenerationResult]:
         """Generate for every prompt together (`samples` each, one after another in the result);
         each result is what that sequence would be alone. Sequence i is seeded with seed + i.

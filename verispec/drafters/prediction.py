@@ -35,12 +35,13 @@ def realign(prediction: list[int], output: list[int], near: int, max_ngram: int 
 
 
 class PredictionDrafter:
-    """Drafts from `prediction` (token ids) where the output is in it."""
+    """Drafts up to max_k tokens of `prediction` (token ids) where the output is in it."""
 
-    def __init__(self, prediction: list[int]) -> None:
+    def __init__(self, prediction: list[int], max_k: int = PREDICTION_K) -> None:
         if not prediction:
             raise VerispecError("the prediction is empty: give the text the output is expected to be")
         self.prediction = list(prediction)
+        self.max_k = max_k
         self.reset()
 
     def reset(self) -> None:
@@ -63,7 +64,8 @@ class PredictionDrafter:
         self._seen = len(context)
         if self._at is None:
             self._at = realign(self.prediction, context[self._start:], self._last)
-        draft = [] if self._at is None else self.prediction[self._at: self._at + request.k]
+        k = min(request.k, self.max_k)
+        draft = [] if self._at is None else self.prediction[self._at: self._at + k]
         return Proposal(torch.tensor(draft, dtype=torch.int64, device=request.tokens.device))
 
     def commit(self, num_accepted: int) -> None:

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine import Speculation
 from verispec.errors import VerispecError
 from verispec.methods import PLAIN, build_engine, build_speculation
@@ -244,7 +245,8 @@ class Scheduler:
             speculation = self.speculation(request.method, request.options)
             row_ids = self._engine.add(request.prompt_ids, request.stopping, request.sampling,
                                        request.seed, samples=request.n, speculation=speculation,
-                                       prediction=request.prediction)
+                                       prediction=None if request.prediction is None
+                                       else PredictionDrafter(request.prediction))
         except VerispecError as error:  # counted as a bad request by the handler
             ticket.post(Refused(str(error)))
             return
