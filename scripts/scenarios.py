@@ -120,16 +120,16 @@ def main() -> None:
         base = ar_stats.new_tokens / ar_seconds
         lines += ["## Code edits with the original file as the prediction\n",
                   f"{len(EDITS)} small edits; the prediction is the original file in a code fence.\n",
-                  *HEADER, row("ar", ar_stats, ar_seconds, base, True)]
+                  HEADER[0] + " prediction tokens accepted / rejected |", HEADER[1] + " ---: |",
+                  row("ar", ar_stats, ar_seconds, base, True) + " |"]
         for method in ("ar", "pld"):
             engine = build_engine(target, method)
             if method != "ar":
                 stats, seconds, out = run(engine, prompts, stopping)
-                lines.append(row(method, stats, seconds, base, out == ar_out))
+                lines.append(row(method, stats, seconds, base, out == ar_out) + " |")
             stats, seconds, out = run(engine, prompts, stopping, predictions)
             lines.append(row(f"{method} + prediction", stats, seconds, base, out == ar_out)
-                         + f" accepted / rejected prediction tokens: "
-                           f"{stats.accepted_prediction_tokens} / {stats.rejected_prediction_tokens}")
+                         + f" {stats.accepted_prediction_tokens} / {stats.rejected_prediction_tokens} |")
         lines.append("")
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
