@@ -181,7 +181,8 @@ def every_field_set() -> DraftOptions:
     changed = {"k": 3, "schedule": "heuristic", "confidence_threshold": 0.25, "draft": "some/dir",
                "exit_layer": 1, "max_ngram": 5, "min_ngram": 1, "tree": TreeSettings(2, 3),
                "acceptance": "typical", "group": 64, "skip_layers": (1,), "lookahead_window": 3,
-               "lookahead_ngram": 4, "lookahead_guesses": 3, "lookahead_pool_context": False}
+               "lookahead_ngram": 4, "lookahead_guesses": 3, "lookahead_pool_context": False,
+               "suffix_factor": 2.0, "suffix_min_prob": 0.2, "suffix_cache_tokens": 1000}
     assert set(changed) == {f.name for f in fields(DraftOptions)}, "a new field: give it a value here"
     options = DraftOptions(**changed)
     assert all(getattr(options, f.name) != f.default for f in fields(DraftOptions))

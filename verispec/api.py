@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
+from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.methods import HF_SELECTORS, PLAIN, build_engine
@@ -98,18 +99,30 @@ class Job:
     seed: int | None
     batched: bool = False  # the prompts came as a batch: the result is a list
     samples: int = 1  # sequences per prompt (num_return_sequences)
+    predictions: list[list[int] | None] | None = None  # per prompt: its predicted output's ids
 
     @property
     def prompt_ids(self) -> list[int]:
         """The prompt of a single-prompt job."""
         return self.prompts[0]
 
+    @property
+    def prediction(self) -> PredictionDrafter | None:
+        """A drafter of the predicted output of a single-prompt job."""
+        return self.predictors()[0]
+
+    def predictors(self) -> list[PredictionDrafter | None]:
+        """A drafter of each prompt's predicted output (None: it has none)."""
+        ids = self.predictions or [None] * len(self.prompts)
+        return [None if p is None else PredictionDrafter(p) for p in ids]
+
 
 def make_job(target: LoadedModel, inputs: Prompts, *, method: str = PLAIN,
              options: DraftOptions = DraftOptions(), sampling: SamplingParams = SamplingParams(),
              max_new_tokens: int = 128, eos_token_id: int | Iterable[int] | None = None,
              stop_strings: str | Iterable[str] | None = None, chat: bool = False,
-             seed: int | None = None, num_return_sequences: int = 1) -> Job:
+             seed: int | None = None, num_return_sequences: int = 1,
+             prediction: str | list[str] | None = None) -> Job:
     """Validate a request by method name (the CLI's entry); raises before any work starts."""
     if (isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, int)
             or num_return_sequences < 1):
@@ -122,7 +135,30 @@ def make_job(target: LoadedModel, inputs: Prompts, *, method: str = PLAIN,
         raise VerispecError("the batch of prompts is empty")
     for prompt_ids in prompts:
         engine.check_prompt(prompt_ids, max_new_tokens)
-    return Job(target, engine, prompts, stopping, sampling, seed, batched, num_return_sequences)
+    return Job(target, engine, prompts, stopping, sampling, seed, batched, num_return_sequences,
+               encode_predictions(target, prediction, len(prompts), batched))
+
+
+def encode_predictions(target: LoadedModel, prediction: str | list[str] | None, count: int,
+                       batched: bool) -> list[list[int] | None] | None:
+    """Token ids of the predicted outputs: one text for one prompt, a list of texts (or None
+    each) for a batch of `count`."""
+    if prediction is None:
+        return None
+    texts = prediction if isinstance(prediction, list) else [prediction]
+    if isinstance(prediction, list) != batched or len(texts) != count:
+        raise VerispecError(f"give one prediction per prompt: a text for one prompt, a list of "
+                            f"{count} texts (or None) for a batch")
+    if target.tokenizer is None:
+        raise VerispecError(f"{target.name} has no tokenizer to read a predicted output with")
+    ids: list[list[int] | None] = []
+    for text in texts:
+        if text is not None and not isinstance(text, str):
+            raise VerispecError(f"a prediction is text, got {type(text).__name__}")
+        if text is not None and not text:
+            raise VerispecError("a prediction is empty: give the text the output is expected to be")
+        ids.append(None if text is None else target.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids
 
 
 def prepare(
@@ -151,6 +187,7 @@ def prepare(
     tokenizer=None,
     chat: bool = False,
     num_return_sequences: int = 1,
+    prediction: str | list[str] | None = None,
 ) -> Job:
     """Map Hugging Face-style arguments to a method and validate; see `generate`."""
     target = _as_loaded(model, tokenizer)
@@ -198,7 +235,7 @@ def prepare(
                     sampling=SamplingParams(do_sample, temperature, top_k, top_p),
                     max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                     stop_strings=stop_strings, chat=chat, seed=seed,
-                    num_return_sequences=num_return_sequences)
+                    num_return_sequences=num_return_sequences, prediction=prediction)
 
 
 def run(job: Job, streamer=None) -> GenerationResult | list[GenerationResult]:
@@ -209,13 +246,15 @@ def run(job: Job, streamer=None) -> GenerationResult | list[GenerationResult]:
             raise VerispecError("a streamer takes one sequence: stream a batch through verispec.serve "
                                 "or SpeculativeEngine.add / step")
         results = job.engine.generate_batch(job.prompts, job.stopping, job.sampling, job.seed,
-                                            job.samples)
+                                            job.samples, job.predictors())
     elif streamer is None:
-        results = [job.engine.generate(job.prompt_ids, job.stopping, job.sampling, job.seed)]
+        results = [job.engine.generate(job.prompt_ids, job.stopping, job.sampling, job.seed,
+                                       prediction=job.prediction)]
     else:
         streamer.put(torch.tensor(job.prompt_ids))
         results = [job.engine.generate(job.prompt_ids, job.stopping, job.sampling, job.seed,
-                                       on_step=lambda step: streamer.put(torch.tensor(step.tokens)))]
+                                       on_step=lambda step: streamer.put(torch.tensor(step.tokens)),
+                                       prediction=job.prediction)]
         streamer.end()
     if job.target.tokenizer is not None:
         for result in results:
@@ -240,7 +279,10 @@ def generate(model: ModelLike, inputs: Prompts, *, streamer=None,
     registered method, e.g. "self-int4-pld", "eagle"; num_assistant_tokens is then its k;
     instead of the keywords above) with options=DraftOptions(...) for its other settings (e.g.
     lookahead_window), tree=TreeSettings(topk, nodes) or tree="default" (the
-    method's measured default tree) and acceptance="typical" (Medusa's typical acceptance: LOSSY
+    method's measured default tree), prediction=TEXT (OpenAI's predicted outputs: text the
+    answer is expected to be mostly, drafted before the method's drafter wherever the output is
+    in it; a list of texts for a batch; usage in result.stats.accepted_prediction_tokens /
+    rejected_prediction_tokens) and acceptance="typical" (Medusa's typical acceptance: LOSSY
     under sampling, the output no longer follows the target's distribution; default "exact").
     A Hugging Face-style `streamer` (put/end) receives the prompt, then each committed block of
     tokens (one sequence only).
@@ -258,8 +300,8 @@ def stream(model: ModelLike, inputs: str | list[int] | torch.Tensor, **kwargs) -
         raise VerispecError("stream takes one prompt and one sequence; generate takes batches")
     if job.target.tokenizer is None:
         raise VerispecError(f"{job.target.name} has no tokenizer: streaming text needs one")
-    yield from stream_text(job.engine.steps(job.prompt_ids, job.stopping, job.sampling, job.seed),
-                           job.target.tokenizer)
+    yield from stream_text(job.engine.steps(job.prompt_ids, job.stopping, job.sampling, job.seed,
+                                            job.prediction), job.target.tokenizer)
 
 
 def stream_text(steps: Iterable[Step], tokenizer) -> Iterator[str]:

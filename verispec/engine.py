@@ -57,7 +57,7 @@ class _Row:
 
     def __init__(self, speculation: Speculation, target: CachedModel, drafter: Drafter | None,
                  hidden_size: int, prompt_ids: list[int], stopping: StoppingRules,
-                 sampling: SamplingParams, seed: int | None) -> None:
+                 sampling: SamplingParams, seed: int | None, prediction: Drafter | None = None) -> None:
         device = target.device
         self.speculation = speculation
         self.target, self.drafter = target, drafter
@@ -81,6 +81,9 @@ class _Row:
                                       device=device, dtype=target.model.dtype)  # [prompt + new, .]
         self.proposal = Proposal(self.buffer[:0])
         self.draft_seconds = 0.0
+        # The caller's predicted output, drafted before the row's own drafter while it has a draft.
+        self.predicted = prediction
+        self.from_prediction = False  # this step's draft came from the prediction
 
     def prefill(self, source: _Row | None = None) -> None:
         """Cache the prompt (all of it but the last token), or copy it from `source`, a row with
@@ -88,6 +91,8 @@ class _Row:
         self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
+        if self.predicted is not None:
+            self.predicted.reset()
         if self.length == 1:
             return
         if source is None:
@@ -113,12 +118,31 @@ class _Row:
         hidden = None if self.hidden is None else self.hidden[: self.length - 1]
         return DraftRequest(self.buffer[: self.length], k, self.sampling, self.generator, hidden)
 
-    def take(self, proposal: Proposal | None, seconds: float) -> None:
+    def predict(self, cap: int | None) -> bool:
+        """Take the prediction's draft for this step if it has one (as long as it likes, within
+        the budget and the batch's cap); False: the row's own drafter drafts."""
+        if self.predicted is None:
+            return False
+        k = self.stopping.max_new_tokens - len(self.generated) - 1
+        if cap is not None:
+            k = min(k, cap)
+        if k <= 0:
+            return False
+        started = time.perf_counter()
+        proposal = self.predicted.propose(DraftRequest(self.buffer[: self.length], k, self.sampling,
+                                                       self.generator))
+        if not len(proposal):
+            return False
+        self.take(proposal, time.perf_counter() - started, from_prediction=True)
+        return True
+
+    def take(self, proposal: Proposal | None, seconds: float, from_prediction: bool = False) -> None:
         """This step's draft (None: none), and the seconds it took."""
         proposal = Proposal(self.buffer[:0]) if proposal is None else proposal
         if proposal.parents is not None:  # a drafter's tree must be well formed
             check_parents(proposal.parents)
         self.proposal, self.draft_seconds = proposal, seconds
+        self.from_prediction = from_prediction
 
     def block(self) -> torch.Tensor:
         """The tokens the target scores this step: the last committed one, the draft, and the
@@ -142,7 +166,9 @@ class _Row:
         if self.hidden is not None:
             self.hidden[self.length - 1: self.length + accepted] = block_hidden[rows]
         self.target.keep(self.length - 1, rows)
-        if len(proposal):
+        if self.from_prediction:
+            self.predicted.commit(accepted)
+        elif len(proposal):
             self.drafter.commit(accepted)
             self.policy.update(proposal.depth, accepted)
 
@@ -160,7 +186,7 @@ class _Row:
                                                                   proposal.depth)
         verify_seconds = forward_seconds + time.perf_counter() - started
         return Step(block[:keep], fates[:keep], alternatives, len(proposal), accepted,
-                    self.draft_seconds, verify_seconds, finished, shown)
+                    self.draft_seconds, verify_seconds, finished, shown, self.from_prediction)
 
 
 class SpeculativeEngine:
@@ -211,7 +237,7 @@ class SpeculativeEngine:
 
     def _open(self, prompt_ids: list[int], stopping: StoppingRules, sampling: SamplingParams,
               seed: int | None, source: _Row | None = None,
-              speculation: Speculation | None = None) -> _Row:
+              speculation: Speculation | None = None, prediction: Drafter | None = None) -> _Row:
         speculation = speculation or self.speculation
         if speculation not in self._free:  # first seen: its own drafter is the first to use
             self._free[speculation] = [(CachedModel(self.model), speculation.drafter)]
@@ -226,7 +252,7 @@ class SpeculativeEngine:
             drafter = None if speculation.drafter is None else speculation.spawn()
         try:
             row = _Row(speculation, target, drafter, self.hidden_size, prompt_ids, stopping, sampling,
-                       seed)
+                       seed, prediction)
             row.prefill(source)
         except BaseException:  # a bad setting or a failed prefill: the cache and drafter go back
             free.append((target, drafter))
@@ -254,6 +280,8 @@ class SpeculativeEngine:
         ModelDrafter has) draft together, one forward per drafting position for all of them."""
         groups: dict[type, list[tuple[_Row, DraftRequest]]] = {}
         for row in rows:
+            if row.predict(cap):
+                continue
             request = row.request(cap)
             if request is None:
                 row.take(None, 0.0)
@@ -277,10 +305,13 @@ class SpeculativeEngine:
 
     def steps(self, prompt_ids: list[int], stopping: StoppingRules,
               sampling: SamplingParams = SamplingParams(),
-              seed: int | None = None) -> Iterator[Step]:
-        """Run generation, yielding each step's emitted tokens as soon as they are committed."""
+              seed: int | None = None, prediction: Drafter | None = None) -> Iterator[Step]:
+        """Run generation, yielding each step's emitted tokens as soon as they are committed.
+        prediction: a drafter for this sequence alone, asked before the engine's own each step
+        (verispec.drafters.prediction: the caller's predicted output); its steps are counted as
+        prediction tokens."""
         self.check_prompt(prompt_ids, stopping.max_new_tokens)
-        row = self._open(prompt_ids, stopping, sampling, seed)
+        row = self._open(prompt_ids, stopping, sampling, seed, prediction=prediction)
         try:
             while True:
                 (step,) = self._step([row])
@@ -293,12 +324,13 @@ class SpeculativeEngine:
     def generate(self, prompt_ids: list[int], stopping: StoppingRules,
                  sampling: SamplingParams = SamplingParams(),
                  seed: int | None = None,
-                 on_step: Callable[[Step], None] | None = None) -> GenerationResult:
+                 on_step: Callable[[Step], None] | None = None,
+                 prediction: Drafter | None = None) -> GenerationResult:
         """Run to completion and collect tokens, steps and statistics."""
         stats = GenerationStats()
         steps: list[Step] = []
         started = time.perf_counter()
-        for step in self.steps(prompt_ids, stopping, sampling, seed):
+        for step in self.steps(prompt_ids, stopping, sampling, seed, prediction):
             steps.append(step)
             stats.add(step)
             if on_step is not None:
@@ -311,10 +343,12 @@ class SpeculativeEngine:
 
     def add(self, prompt_ids: list[int], stopping: StoppingRules,
             sampling: SamplingParams = SamplingParams(), seed: int | None = None,
-            samples: int = 1, speculation: Speculation | None = None) -> list[int]:
+            samples: int = 1, speculation: Speculation | None = None,
+            prediction: Drafter | None = None) -> list[int]:
         """Start `samples` sequences of one prompt (they share its prefill); each joins the batch
         at the next `step`. Sample i is seeded with seed + i. speculation: how they draft
-        (default: the engine's own; see verispec.methods.build_speculation). Returns their ids."""
+        (default: the engine's own; see verispec.methods.build_speculation). prediction: see
+        `steps`. Returns their ids."""
         self.check_prompt(prompt_ids, stopping.max_new_tokens)
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise VerispecError(f"the number of samples must be a positive integer, got {samples!r}")
@@ -322,8 +356,9 @@ class SpeculativeEngine:
         first = None
         try:
             for i in range(samples):
+                own = prediction if i == 0 or prediction is None else copy.deepcopy(prediction)
                 row = self._open(prompt_ids, stopping, sampling, None if seed is None else seed + i,
-                                 first, speculation)
+                                 first, speculation, own)
                 first = first or row
                 self._rows[self._next_id] = row
                 ids.append(self._next_id)
@@ -363,12 +398,17 @@ class SpeculativeEngine:
 
     def generate_batch(self, prompts: list[list[int]], stopping: StoppingRules | list[StoppingRules],
                        sampling: SamplingParams = SamplingParams(), seed: int | None = None,
-                       samples: int = 1) -> list[GenerationResult]:
+                       samples: int = 1, predictions: list[Drafter | None] | None = None
+                       ) -> list[GenerationResult]:
         """Generate for every prompt together (`samples` each, one after another in the result);
-        each result is what that sequence would be alone. Sequence i is seeded with seed + i."""
+        each result is what that sequence would be alone. Sequence i is seeded with seed + i.
+        predictions: one per prompt (None: none), see `steps`."""
         rules = stopping if isinstance(stopping, list) else [stopping] * len(prompts)
         if len(rules) != len(prompts):
             raise VerispecError(f"{len(rules)} stopping rules for {len(prompts)} prompts")
+        predictions = predictions or [None] * len(prompts)
+        if len(predictions) != len(prompts):
+            raise VerispecError(f"{len(predictions)} predictions for {len(prompts)} prompts")
         for prompt, rule in zip(prompts, rules):  # all valid before any work starts
             self.check_prompt(prompt, rule.max_new_tokens)
         if self._rows:
@@ -376,9 +416,9 @@ class SpeculativeEngine:
         started = time.perf_counter()
         order: list[int] = []
         try:
-            for i, (prompt, rule) in enumerate(zip(prompts, rules)):
+            for i, (prompt, rule, prediction) in enumerate(zip(prompts, rules, predictions)):
                 order += self.add(prompt, rule, sampling, None if seed is None else seed + i * samples,
-                                  samples)
+                                  samples, prediction=prediction)
             collected: dict[int, list[Step]] = {row_id: [] for row_id in order}
             while self._rows:
                 for row_id, step in self.step():

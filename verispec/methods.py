@@ -27,6 +27,7 @@ from verispec.drafters.mtp import MTPDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.drafters.self_spec import check as check_self
+from verispec.drafters.suffix import SuffixDrafter, SuffixSettings, shared_cache
 from verispec.drafters.trained_exit import ExitAdapter, trained_exit_drafter
 from verispec.engine import Speculation, SpeculativeEngine
 from verispec.errors import VerispecError
@@ -97,6 +98,14 @@ def _early_exit(target: LoadedModel, options: DraftOptions) -> Drafter:
 
 def _prompt_lookup(target: LoadedModel, options: DraftOptions) -> Drafter:
     return PromptLookupDrafter(options.max_ngram, options.min_ngram, options.tree)
+
+
+def _suffix(target: LoadedModel, options: DraftOptions) -> Drafter:
+    """Suffix decoding over the request and, where cache_tokens > 0, the model's earlier outputs."""
+    settings = SuffixSettings(factor=options.suffix_factor, min_prob=options.suffix_min_prob,
+                              cache_tokens=options.suffix_cache_tokens)
+    cache = shared_cache(target.model, settings.cache_tokens) if settings.cache_tokens else None
+    return SuffixDrafter(settings, cache, options.tree)
 
 
 def _lookahead(target: LoadedModel, options: DraftOptions) -> Drafter:
@@ -186,6 +195,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "occurred before", 7, _prompt_lookup,
            "answers that copy the prompt (editing code, RAG, summaries); any model",
            trees=True, default_tree=TreeSettings(4, 16), hf_peer="hf-pld"),
+    Method("suffix", "suffix decoding: the most frequent continuations of the context's longest "
+           "matching suffix, in the request and in the model's earlier outputs (SuffixDecoding)",
+           16, _suffix, "repeated or agentic workloads (the same questions, tools, formats again); "
+           "any model", trees=True),
     Method("lookahead", "lookahead decoding: Jacobi iterations in the verifying forward fill an "
            "n-gram pool whose n-grams after the last token are the draft", 2, _lookahead,
            "any model, no training, where a wider forward costs little (GPU); about break-even "

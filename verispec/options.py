@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from verispec.drafters.self_spec import SelfSettings
+from verispec.drafters.suffix import SuffixSettings
 from verispec.errors import VerispecError
 from verispec.models import LoadedModel
 from verispec.policies import SCHEDULES
@@ -101,6 +102,14 @@ class DraftOptions:
         "lookahead: G, pooled n-grams kept and verified per first token", int, metavar="G"))
     lookahead_pool_context: bool = option(True, Flag(
         "lookahead: also pool the n-grams of the prompt and output"))
+    suffix_factor: float = option(SuffixSettings.factor, Flag(
+        "suffix: tokens drafted per matched token (the draft follows the match's length, at most "
+        "k)", float))
+    suffix_min_prob: float = option(SuffixSettings.min_prob, Flag(
+        "suffix: the least frequency a drafted continuation may have among those seen", float))
+    suffix_cache_tokens: int = option(SuffixSettings.cache_tokens, Flag(
+        "suffix: tokens of earlier outputs kept for every request of the model, least recently "
+        "used evicted (0: the request's own tokens only)", int, metavar="N"))
 
 
 def option_flags() -> list[tuple[str, Any, Flag]]:

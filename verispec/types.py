@@ -142,6 +142,7 @@ class Step:
     finished: bool
     # A tree proposal (None for a chain): its tokens, parents and accepted path, for display.
     tree: DraftTree | None = None
+    from_prediction: bool = False  # the draft came from the caller's predicted output
 
     @property
     def draft_depth(self) -> int:
@@ -168,9 +169,16 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
+    # Draft tokens taken from the caller's prediction that the target kept / refused (OpenAI's
+    # usage.completion_tokens_details names).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def add(self, step: Step) -> None:
         self.new_tokens += len(step.tokens)
+        if step.from_prediction:
+            self.accepted_prediction_tokens += step.num_accepted
+            self.rejected_prediction_tokens += step.num_drafted - step.num_accepted
         self.target_forwards += 1
         # Positions the verifier judged: the accepted ones and, where the draft went on past
         # them, the first refused. In a tree that is where the accepted node has children
@@ -196,6 +204,8 @@ class GenerationStats:
             total.draft_seconds += s.draft_seconds
             total.verify_seconds += s.verify_seconds
             total.total_seconds += s.total_seconds
+            total.accepted_prediction_tokens += s.accepted_prediction_tokens
+            total.rejected_prediction_tokens += s.rejected_prediction_tokens
         return total
 
     @property
@@ -233,6 +243,8 @@ class GenerationStats:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "tokens_per_second": self.tokens_per_second,
+            "accepted_prediction_tokens": self.accepted_prediction_tokens,
+            "rejected_prediction_tokens": self.rejected_prediction_tokens,
         }
 
 

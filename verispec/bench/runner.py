@@ -29,6 +29,7 @@ from verispec.bench.report import write_results
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.self_spec import check as check_self
+from verispec.drafters.suffix import forget_outputs
 from verispec.engine import context_length
 from verispec.errors import VerispecError
 from verispec.methods import Method, Needs, build_engine, resolve_tree
@@ -222,7 +223,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
                 bar.set_postfix_str(f"warm-up {contender.label}")
                 contender.generate(first_prompt)
                 bar.update()
-        # Timed after the warm-up: the first forwards after loading are slow.
+        # Timed after the warm-up: the first forwards after loading are slow. The warm-up's
+        # outputs leave the suffix cache, or the first question would draft from its own answer.
+        forget_outputs(target.model)
         results.forward = measure_forward(target, (first_prompt * (300 // len(first_prompt) + 1))[:300])
         for index, question in enumerate(questions):
             prompt_ids = prompts[question]

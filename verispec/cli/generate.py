@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from verispec.api import make_job, run
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
@@ -20,6 +21,14 @@ def use_colour(choice: str) -> bool:
     if choice == "auto":
         return sys.stdout.isatty() and "NO_COLOR" not in os.environ
     return choice == "always"
+
+
+def read_prediction(path: str) -> str:
+    """The text of --prediction FILE."""
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        raise VerispecError(f"cannot read the prediction file {path}: {error.strerror}") from None
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -37,6 +46,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--seed", type=int, help="seed for sampling; seeded runs repeat exactly")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
+    gen.add_argument("--prediction", metavar="FILE",
+                     help="a predicted output (the file being edited, say): drafted first wherever "
+                     "the output is in it; exact whatever it says")
     gen.add_argument("--color", default="auto", choices=["auto", "always", "never"])
     gen.add_argument("--show-tree", action="store_true",
                      help="with --tree: print every step's candidate tree, the accepted path marked")
@@ -52,7 +64,8 @@ def run_command(args: argparse.Namespace) -> int:
     args.method = args.method or fastest_method(target)
     job = make_job(target, args.prompt, method=args.method, options=draft_options(args),
                    sampling=sampling, max_new_tokens=args.max_new_tokens, stop_strings=args.stop,
-                   chat=not args.raw, seed=args.seed)
+                   chat=not args.raw, seed=args.seed,
+                   prediction=None if args.prediction is None else read_prediction(args.prediction))
     result = run(job)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,

@@ -109,8 +109,10 @@ class _Output:
     def usage(self) -> dict:
         completion = sum(s.new_tokens for s in self.stats)
         prompt = len(self.request.prompt_ids)
+        details = {"accepted_prediction_tokens": sum(s.accepted_prediction_tokens for s in self.stats),
+                   "rejected_prediction_tokens": sum(s.rejected_prediction_tokens for s in self.stats)}
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+                "total_tokens": prompt + completion, "completion_tokens_details": details}
 
     def response(self) -> dict:
         """The whole (non-streaming) response."""

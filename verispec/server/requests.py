@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from verispec.api import encode_chat, encode_prompt
+from verispec.api import encode_chat, encode_predictions, encode_prompt
 from verispec.engine import context_length
 from verispec.errors import VerispecError
 from verispec.methods import resolve_tree
@@ -46,6 +46,16 @@ class TextPart(_Body):
     text: str
 
 
+class Prediction(_Body):
+    """OpenAI's predicted output: {"type": "content", "content": text or text parts}."""
+
+    type: Literal["content"]
+    content: Annotated[str, Field(min_length=1)] | Annotated[list[TextPart], Field(min_length=1)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class Message(_Body):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
@@ -70,6 +80,7 @@ class Common(_Body):
     method: str | None = None  # verispec: the speculation method (default: the server's first)
     k: Annotated[int, Field(ge=0, le=MAX_K)] | None = None  # verispec: draft length (default: the method's)
     tree: str | None = None  # verispec: TOPKxNODES or "default"
+    prediction: Prediction | None = None  # OpenAI's predicted outputs
 
 
 class ChatBody(Common):
@@ -128,7 +139,10 @@ def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: 
         check_prompt(prompt_ids, max_tokens)
         param = "stop"
         stopping = StoppingRules.build(max_tokens, target.eos_token_ids, body.stop, target.tokenizer)
+        param = "prediction"
+        prediction = None if body.prediction is None else encode_predictions(
+            target, body.prediction.text(), 1, False)[0]
     except VerispecError as error:
         raise BadRequest(str(error), param) from None
     return GenerationRequest(prompt_ids, stopping, sampling, body.seed, body.n, method,
-                   DraftOptions(k=body.k, tree=tree))
+                   DraftOptions(k=body.k, tree=tree), prediction)

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine import Speculation
 from verispec.errors import VerispecError
 from verispec.methods import PLAIN, build_engine, build_speculation
@@ -49,6 +50,7 @@ class GenerationRequest:
     n: int
     method: str
     options: DraftOptions  # k and tree; the rest are the method's defaults
+    prediction: list[int] | None = None  # the predicted output's ids (OpenAI's `prediction`)
 
 
 # Events a ticket receives, in order: Admitted or Refused; then Stepped until every sequence has
@@ -242,7 +244,9 @@ class Scheduler:
         try:
             speculation = self.speculation(request.method, request.options)
             row_ids = self._engine.add(request.prompt_ids, request.stopping, request.sampling,
-                                       request.seed, samples=request.n, speculation=speculation)
+                                       request.seed, samples=request.n, speculation=speculation,
+                                       prediction=None if request.prediction is None
+                                       else PredictionDrafter(request.prediction))
         except VerispecError as error:  # counted as a bad request by the handler
             ticket.post(Refused(str(error)))
             return
