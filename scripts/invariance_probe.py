@@ -8,6 +8,8 @@ Run: PYTHONPATH=$PWD python3 scripts/invariance_probe.py
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -34,10 +36,11 @@ def main() -> None:
     print("torch", torch.__version__, "threads", torch.get_num_threads())
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         w, x = weight.to(dtype), x32.to(dtype)
-        print(f"F.linear {dtype}: {rows_agree(lambda a: nn.functional.linear(a, w), x)}")
+        print(f"F.linear {dtype}: {rows_agree(functools.partial(nn.functional.linear, weight=w), x)}")
         if cpu_packs(dtype) and dtype != torch.float16:
             packed = pack_weight(w)
-            print(f"packed linear {dtype}: {rows_agree(lambda a: packed_linear(a, packed, None), x)}")
+            product = functools.partial(packed_linear, packed=packed, bias=None)
+            print(f"packed linear {dtype}: {rows_agree(product, x)}")
     kernel = Int4Kernel(Int4Groups.quantize(weight, 32), torch.bfloat16)
     print(f"int4pack_mm (bf16 activations): {rows_agree(kernel.matmul, x32.to(torch.bfloat16))}")
     for dtype in (torch.float32, torch.bfloat16):
@@ -50,10 +53,12 @@ def main() -> None:
         mask = torch.zeros(1, 300, dtype=torch.bool)
         mask[:, :200] = True
         masked = sdpa(q, keys, values, attn_mask=mask, enable_gqa=True)
-        block = sdpa(torch.cat([q, torch.randn(1, 9, 7, 64, dtype=dtype)], 2), keys[:, :, :207], values[:, :, :207],
+        queries = torch.cat([q, torch.randn(1, 9, 7, 64, dtype=dtype)], 2)
+        block = sdpa(queries, keys[:, :, :207], values[:, :, :207],
                      attn_mask=torch.ones(8, 207, dtype=torch.bool).tril(199), enable_gqa=True)[:, :, :1]
-        print(f"sdpa {dtype}: 200 keys vs 200 + 100 masked: {'same' if torch.equal(exact, masked) else 'differs'}; "
-              f"one query vs first row of an 8-row causal block: {'same' if torch.equal(exact, block) else 'differs'}")
+        same = {True: "same", False: "differs"}
+        print(f"sdpa {dtype}: 200 keys vs 200 + 100 masked: {same[torch.equal(exact, masked)]}; "
+              f"one query vs first row of an 8-row causal block: {same[torch.equal(exact, block)]}")
 
 
 if __name__ == "__main__":

@@ -168,6 +168,7 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
+    invariance: str = ""  # the target's batch-invariance mode (CachedModel.invariance); "" unknown
 
     def add(self, step: Step) -> None:
         self.new_tokens += len(step.tokens)
@@ -192,6 +193,7 @@ class GenerationStats:
             total.draft_seconds += s.draft_seconds
             total.verify_seconds += s.verify_seconds
             total.total_seconds += s.total_seconds
+        total.invariance = "/".join(sorted({s.invariance for s in all_stats})) if all_stats else ""
         return total
 
     @property
@@ -217,6 +219,7 @@ class GenerationStats:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "tokens_per_second": self.tokens_per_second,
+            "invariance": self.invariance,
         }
 
 

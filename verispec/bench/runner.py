@@ -405,7 +405,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
                           "drafters": {c.label: {"runs": c.drafter, "weights_mib": c.weights_mib}
                                        for c in contenders if c.drafter is not None},
                           "questions": str(config.questions or "built-in"),
-                          "num_questions": len(questions), "interrupted": False},
+                          "num_questions": len(questions), "interrupted": False,
+                          "invariance": CachedModel(target.model).invariance},
                "machine": machine_info(config.device), "forward": {}, "runs": [],
                "summary": {}, "theory": {}}
     first_prompt = prompts[questions[0]]
