@@ -67,6 +67,15 @@ class CachedModel:
     def device(self) -> torch.device:
         return self.model.device
 
+    @property
+    def invariance(self) -> str:
+        """Which batch-invariance mode runs the target (docs/invariance.md): "row-attention" (a
+        position's logits and keys do not depend on its block, tree or batch), "off" (a lean
+        decoder with it switched off), "none" (the model's own Hugging Face forward)."""
+        if self.lean is None:
+            return "none"
+        return "row-attention" if self.lean.invariant else "off"
+
     def reset(self) -> None:
         if self.lean is not None:
             self.lean.reset()

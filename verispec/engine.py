@@ -327,7 +327,7 @@ class SpeculativeEngine:
                  on_step: Callable[[Step], None] | None = None,
                  prediction: Drafter | None = None) -> GenerationResult:
         """Run to completion and collect tokens, steps and statistics."""
-        stats = GenerationStats()
+        stats = GenerationStats(invariance=self.target.invariance)
         steps: list[Step] = []
         started = time.perf_counter()
         for step in self.steps(prompt_ids, stopping, sampling, seed, prediction):
@@ -429,7 +429,7 @@ class SpeculativeEngine:
         seconds = time.perf_counter() - started
         results = []
         for row_id, prompt in zip(order, (p for p in prompts for _ in range(samples))):
-            stats = GenerationStats()
+            stats = GenerationStats(invariance=self.target.invariance)
             for step in collected[row_id]:
                 stats.add(step)
             stats.total_seconds = seconds

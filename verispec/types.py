@@ -173,6 +173,7 @@ class GenerationStats:
     # usage.completion_tokens_details names).
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    invariance: str = ""  # the target's batch-invariance mode (CachedModel.invariance); "" unknown
 
     def add(self, step: Step) -> None:
         self.new_tokens += len(step.tokens)
@@ -206,6 +207,7 @@ class GenerationStats:
             total.total_seconds += s.total_seconds
             total.accepted_prediction_tokens += s.accepted_prediction_tokens
             total.rejected_prediction_tokens += s.rejected_prediction_tokens
+        total.invariance = "/".join(sorted({s.invariance for s in all_stats})) if all_stats else ""
         return total
 
     @property
@@ -245,6 +247,7 @@ class GenerationStats:
             "tokens_per_second": self.tokens_per_second,
             "accepted_prediction_tokens": self.accepted_prediction_tokens,
             "rejected_prediction_tokens": self.rejected_prediction_tokens,
+            "invariance": self.invariance,
         }
 
 

@@ -26,6 +26,7 @@ from verispec.bench.machine import PeakResident, machine_info, measure_forward
 from verispec.bench.questions import Question, load_questions
 from verispec.bench.records import AR, HF, FirstDifference, Results, Run
 from verispec.bench.report import write_results
+from verispec.cached_model import CachedModel
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.self_spec import check as check_self
@@ -212,7 +213,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
                 "drafters": {c.label: {"runs": c.drafter, "weights_mib": c.weights_mib}
                              for c in contenders if c.drafter is not None},
                 "questions": str(config.questions or "built-in"),
-                "num_questions": len(questions), "interrupted": False},
+                "num_questions": len(questions), "interrupted": False,
+                "invariance": CachedModel(target.model).invariance},
         machine=machine_info(config.device))
     first_prompt = prompts[questions[0]]
     bar = tqdm(total=len(questions) * len(contenders) + config.warmup * len(contenders),

@@ -174,7 +174,9 @@ class SelfDrafter(ModelDrafter):
                  confidence_threshold: float | None = None, tree: TreeSettings | None = None,
                  lookup: PromptLookupDrafter | None = None) -> None:
         self.weights = self_weights(target, settings)
-        lm = CachedModel(target.model, lean=LeanDecoder(self.weights.lean, target.model.device))
+        # A drafter need not be batch-invariant (the target's verification keeps the output exact).
+        lm = CachedModel(target.model, lean=LeanDecoder(self.weights.lean, target.model.device,
+                                                        invariant=False))
         super().__init__(lm, target.vocab_size, confidence_threshold, tree, lookup)
 
     def adopt_prefill(self, target: CachedModel) -> None:

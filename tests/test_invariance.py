@@ -1,0 +1,118 @@
+"""Batch invariance of the lean forward: a position's logits and keys/values are a function of
+its token prefix only, bitwise (torch.equal), whether computed one token at a time, in a
+verification block of any length 2..17, as a node of a token tree, or as a row of a batch beside
+sequences of other lengths. Switched off (invariant=False), the same checks fail: the test below
+shows it, so these tests are known to exercise the switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny import tiny_llama
+from verispec.lean import Block, LeanDecoder, LeanWeights, forward_rows
+from verispec.models import DEFAULT_MODEL, load_model
+
+DTYPES = (torch.float32, torch.bfloat16)
+PREFIX = 10
+
+
+def one_at_a_time(weights: LeanWeights, tokens: torch.Tensor) -> tuple[torch.Tensor, LeanDecoder]:
+    """Logits [n, vocab] of every position fed one token per step, and the decoder."""
+    decoder = LeanDecoder(weights, torch.device("cpu"))
+    return torch.cat([decoder.logits(decoder.forward(tokens[i: i + 1])) for i in range(len(tokens))]), decoder
+
+
+def same_cache(a: LeanDecoder, b: LeanDecoder, length: int) -> bool:
+    return all(torch.equal(x.keys[:, :, :length], y.keys[:, :, :length])
+               and torch.equal(x.values[:, :, :length], y.values[:, :, :length])
+               for x, y in zip(a.caches, b.caches))
+
+
+def blocks_differing(weights: LeanWeights, tokens: torch.Tensor, invariant: bool) -> list[int]:
+    """Block lengths 2..17 after a one-token-at-a-time prefix whose logits or cache differ."""
+    reference, plain = one_at_a_time(weights, tokens)
+    decoder = LeanDecoder(weights, torch.device("cpu"), invariant)
+    for i in range(PREFIX):
+        decoder.forward(tokens[i: i + 1])
+    differing = []
+    for n in range(2, 18):
+        decoder.rewind(PREFIX)  # the prefix's entries were computed one token at a time
+        logits = decoder.logits(decoder.forward(tokens[PREFIX: PREFIX + n]))
+        if not (torch.equal(logits, reference[PREFIX: PREFIX + n])
+                and same_cache(decoder, plain, PREFIX + n)):
+            differing.append(n)
+    return differing
+
+
+@pytest.fixture(scope="module", params=[(model, dtype) for model in ("tiny", "builtin") for dtype in DTYPES],
+                ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
+def weights(request) -> LeanWeights:
+    """A tiny Llama, and the built-in model (SmolLM2-135M), in each dtype, lean."""
+    model, dtype = request.param
+    if model == "tiny":
+        return LeanWeights.of(tiny_llama(hidden=64).to(dtype))
+    return LeanWeights.of(load_model(DEFAULT_MODEL, str(dtype).removeprefix("torch.")).model)
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(3, 64, (PREFIX + 17,), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def test_blocks_of_every_length_match_one_token_steps(weights, tokens):
+    assert blocks_differing(weights, tokens, invariant=True) == []
+
+
+@torch.no_grad()
+def test_switched_off_blocks_differ(weights, tokens):
+    """Without the invariance, some block lengths round differently (tiny model: float32 all 16,
+    bfloat16 6..17): the test above would catch the switch being ignored."""
+    assert blocks_differing(weights, tokens, invariant=False) != []
+
+
+@torch.no_grad()
+def test_tree_nodes_match_their_paths(weights, tokens):
+    # tree after the prefix: node 0 root; 1, 2 children of 0; 3 child of 2; 4 child of 1
+    parents = [-1, 0, 0, 2, 1]
+    tree_tokens = torch.tensor([11, 12, 13, 14, 15])
+    mask = torch.ones(5, PREFIX + 5, dtype=torch.bool)
+    mask[:, PREFIX:] = False
+    depth = []
+    for i, parent in enumerate(parents):
+        node = i
+        while node >= 0:
+            mask[i, PREFIX + node] = True
+            node = parents[node]
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    decoder = LeanDecoder(weights, torch.device("cpu"))
+    for i in range(PREFIX):
+        decoder.forward(tokens[i: i + 1])
+    tree_logits = decoder.logits(decoder.forward(tree_tokens, torch.tensor(depth) + PREFIX, mask))
+    for i in range(5):
+        path, node = [], i
+        while node >= 0:
+            path.insert(0, node)
+            node = parents[node]
+        reference, plain = one_at_a_time(weights, torch.cat([tokens[:PREFIX], tree_tokens[path]]))
+        assert torch.equal(tree_logits[i], reference[-1])
+        layer = decoder.caches[-1]
+        assert torch.equal(layer.keys[:, :, PREFIX + i], plain.caches[-1].keys[:, :, PREFIX + len(path) - 1])
+
+
+@torch.no_grad()
+def test_batch_rows_match_alone(weights, tokens):
+    """Three sequences of different lengths verified in one pass give each row's own bits."""
+    prompts = [tokens[:PREFIX], tokens[2: PREFIX + 7], tokens[5:8]]
+    drafts = [tokens[PREFIX: PREFIX + 5], tokens[:1], tokens[3:12]]
+    decoders = [LeanDecoder(weights, torch.device("cpu")) for _ in prompts]
+    for decoder, prompt in zip(decoders, prompts):
+        for i in range(len(prompt)):
+            decoder.forward(prompt[i: i + 1])
+    hidden = forward_rows(decoders, [Block(d) for d in drafts])
+    batch_logits = decoders[0].logits(hidden).split([len(d) for d in drafts])
+    for logits, decoder, prompt, draft in zip(batch_logits, decoders, prompts, drafts):
+        reference, plain = one_at_a_time(weights, torch.cat([prompt, draft]))
+        assert torch.equal(logits, reference[len(prompt):])
+        assert same_cache(decoder, plain, len(prompt) + len(draft))
