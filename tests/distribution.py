@@ -71,23 +71,32 @@ class Sampled:
 def sample_runs(engine: SpeculativeEngine, prompt: list[int], n: int, sampling: SamplingParams,
                 runs: int, per_batch: int = 500, seed: int = 0) -> Sampled:
     """`runs` samples of n tokens of `prompt` through `engine` (batches of per_batch samples of
-    one prompt; sample i seeded with seed + i)."""
+    one prompt; sample i seeded with seed + i).
+
+    On one thread: the tiny models gain nothing from a second, and on a machine shared with
+    other jobs two threads contending for the cores made the same run up to 20 times slower."""
     vocab = engine.vocab_size
     counts = torch.zeros(n, vocab, dtype=torch.float64)
     drafted: list[int] = []
     drafting = rejecting = 0
-    for start in range(0, runs, per_batch):
-        size = min(per_batch, runs - start)
-        for result in engine.generate_batch([prompt], StoppingRules.build(n), sampling,
-                                            seed=seed + start, samples=size):
-            counts[torch.arange(n), torch.tensor(result.token_ids)] += 1
-            for step in result.steps:
-                depth = step.draft_depth
-                drafted.extend([0] * (depth - len(drafted)))
-                for i in range(depth):
-                    drafted[i] += 1
-                drafting += depth > 0
-                rejecting += depth > 0 and step.num_accepted < depth
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = [result for start in range(0, runs, per_batch)
+                   for result in engine.generate_batch([prompt], StoppingRules.build(n), sampling,
+                                                       seed=seed + start,
+                                                       samples=min(per_batch, runs - start))]
+    finally:
+        torch.set_num_threads(threads)
+    for result in results:
+        counts[torch.arange(n), torch.tensor(result.token_ids)] += 1
+        for step in result.steps:
+            depth = step.draft_depth
+            drafted.extend([0] * (depth - len(drafted)))
+            for i in range(depth):
+                drafted[i] += 1
+            drafting += depth > 0
+            rejecting += depth > 0 and step.num_accepted < depth
     return Sampled(counts, runs, drafted, drafting, rejecting)
 
 
