@@ -57,7 +57,7 @@ OWN_CACHE = "tests/test_batch.py::test_samples_of_one_prompt_each_own_their_cach
 MTP_GRADIENTS = "tests/test_hydra_mtp.py::test_mtp_head_by_head_backward_gives_the_summed_losses_gradients"
 MTP_ORDER = "tests/test_hydra_mtp.py::test_mtp_training_backpropagates_head_by_head"
 EXPORT_IDS = "tests/test_eagle3.py::test_exported_aux_ids_point_the_engine_at_the_layers_the_drafter_reads"
-GREEDY = "tests/test_greedy_equality.py"
+GREEDY = "tests/test_greedy_equality.py::test_every_drafter_matches_plain_decoding[4]"
 
 MUTANTS = (
     Mutant("residual-from-p", "verispec/verifiers/rejection.py",
@@ -101,7 +101,8 @@ MUTANTS = (
            "staged drafting keeps a lookup guess x whenever q(x) > 0, without the q(x) coin"),
     Mutant("kv-not-rewound", "verispec/cached_model.py",
            "            self.rewind(start + len(rows))\n            return", "            return",
-           (GREEDY,),
+           (GREEDY, "tests/test_greedy_equality.py::test_models_off_the_lean_path_match_plain_decoding[4]",
+            "tests/test_greedy_equality.py::test_kv_cache_stays_consistent_over_many_rejection_cycles"),
            "the target's KV cache keeps the rejected draft tokens"),
     Mutant("samples-share-hf-cache", "verispec/cached_model.py",
            "self.cache = copy.deepcopy(other.cache)", "self.cache = other.cache",
@@ -115,7 +116,7 @@ MUTANTS = (
     Mutant("bonus-skipped", "verispec/engine.py",
            "block = [drafted_tokens[i] for i in path] + [verdict.next_token]",
            "block = [drafted_tokens[i] for i in path] + [verdict.next_token][: len(path) < len(proposal)]",
-           (GREEDY,),
+           (GREEDY, "tests/test_greedy_equality.py::test_forcing_drafters_force_their_acceptance_pattern"),
            "after a fully accepted draft the bonus token is not emitted"),
     Mutant("row-k-leaks", "verispec/engine.py",
            "self.policy = copy.deepcopy(speculation.policy)", "self.policy = speculation.policy",
