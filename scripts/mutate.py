@@ -12,7 +12,7 @@ untracked, not ignored, files) into a temporary directory, never touching the wo
    (pytest's junit xml: a <failure> whose traceback ends in AssertionError); a crash of another
    kind, a collection or fixture error, or a timeout is reported but not counted.
 
-Prints a table (mutant, killed / SURVIVED / not counted, the test that killed it, seconds) and
+Prints a table (mutant, killed / SURVIVED / not counted, seconds, the tests that killed it) and
 exits 1 unless every mutant was killed. Usage (from the repository root):
 
     python3 scripts/mutate.py                 # every mutant, about 10-15 minutes on 2 cores
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,7 +67,8 @@ MUTANTS = (
            "on rejection, resample from p instead of norm(max(0, p - q))"),
     Mutant("tree-no-residual-update", "verispec/verifiers/tree.py",
            "p = residual(p, q)", "p = p",
-           ("tests/test_tree_sampling.py::test_multi_candidate_sampling_emits_the_target_distribution",),
+           ("tests/test_tree_sampling.py::test_multi_candidate_sampling_emits_the_target_distribution",
+            f"{DRAFTERS}::test_lookahead_samples_the_targets_distribution"),
            "a later sibling is tried against the original p, not the residual after the earlier ones"),
     Mutant("eagle-argmax-reports-q", "verispec/drafters/eagle.py",
            "token = sample(q, request.generator)", "token = q.argmax(-1)",
@@ -186,7 +188,7 @@ def copy_tree(root: Path, destination: Path) -> None:
 @dataclass
 class Outcome:
     passed: set[str]
-    killed_by: str | None  # first test failing with an AssertionError
+    killed_by: list[str]  # tests failing with an AssertionError
     other: list[str]  # tests failing otherwise, or errors (not counted)
     timed_out: bool
     seconds: float
@@ -203,18 +205,18 @@ def run_tests(copy: Path, tests: list[str], timeout: float) -> Outcome:
                         f"--junitxml={report}", *tests], cwd=copy, env=env, timeout=timeout,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        return Outcome(set(), None, [], True, time.perf_counter() - started)
+        return Outcome(set(), [], [], True, time.perf_counter() - started)
     seconds = time.perf_counter() - started
     if not report.is_file():
-        return Outcome(set(), None, ["pytest wrote no report"], False, seconds)
-    passed, killed_by, other = set(), None, []
+        return Outcome(set(), [], ["pytest wrote no report"], False, seconds)
+    passed, killed_by, other = set(), [], []
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname', '')}::{case.get('name')}"
         failure, error = case.find("failure"), case.find("error")
         if failure is not None:
             last = [line for line in (failure.text or "").splitlines() if line.strip()][-1:]
             if last and last[0].rstrip().endswith(": AssertionError"):
-                killed_by = killed_by or name
+                killed_by.append(name)
             else:
                 other.append(f"{name} ({last[0].rsplit(': ', 1)[-1] if last else 'failure'})")
         elif error is not None:
@@ -230,6 +232,7 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up the copy, stop pytest
     mutants = MUTANTS
     if args.only:
         unknown = set(args.only) - {m.name for m in MUTANTS}
@@ -248,7 +251,7 @@ def main() -> int:
         print(f"baseline: {len(guards)} guarding test selections on the unmutated copy ...", flush=True)
         baseline = run_tests(copy, guards, args.timeout)
         if baseline.timed_out or baseline.killed_by or baseline.other or not baseline.passed:
-            failing = ([baseline.killed_by] if baseline.killed_by else []) + baseline.other
+            failing = baseline.killed_by + baseline.other
             print(f"the guarding tests do not all pass on the unmutated code ({baseline.seconds:.0f} s; "
                   f"timed out: {baseline.timed_out}): {failing}", file=sys.stderr)
             return 2
@@ -263,7 +266,7 @@ def main() -> int:
             finally:
                 path.write_text(original)
             if outcome.killed_by:
-                verdict, by = "killed", outcome.killed_by
+                verdict, by = "killed", ", ".join(t.removeprefix("tests.") for t in outcome.killed_by)
             elif outcome.timed_out or outcome.other:
                 verdict = "not counted"
                 by = "timeout" if outcome.timed_out else "; ".join(outcome.other)[:100]
