@@ -50,15 +50,18 @@ def target(tmp_path_factory):
     return load_model(str(save_tiny(tmp_path_factory.mktemp("target"), seed=0)))
 
 
-def random_drafter(model, path: Path, seed: int = 7, vocab_ids: torch.Tensor = DRAFT_IDS) -> Path:
-    """A randomly initialised eagle3 drafter directory for `model` (weights large enough that
-    drafts and logits are far from uniform)."""
+def random_drafter(model, path: Path, seed: int = 7, vocab_ids: torch.Tensor = DRAFT_IDS,
+                   aux: tuple[int, ...] | None = None) -> Path:
+    """A randomly initialised eagle3 drafter directory for `model` reading the aux layers `aux`
+    (default: the engines'), with weights large enough that drafts and logits are far from
+    uniform."""
     torch.manual_seed(seed)
-    net = Eagle3Net(**eagle3_settings(model, None, len(vocab_ids)))
+    settings = eagle3_settings(model, aux, len(vocab_ids))
+    net = Eagle3Net(**settings)
     for name, p in net.named_parameters():
         torch.nn.init.normal_(p, mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.3)
     weights = {"net." + k: v for k, v in net.state_dict().items()} | {"vocab_ids": vocab_ids}
-    return save_drafter(path, "eagle3", model, eagle3_settings(model, None, len(vocab_ids)), weights)
+    return save_drafter(path, "eagle3", model, settings, weights)
 
 
 # ---- the engines' loading rules, replayed on the exported keys --------------------------------
@@ -142,6 +145,28 @@ def check_shapes(tensors: dict[str, torch.Tensor], layer: str, config: dict, voc
     target_ids = torch.arange(draft_vocab) + tensors["d2t"]
     assert int(target_ids.max()) < vocab and bool((target_ids.diff() > 0).all())
     assert torch.equal(tensors["t2d"].nonzero()[:, 0], target_ids)  # t2d marks exactly those ids
+
+
+def engine_aux_states(config: dict, fmt: str, num_layers: int) -> list[int]:
+    """The Hugging Face hidden_states indices whose states the engine feeds the export's fc, in
+    order, read from its config.json the way the engine reads it (vLLM 0.33, SGLang 0.5).
+
+    Both engines' Llama forward walks layers 0..N-1 and, before layer i runs, appends the residual
+    stream entering it (hidden_states + residual, Hugging Face's hidden_states[i]) when i is in its
+    capture list; so only indices 0..N-1 are ever captured, in layer order.
+    vLLM: the capture list is the draft config's eagle_aux_hidden_state_layer_ids as they are
+    (lifted from the speculators config), else (2, N // 2, N - 3).
+    SGLang: set_eagle3_layers_to_capture(ids) with the draft config's
+    eagle_config.eagle_aux_hidden_state_layer_ids captures [id + 1 for id in ids] ("for the ith
+    layer, it takes the output of the (i-1)th layer"); without ids, [2, N // 2, N - 3].
+    """
+    default = [2, num_layers // 2, num_layers - 3]
+    if fmt == "vllm":
+        capture = config.get("eagle_aux_hidden_state_layer_ids") or default
+    else:
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        capture = default if ids is None else [i + 1 for i in ids]
+    return [i for i in range(num_layers) if i in capture]
 
 
 def layer_config_of(directory: Path, fmt: str) -> tuple[dict, dict]:
@@ -286,6 +311,39 @@ def test_exported_weights_give_verispecs_draft_logits(target, tmp_path, fmt):
     with torch.inference_mode():
         first = drafter.head.full(drafter.head.logits(drafter._extend(tokens, target_hidden, len(aux))))
     torch.testing.assert_close(first, reference[0], atol=ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def deep_target(tmp_path_factory):
+    """Eight layers: room for aux layers other than the engines' default (2, 4, 5)."""
+    return load_model(str(save_tiny(tmp_path_factory.mktemp("deep"), seed=0, layers=8)))
+
+
+@pytest.mark.parametrize("aux", [(1, 3, 6), (2, 4, 5), (1, 2, 7)])
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_exported_aux_ids_point_the_engine_at_the_layers_the_drafter_reads(deep_target, tmp_path,
+                                                                           fmt, aux):
+    """The engine, reading the export's config as it does, feeds fc the states the drafter was
+    trained on (its hidden_layers), and then computes the drafter's own first draft logits."""
+    model = deep_target.model
+    drafter_dir = random_drafter(model, tmp_path / "drafter", aux=aux)
+    drafter = Eagle3Drafter.load(drafter_dir, model)
+    assert drafter.hidden_layers == aux
+    out = export_eagle3(drafter_dir, deep_target, tmp_path / fmt, fmt)
+    config = json.loads((out / "config.json").read_text())
+    read = engine_aux_states(config, fmt, model.config.num_hidden_layers)
+    assert read == list(aux), f"{fmt} reads hidden_states {read}, the drafter {list(aux)}"
+    tokens = torch.tensor([1, 17, 42, 9, 33, 17, 42, 5])
+    with torch.no_grad():
+        states = model.model(input_ids=tokens[None], output_hidden_states=True)
+    engine_aux = torch.cat([states.hidden_states[i][0, :-1] for i in read], -1)  # [n, 3H]
+    ours = torch.cat([states.last_hidden_state[0, :-1],
+                      *(states.hidden_states[i][0, :-1] for i in drafter.hidden_layers)], -1)
+    embedding = model.get_input_embeddings().weight.detach()
+    with torch.inference_mode():
+        first = drafter.head.full(drafter.head.logits(drafter._extend(tokens, ours, len(tokens) - 1)))
+    torch.testing.assert_close(first, engine_draft_logits(out, fmt, embedding, engine_aux, tokens[1:], [])[0],
+                               atol=ATOL, rtol=0)
 
 
 def test_export_refuses_another_kind_or_target(target, tmp_path):

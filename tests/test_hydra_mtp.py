@@ -182,27 +182,77 @@ def _exact_marginals(model, prompt: list[int], n: int, top_k: int) -> torch.Tens
     return out
 
 
-def test_mtp_head_by_head_backward_gives_the_joint_gradients(loaded, data):
-    """The memory-saving order against the sum of all heads' losses backpropagated at once: the
-    same gradients for every head's weights, at the trunk's output, and in a trainable trunk."""
+def _mtp_recipe(loaded, meta, sequences) -> Recipe:
+    """An MTP recipe whose heads are away from their identity start (real gradients), the same
+    weights at every call."""
+    torch.manual_seed(0)
+    recipe = Recipe("mtp", loaded, meta, sequences, OPTIONS)
+    for p in recipe.module.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return recipe
+
+
+def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {name: p.grad for name, p in module.named_parameters()}
+    assert all(g is not None and g.abs().max() > 0 for g in grads.values()), "a weight got no gradient"
+    return grads
+
+
+def test_mtp_head_by_head_backward_gives_the_summed_losses_gradients(loaded, data):
+    """The helper against plain autograd of the summed heads' losses through a separate graph
+    (fresh copies of the same weights): the same gradients for every head's weights and in a
+    trainable trunk behind them, which must receive one (a trunk left without its backward would
+    keep no gradient at all)."""
     meta, sequences = load_dataset(data)
     batch = collate(sequences, 64)
-    grads = {}
-    for sequential in (True, False):
-        torch.manual_seed(0)
-        recipe = Recipe("mtp", loaded, meta, sequences, OPTIONS)
-        for p in recipe.module.parameters():  # away from the identity start: real gradients
-            torch.nn.init.normal_(p, std=0.1)
-        trunk = torch.nn.Linear(32, 32)  # a trainable last trunk layer: its output has a graph
+
+    def trunk() -> torch.nn.Linear:  # a trainable last trunk layer: its output has a graph
         torch.manual_seed(1)
-        torch.nn.init.normal_(trunk.weight, std=0.2)
-        losses, _ = recipe.mtp_head_losses(batch)
-        total, at_trunk = multi_head_backward(trunk(batch.hidden), losses, sequential)
-        grads[sequential] = {"loss": total, "trunk output": at_trunk, "trunk": trunk.weight.grad,
-                             **{n: p.grad for n, p in recipe.module.named_parameters()}}
-    assert grads[True]["trunk output"].abs().max() > 0
-    for name, value in grads[True].items():
-        torch.testing.assert_close(value, grads[False][name], rtol=1e-4, atol=1e-6, msg=name)
+        layer = torch.nn.Linear(32, 32)
+        torch.nn.init.normal_(layer.weight, std=0.2)
+        return layer
+
+    recipe, helper_trunk = _mtp_recipe(loaded, meta, sequences), trunk()
+    losses, _ = recipe.mtp_head_losses(batch)
+    total, at_output = multi_head_backward(helper_trunk(batch.hidden), losses)
+    got = {**_grads(recipe.module), **{f"trunk.{n}": g for n, g in _grads(helper_trunk).items()}}
+
+    reference, reference_trunk = _mtp_recipe(loaded, meta, sequences), trunk()
+    output = reference_trunk(batch.hidden)
+    output.retain_grad()
+    losses, _ = reference.mtp_head_losses(batch)
+    summed = sum(loss(output) for loss in losses)
+    summed.backward()
+    expected = {**_grads(reference.module), **{f"trunk.{n}": g for n, g in _grads(reference_trunk).items()}}
+    torch.testing.assert_close(total, summed.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(at_output, output.grad, rtol=1e-4, atol=1e-6)
+    assert got.keys() == expected.keys() and len(got) > 2
+    for name, value in got.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_mtp_training_backpropagates_head_by_head(loaded, data):
+    """Training's loss (Recipe.loss, gradients on) runs each head's backward before the next
+    head's forward, so only one head's activations are alive at a time (Gloeckle et al.'s
+    memory-saving order; the joint order keeps all of them), and its gradients are those of the
+    summed losses by plain autograd through a separate graph."""
+    meta, sequences = load_dataset(data)
+    recipe = _mtp_recipe(loaded, meta, sequences)
+    events: list[str] = []
+    for k, layer in enumerate(recipe.module.layers, start=1):
+        layer.register_forward_hook(lambda *_, k=k: events.append(f"forward {k}"))
+        layer.register_full_backward_hook(lambda *_, k=k: events.append(f"backward {k}"))
+    loss, _ = recipe.loss(sequences, 64)
+    assert loss is None  # the recipe ran its backward itself
+    assert events == [f"{what} {k}" for k in (1, 2, 3) for what in ("forward", "backward")], events
+
+    reference = _mtp_recipe(loaded, meta, sequences)
+    batch = collate(sequences, 64)
+    losses, _ = reference.mtp_head_losses(batch)
+    sum(loss(batch.hidden) for loss in losses).backward()
+    expected = _grads(reference.module)
+    for name, value in _grads(recipe.module).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_mtp_training_backs_off_to_one_loss_without_gradients(loaded, data):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distribution import empirical_pairs, exact_pairs
+from tests.pair_distribution import empirical_pairs, exact_pairs
 from tests.test_rejection_distribution import tv, tv_bound
 from tests.tiny import plain_greedy, tiny_llama
 from verispec.drafters.base import DraftRequest

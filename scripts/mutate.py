@@ -1,0 +1,287 @@
+"""Mutation testing: plant bugs the field knows, one at a time, and show the tests kill each one.
+
+Each mutant is an exact search/replace in one source file. The script first checks that every
+search text occurs exactly once in the tree it was started from (a renamed line fails here,
+loudly, instead of leaving a mutant that plants nothing), then copies the tree (tracked and
+untracked, not ignored, files) into a temporary directory, never touching the working tree:
+
+1. runs every guarding test once on the unmutated copy and requires each to pass (a test that
+   fails for another reason, a missing browser, say, cannot kill anything);
+2. for each mutant: plants it in the copy, runs its guarding tests there (PYTHONPATH at the
+   copy), restores the file. A mutant is killed only by an assertion failure in a named test
+   (pytest's junit xml: a <failure> whose traceback ends in AssertionError); a crash of another
+   kind, a collection or fixture error, or a timeout is reported but not counted.
+
+Prints a table (mutant, killed / SURVIVED / not counted, seconds, the tests that killed it) and
+exits 1 unless every mutant was killed. Usage (from the repository root):
+
+    python3 scripts/mutate.py                 # every mutant, about 10-15 minutes on 2 cores
+    python3 scripts/mutate.py --only residual-from-p --only server-ignores-temperature
+    python3 scripts/mutate.py --list          # the mutants and their guarding tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted bug: `search` (exactly once in `path`) becomes `replace`; `tests` guard it."""
+
+    name: str
+    path: str
+    search: str
+    replace: str
+    tests: tuple[str, ...]
+    bug: str
+
+
+DRAFTERS = "tests/test_sampling_drafters.py"
+LEARNED = f"{DRAFTERS}::test_learned_drafters_sample_the_targets_distribution"
+STAGED = f"{DRAFTERS}::test_staged_drafting_samples_the_targets_distribution"
+SELF = f"{DRAFTERS}::test_self_speculation_samples_the_targets_distribution"
+SHARED_PREFILL = "tests/test_batch.py::test_samples_share_the_prefill_and_follow_the_target_distribution"
+OWN_CACHE = "tests/test_batch.py::test_samples_of_one_prompt_each_own_their_cache"
+MTP_GRADIENTS = "tests/test_hydra_mtp.py::test_mtp_head_by_head_backward_gives_the_summed_losses_gradients"
+MTP_ORDER = "tests/test_hydra_mtp.py::test_mtp_training_backpropagates_head_by_head"
+EXPORT_IDS = "tests/test_eagle3.py::test_exported_aux_ids_point_the_engine_at_the_layers_the_drafter_reads"
+GREEDY = "tests/test_greedy_equality.py::test_every_drafter_matches_plain_decoding[4]"
+
+MUTANTS = (
+    Mutant("residual-from-p", "verispec/verifiers/rejection.py",
+           "residual = (p_next - q_next).clamp_min(0)", "residual = p_next.clone()",
+           ("tests/test_rejection_distribution.py::test_emitted_tokens_follow_target", LEARNED),
+           "on rejection, resample from p instead of norm(max(0, p - q))"),
+    Mutant("tree-no-residual-update", "verispec/verifiers/tree.py",
+           "p = residual(p, q)", "p = p",
+           ("tests/test_tree_sampling.py::test_multi_candidate_sampling_emits_the_target_distribution",
+            f"{DRAFTERS}::test_lookahead_samples_the_targets_distribution"),
+           "a later sibling is tried against the original p, not the residual after the earlier ones"),
+    Mutant("eagle-argmax-reports-q", "verispec/drafters/eagle.py",
+           "token = sample(q, request.generator)", "token = q.argmax(-1)",
+           (f"{LEARNED}[eagle]", f"{LEARNED}[eagle3]"),
+           "EAGLE (and EAGLE-3) draft the argmax under sampling but report the softmax q"),
+    Mutant("hydra-argmax-reports-q", "verispec/drafters/hydra.py",
+           "token = sample(q, request.generator)", "token = q.argmax(-1)",
+           (f"{LEARNED}[hydra]",),
+           "Hydra drafts the argmax under sampling but reports the softmax q"),
+    Mutant("mtp-argmax-reports-q", "verispec/drafters/medusa.py",
+           "return Proposal(sample(q, request.generator), q)", "return Proposal(q.argmax(-1), q)",
+           (f"{LEARNED}[mtp]",),
+           "MTP (Medusa's drafting) takes each head's argmax but reports the softmax q"),
+    Mutant("draft-model-argmax-reports-q", "verispec/drafters/model.py",
+           "return [sample(q, request.generator)], [q]", "return [q.argmax(-1)], [q]",
+           (SELF, SHARED_PREFILL),
+           "a draft model (self-speculation here) drafts the argmax but reports the softmax q"),
+    Mutant("warp-p-not-q", "verispec/drafters/model.py",
+           "return [sample(q, request.generator)], [q]",
+           "return [sample(q, request.generator)], [logits.float().softmax(-1)]",
+           (SELF,),
+           "the draft is drawn from the warped q but q is reported before temperature / top-p"),
+    Mutant("warp-q-not-p", "verispec/verifiers/rejection.py",
+           "target_probs = warp_probs(target_logits, sampling)",
+           "target_probs = target_logits.float().softmax(-1)",
+           (SELF, f"{STAGED}[t0.6]"),
+           "the verifier's p is the target's softmax before temperature / top-p"),
+    Mutant("staged-guess-without-coin", "verispec/drafters/model.py",
+           "if torch.rand((), generator=request.generator, device=q.device) < q[i, guess]:",
+           "if q[i, guess] > 0:",
+           (STAGED,),
+           "staged drafting keeps a lookup guess x whenever q(x) > 0, without the q(x) coin"),
+    Mutant("kv-not-rewound", "verispec/cached_model.py",
+           "            self.rewind(start + len(rows))\n            return", "            return",
+           (GREEDY, "tests/test_greedy_equality.py::test_models_off_the_lean_path_match_plain_decoding[4]",
+            "tests/test_greedy_equality.py::test_kv_cache_stays_consistent_over_many_rejection_cycles"),
+           "the target's KV cache keeps the rejected draft tokens"),
+    Mutant("samples-share-hf-cache", "verispec/cached_model.py",
+           "self.cache = copy.deepcopy(other.cache)", "self.cache = other.cache",
+           (OWN_CACHE,),
+           "samples of one prompt share one Hugging Face cache object (the non-lean path)"),
+    Mutant("samples-share-lean-caches", "verispec/cached_model.py",
+           "for mine, theirs in zip(self.lean.caches, other.lean.caches):",
+           "self.lean.caches = other.lean.caches\n            for mine, theirs in zip((), ()):",
+           (OWN_CACHE, SHARED_PREFILL),
+           "samples of one prompt share one set of lean KV caches"),
+    Mutant("bonus-skipped", "verispec/engine.py",
+           "block = [drafted_tokens[i] for i in path] + [verdict.next_token]",
+           "block = [drafted_tokens[i] for i in path] + [verdict.next_token][: len(path) < len(proposal)]",
+           (GREEDY, "tests/test_greedy_equality.py::test_forcing_drafters_force_their_acceptance_pattern"),
+           "after a fully accepted draft the bonus token is not emitted"),
+    Mutant("row-k-leaks", "verispec/engine.py",
+           "self.policy = copy.deepcopy(speculation.policy)", "self.policy = speculation.policy",
+           ("tests/test_batch.py::test_each_row_adapts_its_own_draft_length",),
+           "rows of a batch share one draft-length policy: a row's k leaks into the others"),
+    Mutant("export-ids-sglang-unshifted", "verispec/export/eagle3.py",
+           "[a - 1 for a in aux]", "[a for a in aux]",
+           (EXPORT_IDS,),
+           "SGLang's explicit aux ids written as Hugging Face indices (SGLang adds one)"),
+    Mutant("export-ids-vllm-off-by-one", "verispec/export/eagle3.py",
+           '"eagle_aux_hidden_state_layer_ids": aux,',
+           '"eagle_aux_hidden_state_layer_ids": [a - 1 for a in aux],',
+           (EXPORT_IDS,),
+           "vLLM's aux ids written shifted as SGLang's (vLLM reads them as they are)"),
+    Mutant("mtp-joint-backward", "verispec/training/losses.py",
+           "    if sequential:", "    if False:",
+           (MTP_ORDER,),
+           "MTP's head-by-head backward replaced by the joint one (all heads' graphs alive at once)"),
+    Mutant("mtp-recipe-joint-backward", "verispec/training/recipes.py",
+           "multi_head_backward(b.hidden, losses)", "multi_head_backward(b.hidden, losses, False)",
+           (MTP_ORDER,),
+           "MTP training calls the joint backward"),
+    Mutant("mtp-no-trunk-backward", "verispec/training/losses.py",
+           "        trunk_out.backward(leaf.grad)", "        pass",
+           (MTP_GRADIENTS,),
+           "the heads' summed gradient never flows into a trainable trunk"),
+    Mutant("server-ignores-temperature", "verispec/server/requests.py",
+           "do_sample=body.temperature > 0", "do_sample=False",
+           ("tests/test_serve_sampling.py",),
+           "the server decodes greedily whatever temperature the request gives"),
+    Mutant("server-ignores-seed", "verispec/server/requests.py",
+           "body.seed, body.n", "None, body.n",
+           ("tests/test_serve_sampling.py",),
+           "the server drops the request's seed"),
+)
+
+
+def check_searches(mutants: tuple[Mutant, ...], root: Path) -> None:
+    """Exit with a list of every mutant whose search text is not exactly once in its file."""
+    problems = []
+    for m in mutants:
+        path = root / m.path
+        if not path.is_file():
+            problems.append(f"{m.name}: {m.path} does not exist")
+            continue
+        count = path.read_text().count(m.search)
+        if count != 1:
+            problems.append(f"{m.name}: search text found {count} times in {m.path} (must be once): "
+                            f"{m.search!r}")
+    if problems:
+        sys.exit("mutants out of date with the code (update MUTANTS in scripts/mutate.py):\n  "
+                 + "\n  ".join(problems))
+
+
+def copy_tree(root: Path, destination: Path) -> None:
+    """The tracked and untracked (not ignored) files of the repository at root."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=root, check=True, capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = root / name
+        if source.is_file():
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+@dataclass
+class Outcome:
+    passed: set[str]
+    killed_by: list[str]  # tests failing with an AssertionError
+    other: list[str]  # tests failing otherwise, or errors (not counted)
+    timed_out: bool
+    seconds: float
+
+
+def run_tests(copy: Path, tests: list[str], timeout: float) -> Outcome:
+    """Run `tests` in the copy; what passed, what failed by an assertion, what failed otherwise."""
+    report = copy / "mutate-junit.xml"
+    report.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    started = time.perf_counter()
+    try:
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        f"--junitxml={report}", *tests], cwd=copy, env=env, timeout=timeout,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return Outcome(set(), [], [], True, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    if not report.is_file():
+        return Outcome(set(), [], ["pytest wrote no report"], False, seconds)
+    passed, killed_by, other = set(), [], []
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name')}"
+        failure, error = case.find("failure"), case.find("error")
+        if failure is not None:
+            last = [line for line in (failure.text or "").splitlines() if line.strip()][-1:]
+            if last and last[0].rstrip().endswith(": AssertionError"):
+                killed_by.append(name)
+            else:
+                other.append(f"{name} ({last[0].rsplit(': ', 1)[-1] if last else 'failure'})")
+        elif error is not None:
+            other.append(f"{name} (error: {(error.get('message') or '')[:60]})")
+        elif case.find("skipped") is None:
+            passed.add(name)
+    return Outcome(passed, killed_by, other, False, seconds)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only these mutants")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up the copy, stop pytest
+    mutants = MUTANTS
+    if args.only:
+        unknown = set(args.only) - {m.name for m in MUTANTS}
+        if unknown:
+            parser.error(f"unknown mutants {sorted(unknown)}; see --list")
+        mutants = tuple(m for m in MUTANTS if m.name in args.only)
+    if args.list:
+        for m in mutants:
+            print(f"{m.name}: {m.bug}\n    {m.path}\n    guarded by {', '.join(m.tests)}")
+        return 0
+    check_searches(mutants, ROOT)
+    with tempfile.TemporaryDirectory(prefix="verispec-mutate-") as tmp:
+        copy = Path(tmp)
+        copy_tree(ROOT, copy)
+        guards = list(dict.fromkeys(t for m in mutants for t in m.tests))
+        print(f"baseline: {len(guards)} guarding test selections on the unmutated copy ...", flush=True)
+        baseline = run_tests(copy, guards, args.timeout)
+        if baseline.timed_out or baseline.killed_by or baseline.other or not baseline.passed:
+            failing = baseline.killed_by + baseline.other
+            print(f"the guarding tests do not all pass on the unmutated code ({baseline.seconds:.0f} s; "
+                  f"timed out: {baseline.timed_out}): {failing}", file=sys.stderr)
+            return 2
+        print(f"baseline: {len(baseline.passed)} tests pass ({baseline.seconds:.0f} s)\n", flush=True)
+        rows = []
+        for m in mutants:
+            path = copy / m.path
+            original = path.read_text()
+            path.write_text(original.replace(m.search, m.replace, 1))
+            try:
+                outcome = run_tests(copy, list(m.tests), args.timeout)
+            finally:
+                path.write_text(original)
+            if outcome.killed_by:
+                verdict, by = "killed", ", ".join(t.removeprefix("tests.") for t in outcome.killed_by)
+            elif outcome.timed_out or outcome.other:
+                verdict = "not counted"
+                by = "timeout" if outcome.timed_out else "; ".join(outcome.other)[:100]
+            else:
+                verdict, by = "SURVIVED", ""
+            rows.append((m.name, verdict, by, outcome.seconds))
+            print(f"{m.name}: {verdict} {by} ({outcome.seconds:.0f} s)", flush=True)
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'mutant'.ljust(width)}  {'result'.ljust(11)}  seconds  killed by")
+    for name, verdict, by, seconds in rows:
+        print(f"{name.ljust(width)}  {verdict.ljust(11)}  {seconds:7.0f}  {by}")
+    killed = sum(r[1] == "killed" for r in rows)
+    print(f"\n{killed} of {len(rows)} mutants killed")
+    return 0 if killed == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

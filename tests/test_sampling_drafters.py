@@ -1,0 +1,156 @@
+"""Every sampling drafter, end to end: the emitted tokens follow the target's distribution.
+
+A tiny target with a 16-token vocabulary (so the exact law of its first three sampled tokens is
+enumerated: tests/distribution.py), randomly initialised drafters of every kind that samples or
+drafts under sampling (EAGLE, EAGLE-3, Hydra, MTP, lookahead, self-speculation in int4, staged
+self-speculation behind prompt lookup at several temperatures and top-p), many seeded samples of
+one prompt through the batched engine, and the total variation of each emitted position against
+the bound from the sample size. Each test also asserts that drafts were made at the positions it
+checks and that some were accepted and some refused: a drafter that drafts nothing, or a target
+that accepts everything, would pass a distribution test without testing anything.
+
+These catch a drafter that reports a q other than the law it drew from (argmax drafting with its
+softmax reported, q before the temperature / top-p warping, a staged guess kept without its q(x)
+coin): scripts/mutate.py plants each and shows which test fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import verispec.drafters.model as model_drafter
+from tests.distribution import Sampled, assert_follows, exact_marginals, sample_runs
+from tests.tiny import tiny_llama
+from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
+from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
+from verispec.drafters.hydra import HydraDrafter, HydraNet, hydra_settings
+from verispec.drafters.learned import ReducedHead
+from verispec.drafters.lookahead import LookaheadDrafter
+from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
+from verispec.drafters.ngram import PromptLookupDrafter
+from verispec.drafters.self_spec import SelfDrafter, SelfSettings
+from verispec.engine import SpeculativeEngine
+from verispec.models import LoadedModel
+from verispec.policies import ConstantK, LoadCap
+from verispec.types import SamplingParams
+
+V = 16
+NEW = 3  # positions checked: the first two are drafted at k >= 2, the third after them
+RUNS = 3000  # samples per test; the bound is then 0.12-0.13 at 16 tokens
+PROMPT = [1, 5, 9, 1, 1, 5, 9]  # repetitive: prompt lookup (guessing 1, a likely token) and
+# lookahead find drafts
+REDUCED = torch.tensor([0, 1, 2, 3, 5, 7, 8, 9, 10, 11, 13, 14])  # q = 0 at 4, 6, 12, 15
+SAMPLING = SamplingParams(do_sample=True, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def target() -> torch.nn.Module:
+    return tiny_llama(seed=2, vocab=V)
+
+
+@pytest.fixture(scope="module")
+def exact(target) -> dict:
+    """Exact marginals per sampling setting, computed once."""
+    cache: dict[SamplingParams, torch.Tensor] = {}
+
+    def of(sampling: SamplingParams) -> torch.Tensor:
+        if sampling not in cache:
+            cache[sampling] = exact_marginals(target, PROMPT, NEW, sampling)
+        return cache[sampling]
+
+    return of
+
+
+def _randomised(net: torch.nn.Module, std: float = 0.3) -> torch.nn.Module:
+    """Random weights (norms kept at 1) large enough that q is far from uniform and from p."""
+    torch.manual_seed(11)
+    for name, p in net.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.ones_(p)
+        else:
+            torch.nn.init.normal_(p, std=std)
+    return net
+
+
+def drafter_factory(kind: str, target: torch.nn.Module):
+    """A function making fresh drafters of `kind` for `target` (one per row of a batch), all
+    sharing one set of random weights."""
+    if kind == "eagle":
+        net = _randomised(EagleNet(**eagle_settings(target)))
+        return lambda: EagleDrafter(target, net, ReducedHead(target, REDUCED))
+    if kind == "eagle3":
+        net = _randomised(Eagle3Net(**eagle3_settings(target, None, len(REDUCED))))
+        return lambda: Eagle3Drafter(target, net, REDUCED)
+    if kind == "hydra":
+        net = _randomised(HydraNet(**hydra_settings(target, 3)))
+        return lambda: HydraDrafter(target, net, ReducedHead(target, REDUCED))
+    if kind == "mtp":
+        net = _randomised(MTPNet(**mtp_settings(target, 3)))
+        return lambda: MTPDrafter(target, net, ReducedHead(target, REDUCED))
+    if kind == "lookahead":
+        return lambda: LookaheadDrafter(3, 3, 4, pool_context=True)
+    loaded = LoadedModel(target, None, "tiny-16")
+    if kind == "self-int4":
+        return lambda: SelfDrafter(loaded, SelfSettings("int4"))
+    if kind == "self-int4-pld":
+        return lambda: SelfDrafter(loaded, SelfSettings("int4"), lookup=PromptLookupDrafter(3, 1))
+    raise ValueError(kind)
+
+
+def run(target, kind: str, sampling: SamplingParams, k: int = 3) -> Sampled:
+    make = drafter_factory(kind, target)
+    engine = SpeculativeEngine(target, make(), ConstantK(k), spawn=make, load_cap=LoadCap(()))
+    return sample_runs(engine, PROMPT, NEW, sampling, RUNS)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "hydra", "mtp"])
+def test_learned_drafters_sample_the_targets_distribution(target, exact, kind):
+    """Drafts drawn from each head's warped q, over a reduced vocabulary (q = 0 off it)."""
+    sampled = run(target, kind, SAMPLING)
+    sampled.check_drafting(positions=2)
+    assert_follows(sampled, exact(SAMPLING), kind)
+
+
+def test_lookahead_samples_the_targets_distribution(target, exact):
+    """A deterministic tree (q one-hot) and a side branch in the same target pass."""
+    sampling = SamplingParams(do_sample=True, temperature=0.8)
+    sampled = run(target, "lookahead", sampling)
+    sampled.check_drafting(positions=1)
+    assert_follows(sampled, exact(sampling), "lookahead")
+
+
+def test_self_speculation_samples_the_targets_distribution(target, exact):
+    """The int4 copy drafts from its own warped q: temperature and top-p both change q."""
+    sampling = SamplingParams(do_sample=True, temperature=0.7, top_p=0.9)
+    sampled = run(target, "self-int4", sampling)
+    sampled.check_drafting(positions=2)
+    assert_follows(sampled, exact(sampling), "self-int4")
+
+
+STAGED = [SamplingParams(do_sample=True, temperature=0.6),
+          SamplingParams(do_sample=True, temperature=1.0, top_p=0.8),
+          SamplingParams(do_sample=True, temperature=1.4, top_k=8)]
+
+
+@pytest.mark.parametrize("sampling", STAGED, ids=["t0.6", "t1.0-p0.8", "t1.4-k8"])
+def test_staged_drafting_samples_the_targets_distribution(target, exact, sampling, monkeypatch):
+    """Prompt lookup's guesses go through the int4 drafter, which keeps guess x with
+    probability q(x) and otherwise draws from q without x. Counted here: guesses offered, kept
+    and replaced, so the test knows both sides of that coin were thrown."""
+    seen = {"offered": 0, "kept": 0, "replaced": 0}
+    original = model_drafter.ModelDrafter._check_guesses
+
+    def counting(logits, guesses, request):
+        drafted, probs, last = original(logits, guesses, request)
+        kept = int((torch.stack(drafted[: len(guesses)]) == guesses[: len(drafted)]).cumprod(0).sum())
+        seen["offered"] += 1
+        seen["kept"] += kept
+        seen["replaced"] += kept < min(len(guesses), len(drafted))
+        return drafted, probs, last
+
+    monkeypatch.setattr(model_drafter.ModelDrafter, "_check_guesses", staticmethod(counting))
+    sampled = run(target, "self-int4-pld", sampling, k=4)
+    sampled.check_drafting(positions=2)
+    assert seen["offered"] > 0.5 * RUNS and min(seen["kept"], seen["replaced"]) > 0.05 * RUNS, seen
+    assert_follows(sampled, exact(sampling), f"staged {sampling}")
