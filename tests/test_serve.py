@@ -165,7 +165,7 @@ BAD = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "w5"}]}, "role"),
     ({"messages": [{"role": "user", "content": "w5"}], "temperature": "hot"}, "temperature"),
-    ({"messages": [{"role": "user", "content": "w5"}], "temperature": -1}, "temperature must be >= 0"),
+    ({"messages": [{"role": "user", "content": "w5"}], "temperature": -1}, "temperature: Input should be greater than or equal to 0"),
     ({"messages": [{"role": "user", "content": "w5"}], "top_p": 0, "temperature": 1}, "top_p"),
     ({"messages": [{"role": "user", "content": "w5"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "w5"}], "max_tokens": 2.5}, "max_tokens"),
@@ -212,16 +212,34 @@ def test_a_method_the_model_cannot_run_fails_before_serving(loaded):
         create_app(loaded, ["magic"])
 
 
-def test_ways_of_speculating_are_bounded(loaded):
-    from verispec.server.scheduler import MAX_SPECULATIONS
+def test_ways_of_speculating_are_bounded_least_recently_used_dropped(loaded, monkeypatch):
+    from verispec.server import scheduler
 
+    monkeypatch.setattr(scheduler, "MAX_SPECULATIONS", 3)
     body = {"messages": [{"role": "user", "content": CHAT}], "temperature": 0, "max_tokens": 2}
-    with LiveServer(create_app(loaded, ["pld"])) as live:  # holds pld's default already
-        for k in range(MAX_SPECULATIONS - 1):
+    long = {"messages": [{"role": "user", "content": "w7"}], "max_tokens": 400, "temperature": 0,
+            "stream": True}
+    with LiveServer(create_app(loaded, ["pld"])) as live:  # holds pld's default, pinned
+        held = live.scheduler._speculations
+        for k in (1, 2, 3):
             assert live.request("/v1/chat/completions", body | {"k": k})[0] == 200
-        status, _, reply = live.request("/v1/chat/completions", body | {"k": 40})
-        assert status == 400 and "ways of speculating" in reply["error"]["message"]
-        assert live.request("/v1/chat/completions", body | {"k": 3})[0] == 200  # one it holds
+        assert [key[1] for key in held] == [None, 2, 3]  # k=1, least recently used, dropped
+        connections = []
+        for k in (2, 3):  # both unpinned ways in use at once
+            connection = http.client.HTTPConnection(live.url.removeprefix("http://"), timeout=30)
+            connection.request("POST", "/v1/chat/completions", json.dumps(long | {"k": k}),
+                               {"Content-Type": "application/json"})
+            connection.getresponse().readline()
+            connections.append(connection)
+        wait_until(lambda: live.scheduler.running == 2)
+        status, _, reply = live.request("/v1/chat/completions", body | {"k": 4})
+        assert status == 400 and "all in use" in reply["error"]["message"]
+        for connection in connections:
+            connection.sock.shutdown(2)
+            connection.close()
+        wait_until(lambda: live.scheduler.running == 0)
+        assert live.request("/v1/chat/completions", body | {"k": 4})[0] == 200
+        assert len(held) == 3
 
 
 def test_models_health_and_metrics(server):
