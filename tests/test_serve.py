@@ -165,7 +165,7 @@ BAD = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "w5"}]}, "role"),
     ({"messages": [{"role": "user", "content": "w5"}], "temperature": "hot"}, "temperature"),
-    ({"messages": [{"role": "user", "content": "w5"}], "temperature": -1}, "temperature: Input should be greater than or equal to 0"),
+    ({"messages": [{"role": "user", "content": "w5"}], "temperature": -1}, "greater than or equal to 0"),
     ({"messages": [{"role": "user", "content": "w5"}], "top_p": 0, "temperature": 1}, "top_p"),
     ({"messages": [{"role": "user", "content": "w5"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "w5"}], "max_tokens": 2.5}, "max_tokens"),

@@ -175,9 +175,12 @@ def parse_body(raw: bytes, kind: type[Common]) -> Common:
     try:
         return kind.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        param = ".".join(str(part) for part in first["loc"])
-        raise BadRequest(f"{param}: {first['msg']}", param or None) from None
+        errors = error.errors()
+        param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None  # the top-level field
+        # A field of several types (stop: a string or a list) fails once per type: say each.
+        said = [f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in errors
+                if e["loc"][:1] == errors[0]["loc"][:1]]
+        raise BadRequest("; ".join(said[:3]), param) from None
 
 
 def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: int,

@@ -170,6 +170,7 @@ class Scheduler:
         self._stopping = False
         self._idle = True
         self.died: BaseException | None = None  # what ended the worker thread, if it died
+        self._admitting: list[Ticket] = []  # taken from the queue, not yet in the batch
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="verispec-scheduler", daemon=True)
 
@@ -285,7 +286,8 @@ class Scheduler:
             self._accepting = False
             self._idle = True
             self._cond.notify_all()
-            tickets = {ticket for ticket, _, _ in self._rows.values()} | set(self._waiting)
+            tickets = ({ticket for ticket, _, _ in self._rows.values()} | set(self._waiting)
+                       | set(self._admitting))
             self._waiting.clear()
         message = ("the server is shutting down" if self.died is None
                    else f"the server's engine thread died ({type(self.died).__name__})")
@@ -301,7 +303,7 @@ class Scheduler:
                 self._cond.wait_for(lambda: self._stopping or self._waiting or self._rows)
                 if self._stopping:
                     return
-                admitted = []
+                admitted = self._admitting = []
                 while self._waiting and (self._waiting[0].cancelled or self._fits(
                         self._waiting[0].request, self._sequences, self._reserved)):
                     ticket = self._waiting.popleft()
@@ -315,6 +317,7 @@ class Scheduler:
             self._drop_cancelled()
             for ticket in admitted:
                 self._admit(ticket)
+            self._admitting = []
             self.metrics.running.set(len(self._rows))
             if self._rows:
                 self._step()
