@@ -9,6 +9,7 @@ import http.client
 import json
 import socket
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,13 +20,14 @@ from tests.serving import LiveServer, wait_until
 from tests.tiny import save_tiny, tiny_tokenizer
 from verispec.display import TokenPieces
 from verispec.engine import RowFailure, Speculation
-from verispec.methods import METHODS, build_engine, build_speculation
+from verispec.methods import METHODS, TREE_METHODS, build_engine, build_speculation
 from verispec.models import load_model
 from verispec.options import DraftOptions
 from verispec.policies import ConstantK
 from verispec.sampling import warp_probs
 from verispec.server import create_app
 from verispec.stopping import StoppingRules
+from verispec.tree import TreeSettings
 from verispec.types import Fate, Proposal, SamplingParams, Step
 
 CHAT = "w10 w11 w12 w10 w11"
@@ -217,6 +219,8 @@ def _served_methods(loaded) -> list[tuple[str, DraftOptions]]:
             assert "no trained" in str(error), (name, error)
             continue
         runnable.append((name, options))
+        if name in TREE_METHODS:  # and as a tree, whose accepted path is not rows 0..n of the block
+            runnable.append((name, replace(options, tree=TreeSettings(4, 16))))
     return runnable
 
 
@@ -241,18 +245,22 @@ def test_logprobs_under_speculation_equal_plain_decodings_for_every_method(loade
     plain = [lp for step in run("ar", DraftOptions()) for lp in step.logprobs]
     methods = _served_methods(loaded)
     accepted: dict[str, int] = {}
+    off_first_branch: dict[str, bool] = {}
     assert {"pld", "self-int4", "lookahead", "early-exit", "draft"} <= {name for name, _ in methods}
     for name, options in methods:
         steps = run(name, options)
         assert name == "ar" or sum(step.num_drafted for step in steps) > 0, name  # it drafted
         accepted[name] = sum(step.num_accepted for step in steps)
+        off_first_branch[name] = any(
+            step.tree is not None and step.tree.path != list(range(len(step.tree.path))) for step in steps)
         mine = [lp for step in steps for lp in step.logprobs]
         assert [lp.token for lp in mine] == [lp.token for lp in plain], name
         for a, b in zip(mine, plain):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4), name
             assert [t for t, _ in a.top] == [t for t, _ in b.top], name
             assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4), name
-    assert accepted["draft"] == accepted["pld"] > 0 or accepted["draft"] > 0 < accepted["pld"]
+    assert accepted["draft"] > 0 < accepted["pld"]
+    assert any(off_first_branch.values())  # some tree step accepted a path off rows 0..n
     # The reported value is log softmax of the target's own logits for that token.
     with torch.no_grad():
         logits = loaded.model(torch.tensor([prompt])).logits[0, -1].float()
