@@ -246,6 +246,8 @@ def main() -> None:
         pending = list(reversed(plans))
         lock = threading.Lock()
         all_sent = threading.Event()
+        rss_by_ended: list[tuple[int, float]] = []  # (requests ended, server RSS MiB), every 100
+        ended = [0]
 
         def client() -> None:
             while True:
@@ -255,6 +257,11 @@ def main() -> None:
                         return
                     plan = pending.pop()
                 send(port, plan)
+                with lock:
+                    ended[0] += 1
+                    if ended[0] % 100 == 0:
+                        rss_by_ended.append((ended[0], round(server.memory_info().rss / 2**20, 1)))
+                        print(f"ended: {ended[0]}", file=sys.stderr, flush=True)
 
         started = time.perf_counter()
         prober = threading.Thread(target=probe, daemon=True)
@@ -302,7 +309,7 @@ def main() -> None:
         "health_p99_ms": round(1000 * percentile(health, 99), 1),
         "health_max_ms": round(1000 * max(health, default=float("nan")), 1), "health_probes": len(health),
         "rss_before_mib": round(rss_before / 2**20, 1), "rss_after_mib": round(rss_after / 2**20, 1),
-        "rss_peak_mib": round(rss_peak[0] / 2**20, 1),
+        "rss_peak_mib": round(rss_peak[0] / 2**20, 1), "rss_mib_by_requests_ended": rss_by_ended,
         "status_after_sigterm": after_term, "server_exit_code": exit_code,
     }
     print(json.dumps(report, indent=1))

@@ -215,6 +215,9 @@ class SpeculativeEngine:
         # Per way of speculating: the target caches and drafters of sequences that have left.
         self._free: dict[Speculation, list[tuple[CachedModel, Drafter | None]]] = {
             self.speculation: [(self.target, drafter)]}
+        # The most idle (cache, drafter) pairs kept per way of speculating (absent: no limit); a
+        # server bounds the pools of the ways its clients choose (a trained drafter is tens of MB).
+        self.pool_limit: dict[Speculation, int] = {}
         self._rows: dict[int, _Row] = {}
         self._next_id = 0
 
@@ -261,7 +264,9 @@ class SpeculativeEngine:
         row.target.reset()
         if row.drafter is not None:
             row.drafter.reset()
-        self._free[row.speculation].append((row.target, row.drafter))
+        free = self._free[row.speculation]
+        if len(free) < self.pool_limit.get(row.speculation, len(free) + 1):
+            free.append((row.target, row.drafter))
 
     def forget(self, speculation: Speculation) -> bool:
         """Drop the pooled caches and drafters of a way of speculating (a server keeps a bounded
@@ -270,6 +275,7 @@ class SpeculativeEngine:
             return False
         if speculation is not self.speculation:
             self._free.pop(speculation, None)
+            self.pool_limit.pop(speculation, None)
         return True
 
     def _step(self, rows: list[_Row]) -> list[Step | RowFailure]:

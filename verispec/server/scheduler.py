@@ -31,6 +31,9 @@ log = logging.getLogger("verispec.server")
 # past this the least recently used one that no sequence uses is dropped (the methods the server
 # was started with stay).
 MAX_SPECULATIONS = 32
+# Idle drafters kept for a way of speculating a client chose (the --method defaults keep as many as
+# ran at once, up to --max-batch): more are built again when needed.
+IDLE_PER_CHOSEN = 1
 # KV room a sequence reserves beyond its prompt and max_tokens: the block a step feeds (the last
 # token, a draft of k <= 64 tokens or a tree of <= 64 nodes, a lookahead side branch) sits in the
 # cache until verification rewinds it.
@@ -272,8 +275,10 @@ class Scheduler:
                 raise VerispecError(f"this server holds {MAX_SPECULATIONS} ways of speculating "
                                     "(method, k, tree), all in use; use the method's default k and tree")
             del self._speculations[unused]
-        self._speculations[key] = build_speculation(self.target, method, options)
-        return self._speculations[key]
+        self._speculations[key] = how = build_speculation(self.target, method, options)
+        if self._pinned:  # one a client chose (not a --method default): keep one idle drafter
+            self._engine.pool_limit[how] = IDLE_PER_CHOSEN
+        return how
 
     def _run(self) -> None:
         """The worker: step until stopped; if it dies, every request fails at once (503)."""
