@@ -165,7 +165,7 @@ BAD = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "w5"}]}, "role"),
     ({"messages": [{"role": "user", "content": "w5"}], "temperature": "hot"}, "temperature"),
-    ({"messages": [{"role": "user", "content": "w5"}], "temperature": -1}, "temperature must be >= 0"),
+    ({"messages": [{"role": "user", "content": "w5"}], "temperature": -1}, "greater than or equal to 0"),
     ({"messages": [{"role": "user", "content": "w5"}], "top_p": 0, "temperature": 1}, "top_p"),
     ({"messages": [{"role": "user", "content": "w5"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "w5"}], "max_tokens": 2.5}, "max_tokens"),
@@ -212,16 +212,34 @@ def test_a_method_the_model_cannot_run_fails_before_serving(loaded):
         create_app(loaded, ["magic"])
 
 
-def test_ways_of_speculating_are_bounded(loaded):
-    from verispec.server.scheduler import MAX_SPECULATIONS
+def test_ways_of_speculating_are_bounded_least_recently_used_dropped(loaded, monkeypatch):
+    from verispec.server import scheduler
 
+    monkeypatch.setattr(scheduler, "MAX_SPECULATIONS", 3)
     body = {"messages": [{"role": "user", "content": CHAT}], "temperature": 0, "max_tokens": 2}
-    with LiveServer(create_app(loaded, ["pld"])) as live:  # holds pld's default already
-        for k in range(MAX_SPECULATIONS - 1):
+    long = {"messages": [{"role": "user", "content": "w7"}], "max_tokens": 400, "temperature": 0,
+            "stream": True}
+    with LiveServer(create_app(loaded, ["pld"])) as live:  # holds pld's default, pinned
+        held = live.scheduler._speculations
+        for k in (1, 2, 3):
             assert live.request("/v1/chat/completions", body | {"k": k})[0] == 200
-        status, _, reply = live.request("/v1/chat/completions", body | {"k": 40})
-        assert status == 400 and "ways of speculating" in reply["error"]["message"]
-        assert live.request("/v1/chat/completions", body | {"k": 3})[0] == 200  # one it holds
+        assert [key[1] for key in held] == [None, 2, 3]  # k=1, least recently used, dropped
+        connections = []
+        for k in (2, 3):  # both unpinned ways in use at once
+            connection = http.client.HTTPConnection(live.url.removeprefix("http://"), timeout=30)
+            connection.request("POST", "/v1/chat/completions", json.dumps(long | {"k": k}),
+                               {"Content-Type": "application/json"})
+            connection.getresponse().readline()
+            connections.append(connection)
+        wait_until(lambda: live.scheduler.running == 2)
+        status, _, reply = live.request("/v1/chat/completions", body | {"k": 4})
+        assert status == 400 and "all in use" in reply["error"]["message"]
+        for connection in connections:
+            connection.sock.shutdown(2)
+            connection.close()
+        wait_until(lambda: live.scheduler.running == 0)
+        assert live.request("/v1/chat/completions", body | {"k": 4})[0] == 200
+        assert len(held) == 3
 
 
 def test_models_health_and_metrics(server):
@@ -376,21 +394,31 @@ def test_builtin_model_answers_equal_verispec_generate(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_thousand_sequential_requests_keep_memory_flat(server):
+def test_a_thousand_varied_requests_keep_memory_flat(server):
+    """1000 requests varying method, k, tree, n, prompt length and streaming: after 200 that
+    go through every variety once (caches, pools, allocator), RSS grows by under 10 MiB."""
     import psutil
 
     process = psutil.Process()
-    body = {"messages": [{"role": "user", "content": CHAT}], "temperature": 0, "max_tokens": 8,
-            "method": "pld"}
+    kinds = [(method, k, tree) for method in METHODS for k in (None, 1, 4, 8)
+             for tree in ((None, "2x4", "4x16") if method == "pld" else (None,))]
 
-    def burst(count: int) -> None:
-        for _ in range(count):
-            assert server.request("/v1/chat/completions", body)[0] == 200
+    def body(i: int) -> dict:
+        method, k, tree = kinds[i % len(kinds)]
+        words = " ".join(f"w{5 + (i * 7 + j) % 50}" for j in range(2 + (i * 13) % 120))
+        return {"messages": [{"role": "user", "content": words}], "temperature": 0 if i % 3 else 0.8,
+                "max_tokens": 4 + i % 29, "n": 1 + i % 3, "stream": i % 2 == 0, "method": method,
+                **({} if k is None else {"k": k}), **({} if tree is None else {"tree": tree})}
 
-    burst(100)  # warm: caches, pools, allocator
+    def burst(indices: range) -> None:
+        for i in indices:
+            assert server.request("/v1/chat/completions", body(i))[0] == 200, body(i)
+
+    burst(range(200))
     start = process.memory_info().rss
-    burst(900)
+    burst(range(200, 1000))
     grown = (process.memory_info().rss - start) / 2**20
-    print(f"\nRSS after 100 requests {start / 2**20:.1f} MiB, after 1000: +{grown:.1f} MiB")
+    print(f"\nRSS after 200 requests {start / 2**20:.1f} MiB, after 1000: +{grown:.1f} MiB")
     assert grown < 10
+    assert server.scheduler.running == 0 and server.scheduler.reserved_kv_tokens == 0
     assert threading.active_count() < 20

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
+from verispec.display import TokenPieces
 from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
@@ -305,14 +306,10 @@ def stream(model: ModelLike, inputs: str | list[int] | torch.Tensor, **kwargs) -
 
 
 def stream_text(steps: Iterable[Step], tokenizer) -> Iterator[str]:
-    """Turn committed steps into text deltas, holding back incomplete multi-byte characters."""
-    tokens: list[int] = []
-    shown = 0
+    """Turn committed steps into text deltas, holding back incomplete multi-byte characters
+    (incrementally: verispec.display.TokenPieces)."""
+    pieces = TokenPieces(tokenizer)
     for step in steps:
-        tokens += step.tokens
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            continue
-        if len(text) > shown:
-            yield text[shown:]
-            shown = len(text)
+        text = "".join(pieces.push(step)[0])
+        if text:
+            yield text

@@ -14,15 +14,30 @@ LEGEND = (f"{GREEN}accepted draft{RESET}  {RED_STRIKE}rejected draft{RESET}  "
 class TokenPieces:
     """Each committed token's own piece of text, decoded in context, and the rejected draft text
     shown (struck out) before a target correction. A character split across tokens arrives with
-    the token that completes it. The CLI's colours and the server's stream both come from here."""
+    the token that completes it. The CLI's colours, the server's stream and verispec.stream all
+    come from here.
+
+    Incremental: each token decodes only the few tokens since the last complete piece (with
+    the piece before them as context, for tokenizers whose decoding of a token depends on what
+    precedes it), so the work per token does not grow with the answer (vLLM and Hugging Face's
+    TextStreamer do the same).
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
-        self.text = ""  # decoded so far, whole characters only
+        # tokens[context:shown] gave the last piece (the context of the next); tokens[:shown]
+        # have been shown, tokens[shown:] wait for a character to complete.
+        self.context = 0
+        self.shown = 0
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _after(self, more: list[int]) -> str:
+        """The text that tokens[shown:] + more add after what has been shown."""
+        before = self._decode(self.tokens[self.context: self.shown])
+        return self._decode(self.tokens[self.context:] + more)[len(before):]
 
     def push(self, step: Step) -> tuple[list[str], list[str]]:
         """The step's tokens' pieces, and the rejected draft text before each ("" if none)."""
@@ -30,15 +45,15 @@ class TokenPieces:
         for token, fate in zip(step.tokens, step.fates):
             struck = ""
             if fate is Fate.RECOVERED and step.rejected:
-                struck = self._decode(self.tokens + step.rejected[:1])[len(self.text):]
+                struck = self._after(step.rejected[:1])
             rejected.append(struck)
             self.tokens.append(token)
-            text = self._decode(self.tokens)
-            if text.endswith("\ufffd"):
+            piece = self._after([])
+            if not piece or piece.endswith("\ufffd"):  # nothing yet, or a character in pieces
                 pieces.append("")
                 continue
-            pieces.append(text[len(self.text):])
-            self.text = text
+            pieces.append(piece)
+            self.context, self.shown = self.shown, len(self.tokens)
         return pieces, rejected
 
 

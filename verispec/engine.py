@@ -29,7 +29,16 @@ from verispec.errors import VerispecError
 from verispec.policies import ConstantK, DraftLengthPolicy, LoadCap
 from verispec.stopping import StoppingRules
 from verispec.tree import check_parents
-from verispec.types import DraftTree, Fate, GenerationResult, GenerationStats, Proposal, SamplingParams, Step
+from verispec.types import (
+    DraftTree,
+    Fate,
+    GenerationResult,
+    GenerationStats,
+    Proposal,
+    SamplingParams,
+    Step,
+    TokenLogprob,
+)
 from verispec.verifiers import verifier_for
 
 
@@ -52,12 +61,21 @@ class Speculation:
     spawn: Callable[[], Drafter] | None = None
 
 
+@dataclass(frozen=True)
+class RowFailure:
+    """A sequence whose own part of a step raised (its drafter, its draft's checks, its
+    verification): it has left the batch, and the other sequences' steps went on unchanged."""
+
+    error: Exception
+
+
 class _Row:
     """One sequence being generated: its target cache, drafter, policy, randomness and tokens."""
 
     def __init__(self, speculation: Speculation, target: CachedModel, drafter: Drafter | None,
                  hidden_size: int, prompt_ids: list[int], stopping: StoppingRules,
-                 sampling: SamplingParams, seed: int | None, prediction: Drafter | None = None) -> None:
+                 sampling: SamplingParams, seed: int | None, prediction: Drafter | None = None,
+                 logprobs: int | None = None) -> None:
         device = target.device
         self.speculation = speculation
         self.target, self.drafter = target, drafter
@@ -67,7 +85,8 @@ class _Row:
         if seed is None:
             self.generator.seed()
         else:
-            self.generator.manual_seed(seed)
+            self.generator.manual_seed(seed % 2**64)  # as torch reads seeds < 0; seed + i may pass 2**64
+        self.logprobs = logprobs  # None: none reported; else how many top alternatives per token
         self.verifier = verifier_for(sampling, speculation.acceptance)
         tokens = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
         self.buffer = torch.cat([tokens, tokens.new_zeros(stopping.max_new_tokens)])  # [prompt + new]
@@ -118,7 +137,7 @@ class _Row:
         hidden = None if self.hidden is None else self.hidden[: self.length - 1]
         return DraftRequest(self.buffer[: self.length], k, self.sampling, self.generator, hidden)
 
-    def predict(self, cap: int | None) -> bool:
+    def predict(self, cap: int | None, vocab_size: int) -> bool:
         """Take the prediction's draft for this step if it has one (as long as it likes, within
         the budget and the batch's cap); False: the row's own drafter drafts."""
         if self.predicted is None:
@@ -133,14 +152,18 @@ class _Row:
                                                        self.generator))
         if not len(proposal):
             return False
-        self.take(proposal, time.perf_counter() - started, from_prediction=True)
+        self.take(proposal, time.perf_counter() - started, vocab_size, from_prediction=True)
         return True
 
-    def take(self, proposal: Proposal | None, seconds: float, from_prediction: bool = False) -> None:
+    def take(self, proposal: Proposal | None, seconds: float, vocab_size: int,
+             from_prediction: bool = False) -> None:
         """This step's draft (None: none), and the seconds it took."""
         proposal = Proposal(self.buffer[:0]) if proposal is None else proposal
         if proposal.parents is not None:  # a drafter's tree must be well formed
             check_parents(proposal.parents)
+        if len(proposal) and not 0 <= int(proposal.tokens.min()) <= int(proposal.tokens.max()) < vocab_size:
+            # Caught here, a bad draft fails its own row, not the batch's shared forward.
+            raise VerispecError(f"the drafter proposed a token outside the vocabulary (0..{vocab_size - 1})")
         self.proposal, self.draft_seconds = proposal, seconds
         self.from_prediction = from_prediction
 
@@ -179,6 +202,8 @@ class _Row:
         block = [drafted_tokens[i] for i in path] + [verdict.next_token]
         fates = [Fate.ACCEPTED] * accepted + [Fate.RECOVERED if alternatives else Fate.BONUS]
         keep, finished = self.stopping.cut(self.generated, block)
+        logprobs = None if self.logprobs is None else token_logprobs(logits[rows[:keep]], block[:keep],
+                                                                     self.logprobs)
         self.buffer[self.length: self.length + keep] = torch.tensor(block[:keep])
         self.length += keep
         self.generated += block[:keep]
@@ -186,7 +211,8 @@ class _Row:
                                                                   proposal.depth)
         verify_seconds = forward_seconds + time.perf_counter() - started
         return Step(block[:keep], fates[:keep], alternatives, len(proposal), accepted,
-                    self.draft_seconds, verify_seconds, finished, shown, self.from_prediction)
+                    self.draft_seconds, verify_seconds, finished, shown, self.from_prediction,
+                    logprobs)
 
 
 class SpeculativeEngine:
@@ -218,6 +244,9 @@ class SpeculativeEngine:
         # Per way of speculating: the target caches and drafters of sequences that have left.
         self._free: dict[Speculation, list[tuple[CachedModel, Drafter | None]]] = {
             self.speculation: [(self.target, drafter)]}
+        # The most idle (cache, drafter) pairs kept per way of speculating (absent: no limit); a
+        # server bounds the pools of the ways its clients choose (a trained drafter is tens of MB).
+        self.pool_limit: dict[Speculation, int] = {}
         self._rows: dict[int, _Row] = {}
         self._next_id = 0
 
@@ -237,7 +266,8 @@ class SpeculativeEngine:
 
     def _open(self, prompt_ids: list[int], stopping: StoppingRules, sampling: SamplingParams,
               seed: int | None, source: _Row | None = None,
-              speculation: Speculation | None = None, prediction: Drafter | None = None) -> _Row:
+              speculation: Speculation | None = None, prediction: Drafter | None = None,
+              logprobs: int | None = None) -> _Row:
         speculation = speculation or self.speculation
         if speculation not in self._free:  # first seen: its own drafter is the first to use
             self._free[speculation] = [(CachedModel(self.model), speculation.drafter)]
@@ -252,7 +282,7 @@ class SpeculativeEngine:
             drafter = None if speculation.drafter is None else speculation.spawn()
         try:
             row = _Row(speculation, target, drafter, self.hidden_size, prompt_ids, stopping, sampling,
-                       seed, prediction)
+                       seed, prediction, logprobs)
             row.prefill(source)
         except BaseException:  # a bad setting or a failed prefill: the cache and drafter go back
             free.append((target, drafter))
@@ -260,46 +290,84 @@ class SpeculativeEngine:
         return row
 
     def _close(self, row: _Row) -> None:
-        self._free[row.speculation].append((row.target, row.drafter))
+        """The row's cache and drafter go back to the pool, emptied: an idle one holds no KV."""
+        row.target.reset()
+        if row.drafter is not None:
+            row.drafter.reset()
+        free = self._free[row.speculation]
+        if len(free) < self.pool_limit.get(row.speculation, len(free) + 1):
+            free.append((row.target, row.drafter))
 
-    def _step(self, rows: list[_Row]) -> list[Step]:
-        """One draft-verify-commit cycle for every row, with one target pass for all of them."""
-        self._draft(rows, self.load_cap.k(len(rows)))
-        layers = tuple(sorted({layer for row in rows for layer in row.layers}))
+    def forget(self, speculation: Speculation) -> bool:
+        """Drop the pooled caches and drafters of a way of speculating (a server keeps a bounded
+        number of them); False, dropping nothing, while a sequence in the batch uses it."""
+        if any(row.speculation is speculation for row in self._rows.values()):
+            return False
+        if speculation is not self.speculation:
+            self._free.pop(speculation, None)
+            self.pool_limit.pop(speculation, None)
+        return True
+
+    def _step(self, rows: list[_Row]) -> list[Step | RowFailure]:
+        """One draft-verify-commit cycle for every row, with one target pass for all of them.
+        A row whose own drafting or settling raises gets a RowFailure and the others go on; only
+        the shared forward failing fails them all (it raises)."""
+        failed = self._draft(rows, self.load_cap.k(len(rows)))
+        live = [row for row in rows if id(row) not in failed]
+        layers = tuple(sorted({layer for row in live for layer in row.layers}))
         started = time.perf_counter()
-        outputs = forward_rows([row.target for row in rows], [row.block() for row in rows],
-                               [row.proposal.parents for row in rows], layers,
-                               [row.proposal.side for row in rows])
+        outputs = forward_rows([row.target for row in live], [row.block() for row in live],
+                               [row.proposal.parents for row in live], layers,
+                               [row.proposal.side for row in live]) if live else []
         seconds = time.perf_counter() - started
-        return [row.settle(logits, _own_layers(hidden, layers, row.layers), seconds)
-                for row, (logits, hidden) in zip(rows, outputs)]
+        for row, (logits, hidden) in zip(live, outputs):
+            try:
+                failed[id(row)] = row.settle(logits, _own_layers(hidden, layers, row.layers), seconds)
+            except Exception as error:
+                failed[id(row)] = RowFailure(error)
+        return [failed[id(row)] for row in rows]
 
-    @staticmethod
-    def _draft(rows: list[_Row], cap: int | None) -> None:
-        """Every row's draft. Rows whose drafters batch (a `propose_batch` static method, as
-        ModelDrafter has) draft together, one forward per drafting position for all of them."""
+    def _draft(self, rows: list[_Row], cap: int | None) -> dict[int, RowFailure]:
+        """Every row's draft; the rows whose drafting raised, by id(row). Rows whose drafters
+        batch (a `propose_batch` static method, as ModelDrafter has) draft together, one forward
+        per drafting position for all of them (a failure there fails that group's rows)."""
+        failed: dict[int, RowFailure] = {}
         groups: dict[type, list[tuple[_Row, DraftRequest]]] = {}
         for row in rows:
-            if row.predict(cap):
-                continue
-            request = row.request(cap)
-            if request is None:
-                row.take(None, 0.0)
-            else:
-                groups.setdefault(type(row.drafter), []).append((row, request))
+            try:
+                if row.predict(cap, self.vocab_size):
+                    continue
+                request = row.request(cap)
+                if request is None:
+                    row.take(None, 0.0, self.vocab_size)
+                else:
+                    groups.setdefault(type(row.drafter), []).append((row, request))
+            except Exception as error:
+                failed[id(row)] = RowFailure(error)
         for kind, members in groups.items():
             if len(members) > 1 and hasattr(kind, "propose_batch"):
                 started = time.perf_counter()
-                proposals = kind.propose_batch([row.drafter for row, _ in members],
-                                               [request for _, request in members])
+                try:
+                    proposals = kind.propose_batch([row.drafter for row, _ in members],
+                                                   [request for _, request in members])
+                except Exception as error:
+                    failed |= {id(row): RowFailure(error) for row, _ in members}
+                    continue
                 seconds = (time.perf_counter() - started) / len(members)
                 for (row, _), proposal in zip(members, proposals):
-                    row.take(proposal, seconds)
+                    try:
+                        row.take(proposal, seconds, self.vocab_size)
+                    except Exception as error:
+                        failed[id(row)] = RowFailure(error)
                 continue
             for row, request in members:
                 started = time.perf_counter()
-                proposal = row.drafter.propose(request)
-                row.take(proposal, time.perf_counter() - started)
+                try:
+                    row.take(row.drafter.propose(request), time.perf_counter() - started,
+                             self.vocab_size)
+                except Exception as error:
+                    failed[id(row)] = RowFailure(error)
+        return failed
 
     # -- one sequence ----------------------------------------------------------------------------
 
@@ -315,6 +383,8 @@ class SpeculativeEngine:
         try:
             while True:
                 (step,) = self._step([row])
+                if isinstance(step, RowFailure):
+                    raise step.error
                 yield step
                 if step.finished:
                     return
@@ -344,11 +414,15 @@ class SpeculativeEngine:
     def add(self, prompt_ids: list[int], stopping: StoppingRules,
             sampling: SamplingParams = SamplingParams(), seed: int | None = None,
             samples: int = 1, speculation: Speculation | None = None,
-            prediction: Drafter | None = None) -> list[int]:
+            prediction: Drafter | None = None, logprobs: int | None = None) -> list[int]:
         """Start `samples` sequences of one prompt (they share its prefill); each joins the batch
         at the next `step`. Sample i is seeded with seed + i. speculation: how they draft
-        (default: the engine's own; see verispec.methods.build_speculation). prediction: see
-        `steps`. Returns their ids."""
+        (default: the engine's own; see verispec.methods.build_speculation). logprobs: each Step
+        then reports its tokens' log-probabilities under the target (and this many top
+        alternatives each), read from the verification pass's logits. prediction: see `steps`.
+        Returns their ids."""
+        if logprobs is not None and not 0 <= logprobs <= self.vocab_size:
+            raise VerispecError(f"logprobs must be in 0..{self.vocab_size}, got {logprobs}")
         self.check_prompt(prompt_ids, stopping.max_new_tokens)
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise VerispecError(f"the number of samples must be a positive integer, got {samples!r}")
@@ -358,7 +432,7 @@ class SpeculativeEngine:
             for i in range(samples):
                 own = prediction if i == 0 or prediction is None else copy.deepcopy(prediction)
                 row = self._open(prompt_ids, stopping, sampling, None if seed is None else seed + i,
-                                 first, speculation, own)
+                                 first, speculation, own, logprobs)
                 first = first or row
                 self._rows[self._next_id] = row
                 ids.append(self._next_id)
@@ -380,8 +454,10 @@ class SpeculativeEngine:
         """The ids of the sequences in the batch."""
         return list(self._rows)
 
-    def step(self) -> list[tuple[int, Step]]:
-        """Advance every sequence in the batch by one step; finished ones leave it."""
+    def step(self) -> list[tuple[int, Step | RowFailure]]:
+        """Advance every sequence in the batch by one step; finished ones leave it, and so do
+        failed ones (a RowFailure: the others' steps are as if it had not been there). Raises,
+        with every sequence dropped, only if the shared target pass fails."""
         if not self._rows:
             return []
         ids = list(self._rows)
@@ -392,7 +468,9 @@ class SpeculativeEngine:
                 self.cancel(row_id)
             raise
         for row_id, step in zip(ids, steps):
-            if step.finished:
+            if isinstance(step, RowFailure):  # its cache and drafter may be half-updated: dropped
+                del self._rows[row_id]
+            elif step.finished:
                 self.cancel(row_id)
         return list(zip(ids, steps))
 
@@ -422,6 +500,8 @@ class SpeculativeEngine:
             collected: dict[int, list[Step]] = {row_id: [] for row_id in order}
             while self._rows:
                 for row_id, step in self.step():
+                    if isinstance(step, RowFailure):
+                        raise step.error
                     collected[row_id].append(step)
         finally:
             for row_id in list(self._rows):
@@ -436,6 +516,22 @@ class SpeculativeEngine:
             tokens = [t for step in collected[row_id] for t in step.tokens]
             results.append(GenerationResult(list(prompt), tokens, collected[row_id], stats))
         return results
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the target's own distribution (the raw logits, before
+    any temperature or truncation: what plain decoding's logits give), with the `top` likeliest
+    tokens at its position. logits: [len(tokens), vocab], row i the one that predicted tokens[i].
+
+    >>> round(token_logprobs(torch.tensor([[0.0, 0.0]]), [1], 1)[0].logprob, 4)
+    -0.6931
+    """
+    logprobs = logits.float().log_softmax(-1)  # [n, vocab]
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    best = logprobs.topk(top, -1) if top else None
+    return [TokenLogprob(token, value, () if best is None else tuple(zip(best.indices[i].tolist(),
+                                                                        best.values[i].tolist())))
+            for i, (token, value) in enumerate(zip(tokens, chosen))]
 
 
 def _own_layers(hidden: torch.Tensor, layers: tuple[int, ...], own: tuple[int, ...]) -> torch.Tensor:

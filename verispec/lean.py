@@ -264,7 +264,8 @@ class LeanDecoder:
         return self.caches[0].length
 
     def reset(self) -> None:
-        self.rewind(0)
+        """Empty the cache and free its buffers (a finished sequence's cache holds no memory)."""
+        self.caches = [KVCache() for _ in self.weights.layers]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, layers: tuple[int, ...] = ()) -> torch.Tensor:

@@ -33,6 +33,8 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # Drop a token when the tokens ranked above it already hold top_p of the mass.
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False  # the likeliest always stays (a top_p under float32's least
+        # positive value reads as 0, and 0 >= 0 would drop every token: softmax of all -inf is NaN)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

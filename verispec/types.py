@@ -19,13 +19,19 @@ import torch
 from verispec.errors import VerispecError
 from verispec.tree import chain_parents, depths
 
+# Temperatures below this mean greedy decoding (vLLM's floor too): logits divided by less can
+# overflow float32 to inf (1e-40 is a subnormal float32, 1e-50 rounds to 0), and softmax of inf
+# is NaN. Down here the warped distribution is one-hot on the argmax but for logits within a few
+# 1e-5 of it, which greedy decoding settles as the argmax does.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How the next token is chosen; applied identically to target and draft distributions.
 
-    temperature == 0 or do_sample=False means greedy decoding. top_k == 0 and top_p == 1 disable
-    those truncations.
+    temperature < GREEDY_BELOW (0 included) or do_sample=False means greedy decoding. top_k == 0
+    and top_p == 1 disable those truncations.
     """
 
     do_sample: bool = False
@@ -45,7 +51,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return not self.do_sample or self.temperature == 0
+        return not self.do_sample or self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,15 @@ class Fate(Enum):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target, and the likeliest tokens there."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), likeliest first
+
+
+@dataclass(frozen=True)
 class Step:
     """One draft-verify-commit cycle as the user sees it (after stopping rules cut it)."""
 
@@ -143,6 +158,7 @@ class Step:
     # A tree proposal (None for a chain): its tokens, parents and accepted path, for display.
     tree: DraftTree | None = None
     from_prediction: bool = False  # the draft came from the caller's predicted output
+    logprobs: list[TokenLogprob] | None = None  # one per emitted token, when asked for
 
     @property
     def draft_depth(self) -> int:

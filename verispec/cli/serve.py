@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from verispec.cli.options import add_model_arguments
@@ -28,6 +29,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--drain-seconds", type=float, default=30.0,
                        help="on SIGTERM, how long requests in flight may take to finish while new "
                        "ones get 503 (default: 30)")
+    serve.add_argument("--max-kv-tokens", type=int, default=None,
+                       help="KV cache tokens all running requests may reserve together (n x (prompt + "
+                       "max_tokens + 160)); a request that does not fit waits, one that never could "
+                       "gets 400 (default: a quarter of the free memory at start-up)")
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on every path but /health and /metrics "
+                       "(default: $VERISPEC_API_KEY; none: open)")
+    serve.add_argument("--cors-origin", action="append", default=None,
+                       help="an origin browsers may call the API from (repeatable; default: none)")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                       help="the largest request body; larger get 413 (default: 1 MiB)")
     serve.set_defaults(func=run_command)
 
 
@@ -35,7 +47,10 @@ def run_command(args: argparse.Namespace) -> int:
     from verispec.server import create_app, serve
 
     target = load_model(args.model, args.dtype, args.device)
-    app = create_app(target, args.method, max_batch=args.max_batch, max_queue=args.max_queue)
+    app = create_app(target, args.method, max_batch=args.max_batch, max_queue=args.max_queue,
+                     max_kv_tokens=args.max_kv_tokens, host=args.host,
+                     api_key=args.api_key or os.environ.get("VERISPEC_API_KEY") or None,
+                     cors_origins=args.cors_origin, max_body=args.max_body_bytes)
     print(f"verispec: serving {target.name} on http://{args.host}:{args.port}/ (playground there, "
           f"OpenAI API under /v1, metrics at /metrics)", file=sys.stderr)
     serve(app, args.host, args.port, args.drain_seconds)

@@ -93,7 +93,7 @@ class EagleDrafter:
              confidence_threshold: float | None = None,
              tree: TreeSettings | None = None) -> EagleDrafter:
         net, _, weights = load_net(path, target, cls.kind, EagleNet)
-        head = ReducedHead(target, weights["vocab_ids"].long())
+        head = ReducedHead.of(target, weights["vocab_ids"].long())
         return cls(target, net, head, confidence_threshold, tree)
 
     def reset(self) -> None:

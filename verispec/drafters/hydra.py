@@ -81,7 +81,7 @@ class HydraDrafter:
     def load(cls, path: str | Path, target: PreTrainedModel,
              tree: TreeSettings | None = None) -> HydraDrafter:
         net, _, weights = load_net(path, target, cls.kind, HydraNet)
-        return cls(target, net, ReducedHead(target, weights["vocab_ids"].long()), tree)
+        return cls(target, net, ReducedHead.of(target, weights["vocab_ids"].long()), tree)
 
     def reset(self) -> None:
         pass  # stateless: everything comes from the target's hidden state and the tokens

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -117,6 +118,9 @@ def load_net(path: str | Path, target: PreTrainedModel, kind: str, net_class: Ca
     return net, config, weights
 
 
+_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {vocab ids: ReducedHead}
+
+
 class ReducedHead:
     """The target's LM head restricted to a fixed set of token ids (a frequency-ranked vocabulary).
 
@@ -125,6 +129,17 @@ class ReducedHead:
     exactness (greedy verification keeps only the target's tokens; under sampling, q is exactly
     the distribution the draft was drawn from, zero outside the set).
     """
+
+    @classmethod
+    def of(cls, target: PreTrainedModel, vocab_ids: torch.Tensor) -> ReducedHead:
+        """The head for these ids, made once per target and shared (it is read-only): every
+        drafter of a batch, and every way of speculating a server holds, would otherwise keep
+        its own copy of these rows of the LM head (and their packed copy), ~56 MB on SmolLM2."""
+        heads = _HEADS.setdefault(target, {})
+        key = vocab_ids.cpu().numpy().tobytes()
+        if key not in heads:
+            heads[key] = cls(target, vocab_ids)
+        return heads[key]
 
     def __init__(self, target: PreTrainedModel, vocab_ids: torch.Tensor) -> None:
         # vocab_ids: [reduced] int64, ids into the target's vocabulary

@@ -96,7 +96,7 @@ class MedusaDrafter:
     def load(cls, path: str | Path, target: PreTrainedModel,
              tree: TreeSettings | None = None) -> MedusaDrafter:
         net, config, weights = load_net(path, target, cls.kind, cls.net_class)
-        return cls(target, net, ReducedHead(target, weights["vocab_ids"].long()), tree,
+        return cls(target, net, ReducedHead.of(target, weights["vocab_ids"].long()), tree,
                    config.get("rank_accuracy"))
 
     def reset(self) -> None:

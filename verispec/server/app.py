@@ -1,16 +1,20 @@
 """`verispec serve`: an OpenAI-compatible HTTP API over the batched engine, with Prometheus
 metrics and a playground page.
 
-Requests are validated here (400 before any work), then queued for the scheduler's thread, which
-admits them into the running batch between steps; each step of each sequence comes back as an
-event and goes out as a server-sent event (streaming) or is collected (not). Every error is
-OpenAI-shaped JSON: {"error": {"message", "type", "param", "code"}}.
+Requests pass the door first (Door: Host, API key, content type, body size), are validated
+(400 before any work; tokenized off the event loop), then queued for the scheduler's thread,
+which admits them into the running batch between steps while the batch and the KV budget have
+room; each step of each sequence comes back as an event and goes out as a server-sent event
+(streaming) or is collected (not). Every error is OpenAI-shaped JSON: {"error": {"message",
+"type", "param", "code"}}.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -24,6 +28,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from verispec.errors import VerispecError
 from verispec.methods import METHODS, PLAIN, fastest_method
@@ -42,10 +47,14 @@ from verispec.server.scheduler import (
     Ticket,
 )
 from verispec.server.text import TextStream
-from verispec.types import GenerationStats
+from verispec.types import GenerationStats, TokenLogprob
 
+log = logging.getLogger("verispec.server")
 STATIC = Path(__file__).parent / "static"
 RETRY_AFTER_SECONDS = 1  # told to clients refused with 429 (queue full)
+MAX_BODY_BYTES = 1 << 20  # default body limit: a full 8k-token context is about 40 kB of text
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None,
@@ -66,6 +75,8 @@ class _Output:
         self.stats = [GenerationStats() for _ in range(request.n)]
         self.reasons: list[str | None] = [None] * request.n
         self.contents = [""] * request.n  # the response text of each choice so far
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(request.n)]
+        self.tokenizer = tokenizer
         self.started = time.perf_counter()
 
     @property
@@ -86,12 +97,28 @@ class _Output:
                       else {"content": delta}}
         else:
             choice = {"index": i, "text": delta}
-        choice |= {"finish_reason": event.finish_reason, "logprobs": None}
+        self.logprobs[i] += step.logprobs or []
+        choice |= {"finish_reason": event.finish_reason, "logprobs": self._logprobs(step.logprobs)}
         extra = {"tokens": pieces, "fates": [fate.value for fate in step.fates], "rejected": rejected,
                  "drafted": step.num_drafted}
         if self.done:
             extra["summary"] = self.summary()
         return self._envelope([choice]) | {"verispec": extra}
+
+    def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's logprobs block for these tokens (chat's or completions' shape)."""
+        if logprobs is None or self.request.logprobs is None:
+            return None
+        piece = self.tokenizer.decode
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict:
+                text = piece([token])
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [entry(t.token, t.logprob) | {
+                "top_logprobs": [entry(token, value) for token, value in t.top]} for t in logprobs]}
+        return {"tokens": [piece([t.token]) for t in logprobs],
+                "token_logprobs": [t.logprob for t in logprobs],
+                "top_logprobs": [{piece([token]): value for token, value in t.top} for t in logprobs]}
 
     def _envelope(self, choices: list[dict], streaming: bool = True) -> dict:
         kind = "text_completion"
@@ -120,7 +147,8 @@ class _Output:
         for i, content in enumerate(self.contents):
             body = ({"message": {"role": "assistant", "content": content}} if self.chat
                     else {"text": content})
-            choices.append({"index": i, **body, "finish_reason": self.reasons[i], "logprobs": None})
+            choices.append({"index": i, **body, "finish_reason": self.reasons[i],
+                            "logprobs": self._logprobs(self.logprobs[i])})
         return self._envelope(choices, streaming=False) | {"usage": self.usage(),
                                                             "verispec": self.summary()}
 
@@ -148,10 +176,75 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
+class Door:
+    """ASGI middleware: what every request must pass before any handler reads it.
+
+    - Host: when the server listens on a loopback address, the Host header must name one
+      (a web page the user visits could otherwise reach it through DNS rebinding);
+    - API key: with one set, every path but /health and /metrics needs
+      `Authorization: Bearer KEY` (compared in constant time), else 401;
+    - POSTs must be `application/json` (415) and at most max_body bytes by Content-Length (413;
+      a body sent without one is counted as it is read: read_body).
+    """
+
+    def __init__(self, app, api_key: str | None, check_host: bool, max_body: int) -> None:
+        self.app, self.check_host, self.max_body = app, check_host, max_body
+        self.api_key = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> Response | None:
+        headers = {name.decode("latin-1").lower(): value for name, value in scope["headers"]}
+        if self.check_host:
+            host = headers.get("host", b"").decode("latin-1").lower()
+            name = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]")[0] + "]"
+            if name not in LOOPBACK:
+                return error_response(400, f"the Host header {host!r} is not this server's (it "
+                                      "listens on a loopback address)", "invalid_request_error", "Host")
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+            if not hmac.compare_digest(headers.get("authorization", b""), self.api_key):
+                return error_response(401, "a valid API key is required (Authorization: Bearer KEY)",
+                                      "authentication_error",
+                                      headers={"WWW-Authenticate": "Bearer"})
+        if scope["method"] == "POST":
+            kind = headers.get("content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+            if kind != "application/json":
+                return error_response(415, f"the body must be application/json, got {kind or 'none'!r}",
+                                      "invalid_request_error", "Content-Type")
+            length = headers.get("content-length", b"0")
+            if not length.isdigit() or int(length) > self.max_body:
+                return error_response(413, f"the body is over the server's limit of {self.max_body} "
+                                      "bytes", "invalid_request_error")
+        return None
+
+
+async def read_body(http: Request, limit: int) -> bytes:
+    """The request's body, refusing (413) one that grows past `limit` bytes as it arrives."""
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"the body is over the server's limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_batch: int = 16,
-               max_queue: int = 64) -> FastAPI:
+               max_queue: int = 64, max_kv_tokens: int | None = None, host: str = "127.0.0.1",
+               api_key: str | None = None, cors_origins: list[str] | None = None,
+               max_body: int = MAX_BODY_BYTES) -> FastAPI:
     """The server for `target`. methods: those requests may choose, the first the default
-    (default: the fastest for the model, then plain decoding, `ar`)."""
+    (default: the fastest for the model, then plain decoding, `ar`). max_kv_tokens: the KV
+    budget (default: from the model and free memory; see scheduler.default_kv_tokens). host: the
+    address it will listen on (a loopback one turns the Host check on). api_key: required of
+    every request but /health and /metrics. cors_origins: origins browsers may call it from
+    (default: none). max_body: the largest request body, in bytes."""
     methods = list(dict.fromkeys(methods or [fastest_method(target), PLAIN]))
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -159,7 +252,9 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
     if target.tokenizer is None:
         raise VerispecError(f"{target.name} has no tokenizer: the server takes and returns text")
     metrics = Metrics()
-    scheduler = Scheduler(target, metrics, max_batch, max_queue)
+    if max_body < 1:
+        raise VerispecError(f"the body limit must be >= 1 byte, got {max_body}")
+    scheduler = Scheduler(target, metrics, max_batch, max_queue, max_kv_tokens)
     scheduler.prepare(methods)
 
     @asynccontextmanager
@@ -170,6 +265,10 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
 
     app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.scheduler, app.state.metrics = scheduler, metrics
+    app.add_middleware(Door, api_key=api_key, check_host=host in LOOPBACK, max_body=max_body)
+    if cors_origins:  # outermost: a browser's preflight is answered before the door asks for a key
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, error: BadRequest) -> JSONResponse:
@@ -184,11 +283,20 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
     async def internal_error(_: Request, error: Exception) -> JSONResponse:
         return error_response(500, f"internal error: {type(error).__name__}", "server_error")
 
+    def unavailable() -> JSONResponse:
+        """503: draining, or the engine thread has died (then nothing will ever be answered)."""
+        if scheduler.died is not None:
+            return error_response(503, f"the server's engine thread died ({type(scheduler.died).__name__}); "
+                                  "restart the server", "server_error")
+        return error_response(503, "the server is shutting down", "server_error")
+
     @app.get("/health")
     async def health() -> JSONResponse:
         if not scheduler.accepting:
-            return error_response(503, "the server is shutting down", "server_error")
-        return JSONResponse({"status": "ok", "running": scheduler.running})
+            return unavailable()
+        return JSONResponse({"status": "ok", "running": scheduler.running,
+                             "kv_tokens": {"reserved": scheduler.reserved_kv_tokens,
+                                           "budget": scheduler.max_kv_tokens}})
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -207,8 +315,14 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     async def generate(http: Request, kind: type[Common]) -> Response:
-        body = parse_body(await http.body(), kind)
-        request = build_request(body, target, methods, max_batch, scheduler.check_prompt)
+        if not scheduler.accepting:  # before reading or tokenizing anything
+            metrics.rejected.labels("shutting_down").inc()
+            return unavailable()
+        raw = await read_body(http, max_body)
+        # Parsing and tokenizing a big body takes milliseconds: off the event loop.
+        body = await asyncio.to_thread(parse_body, raw, kind)
+        request = await asyncio.to_thread(build_request, body, target, methods, max_batch,
+                                          scheduler.check_prompt, scheduler.check_fits)
         try:
             ticket = scheduler.submit(request)
         except QueueFull:
@@ -217,7 +331,7 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
                                   headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         except ShuttingDown:
             metrics.rejected.labels("shutting_down").inc()
-            return error_response(503, "the server is shutting down", "server_error")
+            return unavailable()
         # Until the response starts (and for all of a non-streaming one) a watcher cancels the
         # work the moment the client disconnects; a stream's own end cancels it after that.
         watcher = asyncio.create_task(_cancel_on_disconnect(http, scheduler, ticket))
@@ -245,17 +359,24 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
                 scheduler.cancel(ticket)  # a no-op once every sequence has finished
 
     async def _stream(ticket: Ticket, output: _Output, include_usage: bool) -> AsyncIterator[str]:
-        while not output.done:
-            event = await ticket.events.get()
-            if event is None:  # the client went away before the stream began
-                return
-            if isinstance(event, Failed):
-                yield _sse({"error": {"message": event.message, "type": "server_error", "param": None,
-                                      "code": 500}})
-                return
-            yield _sse(output.add(event))
-        if include_usage:
-            yield _sse(output.usage_chunk())
+        """The stream's events; one that fails ends with an error event, then [DONE]."""
+        try:
+            while not output.done:
+                event = await ticket.events.get()
+                if event is None:  # the client went away before the stream began
+                    return
+                if isinstance(event, Failed):
+                    yield _sse({"error": {"message": event.message, "type": "server_error",
+                                          "param": None, "code": event.status}})
+                    break
+                yield _sse(output.add(event))
+            else:
+                if include_usage:
+                    yield _sse(output.usage_chunk())
+        except Exception as error:  # a bug here: the client still gets an ending
+            log.error("stream: unexpected error", exc_info=error)
+            yield _sse({"error": {"message": f"internal error: {type(error).__name__}",
+                                  "type": "server_error", "param": None, "code": 500}})
         yield _sse("[DONE]")
 
     @app.post("/v1/chat/completions")
@@ -280,8 +401,9 @@ async def _cancel_on_disconnect(http: Request, scheduler: Scheduler, ticket: Tic
 
 def _gone_or_failed(event: Failed | None) -> JSONResponse:
     """The answer when a request ends early: its client went away (None), or the engine failed."""
-    return error_response(500, "the client went away" if event is None else event.message,
-                          "server_error")
+    if event is None:
+        return error_response(499, "the client went away", "server_error")  # nobody reads it
+    return error_response(event.status, event.message, "server_error")
 
 
 class _DrainingServer(uvicorn.Server):

@@ -1,13 +1,15 @@
-"""Request bodies: their shape (pydantic, strict types), then what they mean for the engine.
+"""Request bodies: their shape (pydantic, strict types, every number range-checked), then what
+they mean for the engine.
 
-Every problem becomes a BadRequest (400 with OpenAI's error shape) before any work is queued.
-OpenAI fields the server does not act on (user, logprobs=false, ...) are ignored.
+Every problem becomes a BadRequest (400 with OpenAI's error shape, naming the field) before any
+work is queued. OpenAI fields the server cannot honour are refused by name (REFUSED), never
+silently dropped; those that change nothing (user, metadata, store, ...) are ignored.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -19,10 +21,21 @@ from verispec.models import LoadedModel
 from verispec.options import DraftOptions, parse_tree
 from verispec.server.scheduler import GenerationRequest
 from verispec.stopping import StoppingRules
+from verispec.tree import TreeSettings
 from verispec.types import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (clipped to the room left in the context)
 MAX_K = 64  # longer drafts only cost: every method's measured best is under 16
+MAX_TREE_NODES = 64  # a tree's draft nodes (the measured best trees have 16 to 32)
+MAX_TREE_TOPK = 16  # a tree's children per expanded node
+MAX_STOPS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256  # per stop string
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat's top_logprobs; completions' logprobs: 5)
+MAX_DEPTH = 32  # JSON nesting (the deepest valid body nests 5)
+MAX_INT = 2**63 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+Int = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
 
 
 class BadRequest(Exception):
@@ -68,55 +81,129 @@ class Common(_Body):
     """Fields both endpoints share: OpenAI's sampling fields and verispec's own."""
 
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0  # as vLLM: an extra field (0: off)
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    seed: int | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    temperature: Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    top_k: Annotated[int, Field(ge=0, le=MAX_INT)] = 0  # as vLLM: an extra field (0: off)
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_INT)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     method: str | None = None  # verispec: the speculation method (default: the server's first)
     k: Annotated[int, Field(ge=0, le=MAX_K)] | None = None  # verispec: draft length (default: the method's)
-    tree: str | None = None  # verispec: TOPKxNODES or "default"
+    tree: Annotated[str, Field(max_length=32)] | None = None  # verispec: TOPKxNODES or "default"
     prediction: Prediction | None = None  # OpenAI's predicted outputs
+
+    def logprobs_wanted(self) -> int | None:
+        """None: no logprobs; else the top alternatives wanted per token."""
+        raise NotImplementedError
 
 
 class ChatBody(Common):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    def logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionBody(Common):
-    prompt: str | Annotated[list[int], Field(min_length=1)]
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT)]], Field(min_length=1)]
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # OpenAI's legacy field: top alternatives
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+
+# OpenAI fields this server does not act on, refused (400 naming the field) whenever a request
+# gives them a value that would change the answer; field -> (is that value harmless, why).
+# Structured output (response_format json_object / json_schema) would be honoured here first.
+REFUSED: dict[str, tuple[Any, str]] = {
+    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text",
+                        "structured output is not supported; only {\"type\": \"text\"}"),
+    "tools": (lambda v: not v, "tool calls are not supported"),
+    "tool_choice": (lambda v: v in (None, "none"), "tool calls are not supported"),
+    "functions": (lambda v: not v, "function calls are not supported"),
+    "function_call": (lambda v: v in (None, "none"), "function calls are not supported"),
+    "logit_bias": (lambda v: not v, "logit_bias is not supported (it would have to bias target "
+                   "and drafts alike to keep acceptance exact)"),
+    "presence_penalty": (lambda v: v == 0, "presence_penalty is not supported; give 0"),
+    "frequency_penalty": (lambda v: v == 0, "frequency_penalty is not supported; give 0"),
+    "echo": (lambda v: not v, "echo is not supported"),
+    "suffix": (lambda v: not v, "suffix is not supported"),
+    "best_of": (lambda v: v in (None, 1), "best_of is not supported; use n"),
+    "audio": (lambda v: v is None, "audio output is not supported"),
+    "modalities": (lambda v: v in (None, ["text"]), "only text output is supported"),
+}
+
+
+def refuse_unsupported(data: dict) -> None:
+    """BadRequest for the first field of REFUSED given a value this server cannot honour."""
+    for name, (harmless, why) in REFUSED.items():
+        if name in data and not harmless(data[name]):
+            raise BadRequest(f"{name}: {why}", name)
+
+
+def _depth(data: object) -> int:
+    """How deeply `data` (parsed JSON) nests, without recursion."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_DEPTH:
+                stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict)
+                                                              else item))
+    return deepest
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def parse_body(raw: bytes, kind: type[Common]) -> Common:
     """JSON text -> a typed body, or BadRequest naming the field."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise BadRequest(f"the body nests deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as error:
         raise BadRequest(f"the body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise BadRequest("the body must be a JSON object")
+    if _depth(data) > MAX_DEPTH:
+        raise BadRequest(f"the body nests deeper than {MAX_DEPTH} levels")
+    refuse_unsupported(data)
     try:
         return kind.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        param = ".".join(str(part) for part in first["loc"])
-        raise BadRequest(f"{param}: {first['msg']}", param or None) from None
+        errors = error.errors()
+        param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None  # the top-level field
+        # A field of several types (stop: a string or a list) fails once per type: say each.
+        said = [f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in errors
+                if e["loc"][:1] == errors[0]["loc"][:1]]
+        raise BadRequest("; ".join(said[:3]), param) from None
 
 
 def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: int,
-                  check_prompt) -> GenerationRequest:
-    """The engine's request for a parsed body; check_prompt(ids, max_new_tokens) is the engine's."""
+                  check_prompt, check_fits) -> GenerationRequest:
+    """The engine's request for a parsed body; check_prompt(ids, max_new_tokens) is the engine's,
+    check_fits(request) the scheduler's KV budget check."""
     method = body.method or methods[0]
     if method not in methods:
         raise BadRequest(f"method {method!r} is not served here; choose from {', '.join(methods)}",
                          "method")
     if body.n > max_n:
         raise BadRequest(f"n is at most {max_n} (the server's --max-batch), got {body.n}", "n")
+    logprobs = body.logprobs_wanted()
     param = "prompt"
     try:
         if isinstance(body, ChatBody):
@@ -131,6 +218,9 @@ def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: 
                                   top_k=body.top_k, top_p=body.top_p)
         param = "tree"
         tree = resolve_tree(method, None if body.tree is None else parse_tree(body.tree))
+        if isinstance(tree, TreeSettings) and (tree.nodes > MAX_TREE_NODES or tree.topk > MAX_TREE_TOPK):
+            raise VerispecError(f"a tree has at most {MAX_TREE_TOPK} children per node and "
+                                f"{MAX_TREE_NODES} nodes here, got {body.tree}")
         param = "max_tokens"
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if max_tokens is None:
@@ -138,11 +228,20 @@ def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: 
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
         check_prompt(prompt_ids, max_tokens)
         param = "stop"
+        if any(len(stop) > MAX_STOP_CHARS for stop in ([body.stop] if isinstance(body.stop, str)
+                                                       else body.stop or [])):
+            raise VerispecError(f"a stop string has at most {MAX_STOP_CHARS} characters")
         stopping = StoppingRules.build(max_tokens, target.eos_token_ids, body.stop, target.tokenizer)
         param = "prediction"
         prediction = None if body.prediction is None else encode_predictions(
             target, body.prediction.text(), 1, False)[0]
     except VerispecError as error:
         raise BadRequest(str(error), param) from None
-    return GenerationRequest(prompt_ids, stopping, sampling, body.seed, body.n, method,
-                   DraftOptions(k=body.k, tree=tree), prediction)
+    request = GenerationRequest(prompt_ids, stopping, sampling, body.seed, body.n, method,
+                                DraftOptions(k=body.k, tree=tree), prediction=prediction,
+                                logprobs=logprobs)
+    try:
+        check_fits(request)
+    except VerispecError as error:
+        raise BadRequest(str(error), "max_tokens") from None
+    return request

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from verispec.display import TokenPieces
+from verispec.types import Step
 
 
 class TextStream(TokenPieces):
@@ -11,31 +12,35 @@ class TextStream(TokenPieces):
     `push` (TokenPieces) gives each token's piece and the rejected draft before it, for the
     playground. `content(final)` returns the next delta of the response text: held back while
     its tail could still begin a stop string, and ending before a stop string (OpenAI's
-    convention; verispec's StoppingRules keep it).
+    convention; verispec's StoppingRules keep it). Only the text not yet returned is searched,
+    so the work per step does not grow with the answer: the text returned never ends with the
+    beginning of a stop string, so no stop string can begin in it.
     """
 
     def __init__(self, tokenizer, stops: tuple[str, ...] = ()) -> None:
         super().__init__(tokenizer)
         self.stops = stops
-        self.sent = 0  # characters of self.text already returned by content()
+        self.pending = ""  # text decoded but not yet returned by content()
         self.stopped = False
+
+    def push(self, step: Step) -> tuple[list[str], list[str]]:
+        pieces, rejected = super().push(step)
+        self.pending += "".join(pieces)
+        return pieces, rejected
 
     def content(self, final: bool) -> str:
         """The response text not yet returned (all of it, up to any stop string, when final)."""
         if self.stopped:
             return ""
-        text = self.text
-        longest = max((len(s) for s in self.stops), default=0)
-        start = max(0, self.sent - longest)
-        cuts = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        text = self.pending
+        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if cuts:
             text = text[: min(cuts)]
             self.stopped = True
         elif not final:
             text = text[: len(text) - self._held(text)]
-        delta = text[self.sent:]
-        self.sent = max(self.sent, len(text))
-        return delta
+        self.pending = self.pending[len(text):]
+        return text
 
     def _held(self, text: str) -> int:
         """Length of the longest tail of `text` that begins some stop string."""
