@@ -315,7 +315,7 @@ class Scheduler:
                         self._waiting[0].request, self._sequences, self._reserved)):
                     ticket = self._waiting.popleft()
                     if ticket.cancelled:
-                        self.metrics.finished(ticket, "abort")
+                        self.metrics.finished(ticket.submitted, "abort")
                     else:  # its room is taken now; _admit gives it back if the engine refuses
                         admitted.append(ticket)
                         self._sequences += ticket.request.n
@@ -346,7 +346,7 @@ class Scheduler:
                 del self._rows[row_id]
                 self._release(ticket, 1)
                 if ticket.unfinished == 0 and not ticket.failed:
-                    self.metrics.finished(ticket, "abort")
+                    self.metrics.finished(ticket.submitted, "abort")
 
     def _admit(self, ticket: Ticket) -> None:
         request = ticket.request
