@@ -197,3 +197,9 @@ def test_batched_bench_measures_every_size_and_checks_rows(tiny_dir, questions, 
                  "--out", str(tmp_path / "bad")]) != 0
     assert "--batch-size takes positive integers" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_llamacpp_baselines_need_the_targets_gguf(tiny_dir, questions, tmp_path):
+    for name in ("llama.cpp", "llama.cpp-lookup"):
+        with pytest.raises(VerispecError, match="GGUF"):
+            run_bench(config(tiny_dir, questions, tmp_path / name, methods=[name]), progress=False)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from verispec.bench.contender import BenchConfig, Contender, Outcome, exit_layer
+from verispec.bench.llamacpp import LOOKUP_TOKENS, llamacpp_generator
+from verispec.errors import VerispecError
 from verispec.models import LoadedModel
 from verispec.types import SamplingParams
 
@@ -60,6 +62,28 @@ def hf_generate(extra: Callable[[LoadedModel, LoadedModel | None, BenchConfig], 
     return build
 
 
+def llamacpp(lookup: bool) -> Build:
+    """A baseline: llama.cpp's greedy decoding of the target's own GGUF file (with lookup, its
+    prompt lookup), with as many threads as torch uses."""
+    def build(name: str, target: LoadedModel, draft: LoadedModel | None, config: BenchConfig,
+              sampling: SamplingParams) -> Contender:
+        if target.gguf is None:
+            raise VerispecError(f"{name} runs the target's GGUF file: give --model a .gguf file or a "
+                                f"built-in name ({target.name} has none)")
+        if not sampling.greedy:
+            raise VerispecError(f"{name} runs greedy decoding only: use --temperature 0")
+        run = llamacpp_generator(target.gguf, lookup, torch.get_num_threads(), config.max_new_tokens,
+                                 set(target.eos_token_ids))
+
+        def generate(prompt_ids: list[int]) -> Outcome:
+            tokens, seconds = run(prompt_ids)
+            return Outcome(tokens, seconds, None)
+
+        return Contender(name, name, LOOKUP_TOKENS if lookup else None, generate, baseline=True)
+
+    return build
+
+
 BASELINES: dict[str, Baseline] = {
     "hf": Baseline(hf_generate(lambda target, draft, config: {})),
     "hf-pld": Baseline(hf_generate(lambda target, draft, config: {"prompt_lookup_num_tokens": PLD_TOKENS})),
@@ -68,5 +92,7 @@ BASELINES: dict[str, Baseline] = {
     "hf-early-exit": Baseline(hf_generate(
         lambda target, draft, config: {"assistant_early_exit": exit_layer(target, config)},
         counts_forwards=False)),
+    "llama.cpp": Baseline(llamacpp(lookup=False)),
+    "llama.cpp-lookup": Baseline(llamacpp(lookup=True)),
 }
 
