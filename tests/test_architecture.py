@@ -216,7 +216,7 @@ def test_conflicting_arguments_are_a_clear_error(target, kwargs, message):
 
 
 def test_every_drafting_option_has_one_flag_in_each_command(capsys):
-    for command in ("generate", "demo", "bench"):
+    for command in ("generate", "demo", "bench", "serve"):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         text = capsys.readouterr().out

@@ -422,3 +422,24 @@ def test_a_thousand_varied_requests_keep_memory_flat(server):
     assert grown < 10
     assert server.scheduler.running == 0 and server.scheduler.reserved_kv_tokens == 0
     assert threading.active_count() < 20
+
+
+def test_the_servers_drafting_options_are_each_requests_defaults(loaded):
+    """`verispec serve --k 3 --tree 2x3 --max-ngram 3` (DraftOptions) reach every request; a
+    request's own k and tree override them, and a chain-only method gets no tree."""
+    from verispec.options import DraftOptions
+    from verispec.server.requests import ChatBody, build_request, parse_body
+    from verispec.tree import TreeSettings
+
+    defaults = DraftOptions(k=3, tree=TreeSettings(2, 3), max_ngram=3)
+
+    def request(**fields):
+        body = parse_body(json.dumps({"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 4,
+                                      **fields}).encode(), ChatBody)
+        return build_request(body, loaded, ["pld", "lookahead"], 4, lambda ids, n: None,
+                             lambda r: None, defaults)
+
+    assert request(method="pld").options == defaults
+    assert request(method="pld", k=5, tree="4x8").options == DraftOptions(k=5, tree=TreeSettings(4, 8),
+                                                                          max_ngram=3)
+    assert request(method="lookahead").options.tree is None

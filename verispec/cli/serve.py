@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from verispec.cli.options import add_model_arguments
+from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
 from verispec.methods import FALLBACK, FASTEST, METHODS
 from verispec.models import load_model
 
@@ -40,6 +40,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        help="an origin browsers may call the API from (repeatable; default: none)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20,
                        help="the largest request body; larger get 413 (default: 1 MiB)")
+    add_draft_options(serve, method_flag=False)
     serve.set_defaults(func=run_command)
 
 
@@ -50,7 +51,8 @@ def run_command(args: argparse.Namespace) -> int:
     app = create_app(target, args.method, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_kv_tokens=args.max_kv_tokens, host=args.host,
                      api_key=args.api_key or os.environ.get("VERISPEC_API_KEY") or None,
-                     cors_origins=args.cors_origin, max_body=args.max_body_bytes)
+                     cors_origins=args.cors_origin, max_body=args.max_body_bytes,
+                     options=draft_options(args))
     print(f"verispec: serving {target.name} on http://{args.host}:{args.port}/ (playground there, "
           f"OpenAI API under /v1, metrics at /metrics)", file=sys.stderr)
     serve(app, args.host, args.port, args.drain_seconds)

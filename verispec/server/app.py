@@ -33,6 +33,7 @@ from starlette.middleware.cors import CORSMiddleware
 from verispec.errors import VerispecError
 from verispec.methods import METHODS, PLAIN, fastest_method
 from verispec.models import LoadedModel
+from verispec.options import DraftOptions
 from verispec.server.metrics import Metrics
 from verispec.server.requests import BadRequest, ChatBody, Common, CompletionBody, build_request, parse_body
 from verispec.server.scheduler import (
@@ -238,13 +239,14 @@ async def read_body(http: Request, limit: int) -> bytes:
 def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_batch: int = 16,
                max_queue: int = 64, max_kv_tokens: int | None = None, host: str = "127.0.0.1",
                api_key: str | None = None, cors_origins: list[str] | None = None,
-               max_body: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body: int = MAX_BODY_BYTES, options: DraftOptions = DraftOptions()) -> FastAPI:
     """The server for `target`. methods: those requests may choose, the first the default
     (default: the fastest for the model, then plain decoding, `ar`). max_kv_tokens: the KV
     budget (default: from the model and free memory; see scheduler.default_kv_tokens). host: the
     address it will listen on (a loopback one turns the Host check on). api_key: required of
     every request but /health and /metrics. cors_origins: origins browsers may call it from
-    (default: none). max_body: the largest request body, in bytes."""
+    (default: none). max_body: the largest request body, in bytes. options: the drafting options
+    requests get (their own k and tree override them)."""
     methods = list(dict.fromkeys(methods or [fastest_method(target), PLAIN]))
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -255,7 +257,7 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
     if max_body < 1:
         raise VerispecError(f"the body limit must be >= 1 byte, got {max_body}")
     scheduler = Scheduler(target, metrics, max_batch, max_queue, max_kv_tokens)
-    scheduler.prepare(methods)
+    scheduler.prepare(methods, options)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -322,7 +324,7 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
         # Parsing and tokenizing a big body takes milliseconds: off the event loop.
         body = await asyncio.to_thread(parse_body, raw, kind)
         request = await asyncio.to_thread(build_request, body, target, methods, max_batch,
-                                          scheduler.check_prompt, scheduler.check_fits)
+                                          scheduler.check_prompt, scheduler.check_fits, options)
         try:
             ticket = scheduler.submit(request)
         except QueueFull:

@@ -9,6 +9,7 @@ silently dropped; those that change nothing (user, metadata, store, ...) are ign
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -19,7 +20,7 @@ from verispec.errors import VerispecError
 from verispec.methods import resolve_tree
 from verispec.models import LoadedModel
 from verispec.options import DraftOptions, parse_tree
-from verispec.server.scheduler import GenerationRequest
+from verispec.server.scheduler import GenerationRequest, server_tree
 from verispec.stopping import StoppingRules
 from verispec.tree import TreeSettings
 from verispec.types import SamplingParams
@@ -194,9 +195,10 @@ def parse_body(raw: bytes, kind: type[Common]) -> Common:
 
 
 def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: int,
-                  check_prompt, check_fits) -> GenerationRequest:
+                  check_prompt, check_fits, defaults: DraftOptions = DraftOptions()) -> GenerationRequest:
     """The engine's request for a parsed body; check_prompt(ids, max_new_tokens) is the engine's,
-    check_fits(request) the scheduler's KV budget check."""
+    check_fits(request) the scheduler's KV budget check; defaults: the server's drafting options,
+    which a request's k and tree override."""
     method = body.method or methods[0]
     if method not in methods:
         raise BadRequest(f"method {method!r} is not served here; choose from {', '.join(methods)}",
@@ -217,7 +219,8 @@ def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: 
         sampling = SamplingParams(do_sample=body.temperature > 0, temperature=body.temperature,
                                   top_k=body.top_k, top_p=body.top_p)
         param = "tree"
-        tree = resolve_tree(method, None if body.tree is None else parse_tree(body.tree))
+        tree = (resolve_tree(method, parse_tree(body.tree)) if body.tree is not None
+                else server_tree(method, defaults))
         if isinstance(tree, TreeSettings) and (tree.nodes > MAX_TREE_NODES or tree.topk > MAX_TREE_TOPK):
             raise VerispecError(f"a tree has at most {MAX_TREE_TOPK} children per node and "
                                 f"{MAX_TREE_NODES} nodes here, got {body.tree}")
@@ -238,7 +241,8 @@ def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: 
     except VerispecError as error:
         raise BadRequest(str(error), param) from None
     request = GenerationRequest(prompt_ids, stopping, sampling, body.seed, body.n, method,
-                                DraftOptions(k=body.k, tree=tree), prediction=prediction,
+                                replace(defaults, k=defaults.k if body.k is None else body.k, tree=tree),
+                                prediction=prediction,
                                 logprobs=logprobs)
     try:
         check_fits(request)

@@ -13,18 +13,19 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import psutil
 
 from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine import RowFailure, Speculation, context_length
 from verispec.errors import VerispecError
-from verispec.methods import PLAIN, build_engine, build_speculation
+from verispec.methods import METHODS, PLAIN, build_engine, build_speculation, resolve_tree
 from verispec.models import LoadedModel
 from verispec.options import DraftOptions
 from verispec.server.metrics import Metrics
 from verispec.stopping import StoppingRules
+from verispec.tree import TreeSettings
 from verispec.types import SamplingParams, Step
 
 log = logging.getLogger("verispec.server")
@@ -68,6 +69,11 @@ def default_kv_tokens(target: LoadedModel, max_batch: int) -> int:
     per_token = 2 * 2 * kv_bytes_per_token(target)
     available = int(psutil.virtual_memory().available * DEFAULT_KV_SHARE) // per_token
     return max(1, min(available, max_batch * (context_length(target.model) + BLOCK_ROOM)))
+
+
+def server_tree(method: str, defaults: DraftOptions) -> TreeSettings | None:
+    """The tree the server's --tree gives `method` (none for a method that drafts chains only)."""
+    return resolve_tree(method, defaults.tree) if METHODS[method].trees else None
 
 
 @dataclass(frozen=True)
@@ -181,11 +187,11 @@ class Scheduler:
 
     # -- the handlers' side ----------------------------------------------------------------------
 
-    def prepare(self, methods: list[str]) -> None:
-        """Build each method's speculation (default settings) now: the first requests do not
+    def prepare(self, methods: list[str], options: DraftOptions = DraftOptions()) -> None:
+        """Build each method's speculation (the server's options) now: the first requests do not
         wait for it, and a method the model cannot run fails before the server starts."""
         for method in methods:
-            self.speculation(method, DraftOptions())
+            self.speculation(method, replace(options, tree=server_tree(method, options)))
         self._pinned = set(self._speculations)
 
     def start(self) -> None:
