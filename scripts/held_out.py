@@ -17,9 +17,9 @@ from verispec.stopping import StoppingRules
 from verispec.training.prompts import make_prompts
 
 
-def held_out(count: int, seed: int) -> tuple[LoadedModel, list[list[int]]]:
-    """The built-in target in float32 on CPU and `count` chat-encoded held-out prompts."""
-    target = load_model(DEFAULT_MODEL, "float32", "cpu")
+def held_out(count: int, seed: int, dtype: str = "float32") -> tuple[LoadedModel, list[list[int]]]:
+    """The built-in target in `dtype` on CPU and `count` chat-encoded held-out prompts."""
+    target = load_model(DEFAULT_MODEL, dtype, "cpu")
     return target, [encode_prompt(target, p, chat=True) for p in make_prompts(count, seed)]
 
 

@@ -7,6 +7,7 @@ equal plain decoding's. The defaults in verispec.methods.METHODS came from seeds
 
     python scripts/tune_self.py 8 792 self-int4@8 self-int4@10 self-int4-pld@10 self-int4-pld@16
     python scripts/tune_self.py 8 793 self-int4 self-int4/skip=28,29   # layer skipping
+    python scripts/tune_self.py 8 794 --dtype=int4 pld suffix self-int4-pld/skip=20,21  # 4-bit target
 
 Each spec is METHOD[@K][/skip=I,J,...].
 """
@@ -29,7 +30,9 @@ def engine_for(target, spec: str):
 
 
 def main(count: int, seed: int, specs: list[str]) -> None:
-    target, prompts = held_out(count, seed)
+    dtypes = [s.removeprefix("--dtype=") for s in specs if s.startswith("--dtype=")]
+    specs = [s for s in specs if not s.startswith("--dtype=")]
+    target, prompts = held_out(count, seed, *dtypes[-1:])
     engines = {"ar": build_engine(target, "ar")}
     engines |= {spec: engine_for(target, spec) for spec in specs}
     compare(engines, prompts)

@@ -13,9 +13,10 @@ from transformers import DynamicCache, PreTrainedModel
 
 from verispec.lean import Block, LeanDecoder, lean_supported
 from verispec.lean import forward_rows as lean_forward_rows
+from verispec.lowbit import QuantLinear, weight_format
 from verispec.packed import packed_view
 from verispec.tree import attention_mask, chain_parents, is_chain, position_ids, side_block
-from verispec.types import SideBranch
+from verispec.types import GenerationStats, SideBranch
 
 # Classes whose logits are exactly lm_head(last hidden state): no soft-capping or logit scaling.
 PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -75,6 +76,27 @@ class CachedModel:
         if self.lean is None:
             return "none"
         return "row-attention" if self.lean.invariant else "off"
+
+    @property
+    def precision(self) -> str:
+        """What the target's layers are in: "int4" (a 4-bit target), else its dtype's name."""
+        return weight_format(self.model)
+
+    @property
+    def kernel(self) -> str:
+        """How the target's linear products run, for stats and reports."""
+        quantized = next((m for m in self.model.modules() if isinstance(m, QuantLinear)), None)
+        if quantized is not None:
+            return quantized.kernel.name
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        if self.lean is not None:
+            return f"{dtype} (oneDNN prepacked, fused)"
+        packed = "oneDNN prepacked, " if self.runner is not self.model else ""
+        return f"{dtype} ({packed}Hugging Face forward)"
+
+    def stats(self) -> GenerationStats:
+        """Empty statistics naming this target's dtype, kernel and invariance mode."""
+        return GenerationStats(invariance=self.invariance, dtype=self.precision, kernel=self.kernel)
 
     def reset(self) -> None:
         if self.lean is not None:

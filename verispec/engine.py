@@ -33,7 +33,6 @@ from verispec.types import (
     DraftTree,
     Fate,
     GenerationResult,
-    GenerationStats,
     Proposal,
     SamplingParams,
     Step,
@@ -397,7 +396,7 @@ class SpeculativeEngine:
                  on_step: Callable[[Step], None] | None = None,
                  prediction: Drafter | None = None) -> GenerationResult:
         """Run to completion and collect tokens, steps and statistics."""
-        stats = GenerationStats(invariance=self.target.invariance)
+        stats = self.target.stats()
         steps: list[Step] = []
         started = time.perf_counter()
         for step in self.steps(prompt_ids, stopping, sampling, seed, prediction):
@@ -509,7 +508,7 @@ class SpeculativeEngine:
         seconds = time.perf_counter() - started
         results = []
         for row_id, prompt in zip(order, (p for p in prompts for _ in range(samples))):
-            stats = GenerationStats(invariance=self.target.invariance)
+            stats = self.target.stats()
             for step in collected[row_id]:
                 stats.add(step)
             stats.total_seconds = seconds

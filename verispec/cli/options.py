@@ -9,7 +9,7 @@ from typing import Any
 
 from verispec.errors import VerispecError
 from verispec.methods import FALLBACK, FASTEST, METHODS
-from verispec.models import BUILTIN_MODELS, DEFAULT_MODEL, DTYPES
+from verispec.models import ALIASES, BUILTIN_MODELS, DEFAULT_MODEL, PRECISIONS
 from verispec.options import DraftOptions, option_flags
 
 
@@ -17,8 +17,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"built-in name ({', '.join(BUILTIN_MODELS)}), a Hugging Face model "
                              f"directory or a .gguf file (default: {DEFAULT_MODEL})")
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
-                        help="weights and compute dtype; exactness is relative to this dtype")
+    parser.add_argument("--dtype", default="float32", choices=[*PRECISIONS, *ALIASES],
+                        help="the target's weights and compute: float32, bfloat16, float16, or int4 "
+                             "(4-bit weights: a GGUF's own Q4_0/Q4_1 blocks, else groups of 32 "
+                             "quantized at load; CPU); exactness is relative to this target")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from verispec.errors import VerispecError
-from verispec.models import DEFAULT_MODEL, DTYPES, load_model
+from verispec.models import DEFAULT_MODEL, PRECISIONS, load_model
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -58,7 +58,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        "(EAGLE-3-style fused features; the target hands it over while drafting)")
     train.add_argument("--init", help="start from the weights of this trained drafter directory "
                        "(same kind, trained for the same target), e.g. to continue on new data")
-    train.add_argument("--dtype", default="float32", choices=list(DTYPES),
+    train.add_argument("--dtype", default="float32", choices=list(PRECISIONS),
                        help="the target's dtype while it answers the training prompts")
     train.add_argument("--bf16", default="auto", choices=["auto", "on", "off"],
                        help="bfloat16 autocast while training (auto: on CUDA and on CPUs with "

@@ -26,6 +26,7 @@ from verispec.lean import LeanDecoder, LeanWeights, Product, fused_rms_norm, lea
 from verispec.lowbit import (
     FORMATS,
     INT4_GROUPS,
+    QuantLinear,
     RescoredHead,
     candidates,
     choose_kernel,
@@ -89,8 +90,12 @@ class SelfWeights:
             stored = []
             for module in modules:
                 name = f"{names[id(module)]}.weight"
-                stored.append(blocks[name] if name in self.from_gguf
-                              else quantize(module.weight, formats[part], settings.group))
+                if (isinstance(module, QuantLinear) and formats[part] == "int4"
+                        and module.stored.group == settings.group):  # a 4-bit target's own codes
+                    stored.append(module.stored)
+                else:
+                    stored.append(blocks[name] if name in self.from_gguf
+                                  else quantize(module.weight, formats[part], settings.group))
             kernel = build[part](fuse(stored))
             if part == "head" and settings.rescore:
                 kernel = RescoredHead(kernel, head.weight, settings.rescore)
@@ -111,7 +116,8 @@ class SelfWeights:
 
 
 def _takes_gguf(target: LoadedModel, settings: SelfSettings) -> bool:
-    return settings.fmt == "int4" and settings.group == 32 and target.gguf is not None
+    """Whether to read the file's blocks (a 4-bit target holds them already)."""
+    return settings.fmt == "int4" and settings.group == 32 and target.gguf is not None and not target.kernel
 
 
 def check(target: LoadedModel, settings: SelfSettings) -> None:

@@ -1,0 +1,130 @@
+"""The 4-bit target (`--dtype int4`): its layers run on the GGUF's own Q4 blocks (a Hugging Face
+model: quantized to groups of 32 at load), every method is exact to it under greedy decoding,
+and sampling follows its distribution. Batch invariance on it is in tests/test_invariance.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distribution import assert_follows, exact_marginals, sample_runs
+from tests.tiny import save_tiny, tiny_llama
+from verispec.api import encode_prompt
+from verispec.cli import main
+from verispec.drafters.ngram import PromptLookupDrafter
+from verispec.drafters.self_spec import SelfDrafter, SelfSettings
+from verispec.engine import SpeculativeEngine
+from verispec.errors import VerispecError
+from verispec.lowbit import QuantLinear, gguf_int4, int4_target, weight_format
+from verispec.methods import build_engine
+from verispec.models import DEFAULT_MODEL, LoadedModel, load_model
+from verispec.options import DraftOptions
+from verispec.policies import ConstantK, LoadCap
+from verispec.stopping import StoppingRules
+from verispec.tree import TreeSettings
+from verispec.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return load_model(DEFAULT_MODEL, "int4")
+
+
+def test_the_layers_run_on_the_files_own_blocks(target):
+    blocks = gguf_int4(target.gguf, target.model.config)
+    layers = {name: module for name, module in target.model.model.layers.named_modules()
+              if isinstance(module, QuantLinear)}
+    assert len(layers) == len(blocks) == 7 * len(target.model.model.layers)
+    for name, module in layers.items():
+        stored = blocks[f"model.layers.{name}.weight"]
+        assert torch.equal(module.stored.codes, stored.codes)
+        assert torch.equal(module.stored.scales, stored.scales)
+    assert weight_format(target.model) == "int4" and target.kernel.startswith("int4")
+    assert load_model(DEFAULT_MODEL, "q4").kernel == target.kernel  # the alias
+
+
+PROMPTS = ["Repeat this list twice: apples, pears, plums, cherries, figs.",
+           "Explain in two sentences why the sky is blue."]
+METHODS = [("pld", DraftOptions()), ("suffix", DraftOptions()), ("lookahead", DraftOptions()),
+           ("self-int4-pld", DraftOptions()),
+           ("pld", DraftOptions(tree=TreeSettings(4, 12)))]
+
+
+@pytest.mark.parametrize(("method", "options"), METHODS,
+                         ids=[f"{m}-{'tree' if o.tree else 'chain'}" for m, o in METHODS])
+def test_every_method_is_exact_to_the_4bit_target(target, method, options):
+    """Greedy speculation gives 4-bit plain decoding's tokens, and drafted on the way."""
+    plain, fast = build_engine(target, "ar"), build_engine(target, method, options)
+    accepted = 0
+    for text in PROMPTS:
+        ids = encode_prompt(target, text, chat=True)
+        reference = plain.generate(ids, StoppingRules.build(32))
+        result = fast.generate(ids, StoppingRules.build(32))
+        assert result.token_ids == reference.token_ids, text
+        accepted += sum(step.num_accepted for step in result.steps)
+    assert accepted > 0
+
+
+def test_a_batch_on_the_4bit_target_matches_each_prompt_alone(target):
+    engine = build_engine(target, "pld")
+    prompts = [encode_prompt(target, text, chat=True) for text in PROMPTS]
+    alone = [build_engine(target, "ar").generate(p, StoppingRules.build(24)).token_ids for p in prompts]
+    assert [r.token_ids for r in engine.generate_batch(prompts, StoppingRules.build(24))] == alone
+
+
+def test_a_hugging_face_model_is_quantized_to_groups_of_32(tmp_path):
+    directory = save_tiny(tmp_path / "tiny")
+    loaded = load_model(str(directory), "int4")
+    floats = load_model(str(directory), "float32")
+    layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.stored.group == 32 for m in layers)
+    # the head and the embedding keep their float weights
+    head = loaded.model.get_output_embeddings().weight
+    assert torch.equal(head, floats.model.get_output_embeddings().weight)
+    reference = build_engine(loaded, "ar").generate([1, 2, 3], StoppingRules.build(12)).token_ids
+    assert build_engine(loaded, "pld").generate([1, 2, 3], StoppingRules.build(12)).token_ids == reference
+
+
+def test_bad_4bit_requests_get_clear_errors(tmp_path):
+    with pytest.raises(VerispecError, match="unknown dtype 'int3'"):
+        load_model(DEFAULT_MODEL, "int3")
+    with pytest.raises(VerispecError, match="runs on CPU"):
+        load_model(DEFAULT_MODEL, "int4", "cuda:0" if torch.cuda.is_available() else "meta")
+    model = tiny_llama(hidden=40)  # 40 columns do not split into groups of 32
+    with pytest.raises(VerispecError, match="multiple of 32"):
+        int4_target(model, None)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())  # nothing half-converted
+
+
+def test_generate_command_takes_dtype_int4(capsys):
+    main(["generate", "--dtype", "int4", "--method", "pld", "--max-new-tokens", "8", "--json",
+          "--prompt", "Say hello."])
+    out = capsys.readouterr().out
+    assert '"dtype": "int4"' in out and '"invariance": "row-attention"' in out
+
+
+# -- sampling: the distribution on the 4-bit (and bfloat16) tiny target --------------------------
+
+V = 16
+PROMPT = [1, 5, 9, 1, 1, 5, 9]
+
+
+@pytest.mark.parametrize("precision", ["int4", "bfloat16"])
+def test_sampling_follows_the_new_targets_distribution(precision):
+    """Staged int4 self drafting on a 4-bit (or bfloat16) tiny target: the first three sampled
+    tokens follow the target's exact law (its own forward), within the sample-size bound."""
+    model = tiny_llama(seed=2, vocab=V, hidden=64)
+    if precision == "int4":
+        int4_target(model, None)
+    else:
+        model = model.to(torch.bfloat16)
+    loaded = LoadedModel(model, None, f"tiny-{precision}")
+
+    def make():
+        return SelfDrafter(loaded, SelfSettings("int4", skip=(2,)), lookup=PromptLookupDrafter(3, 1))
+
+    engine = SpeculativeEngine(model, make(), ConstantK(3), spawn=make, load_cap=LoadCap(()))
+    sampling = SamplingParams(do_sample=True, temperature=0.8)
+    sampled = sample_runs(engine, PROMPT, 3, sampling, 3000)
+    sampled.check_drafting(positions=2)
+    assert_follows(sampled, exact_marginals(model, PROMPT, 3, sampling), precision)
