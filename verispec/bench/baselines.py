@@ -79,7 +79,8 @@ def llamacpp(lookup: bool) -> Build:
             tokens, seconds = run(prompt_ids)
             return Outcome(tokens, seconds, None)
 
-        return Contender(name, name, LOOKUP_TOKENS if lookup else None, generate, baseline=True)
+        return Contender(name, name, LOOKUP_TOKENS if lookup else None, generate, baseline=True,
+                         peer=True)
 
     return build
 

@@ -59,6 +59,7 @@ class Contender:
     drafter: str | None = None  # what the drafter runs, where it says (low-precision kernels...)
     weights_mib: float | None = None  # the drafter's own weights, where it reports them
     baseline: bool = False  # a baseline (plain decoding, Hugging Face generate()...)
+    peer: bool = False  # another engine with its own arithmetic (llama.cpp): agreement, not identity
 
 
 def trained_drafters(config: BenchConfig) -> dict[str, str]:

@@ -20,6 +20,7 @@ from verispec.bench.summary import (
     TIE_ULPS,
     acceptance_curves,
     differing_runs,
+    labels_in_order,
     speedup_model,
     summarize,
     summary_tasks,
@@ -195,8 +196,9 @@ def _theory_section(models: dict[str, SpeedupModel]) -> list[str]:
 
 def _exactness_section(runs: list[Run], greedy: bool, dtype: str) -> list[str]:
     lines = ["", "## Exactness", ""]
-    checked = [r for r in runs if r.identical_to_baseline is not None]
+    checked = [r for r in runs if r.identical_to_baseline is not None and not r.peer]
     failed = differing_runs(runs)
+    lines += _peer_agreement(runs)
     if not checked:
         reason = ("no comparison was recorded" if greedy else
                   "under sampling only the output distribution is exact, not the tokens")
@@ -219,6 +221,20 @@ def _exactness_section(runs: list[Run], greedy: bool, dtype: str) -> list[str]:
         rows.append([_name(r.label), r.task, str(r.question_id), *where, verdict(r, dtype)])
     return lines + _table(["method", "task", "question", "position", "ours", "baseline", "logit gap",
                            "verdict"], rows)
+
+
+def _peer_agreement(runs: list[Run]) -> list[str]:
+    """Other engines' agreement with `ar` (their arithmetic is their own: reported, not required)."""
+    lines = []
+    for label in labels_in_order([r for r in runs if r.peer and r.identical_to_baseline is not None]):
+        mine = [r for r in runs if r.label == label and r.identical_to_baseline is not None]
+        positions = sorted(r.first_difference.position for r in mine
+                           if not r.identical_to_baseline and r.first_difference is not None)
+        where = f"; where they part, at token {', '.join(map(str, positions))}" if positions else ""
+        lines.append(f"- `{label}` agrees with `ar` on {sum(r.identical_to_baseline for r in mine)} of "
+                     f"{len(mine)} outputs token for token{where} (its own kernels and reductions: "
+                     "agreement is reported, not required).")
+    return [*lines, ""] if lines else []
 
 
 def _acceptance_section(runs: list[Run]) -> list[str]:

@@ -44,6 +44,9 @@ class Run:
     target_forwards: int | None  # None where it cannot be counted
     tree: str | None = None  # "TOPKxNODES" for a tree
     baseline: bool = False  # a baseline (hf*, ar, ...), not a speculative method
+    # Another engine with its own kernels (llama.cpp): its agreement with ar is reported, not
+    # required, so its differences are not exactness failures.
+    peer: bool = False
     drafted_by_position: tuple[int, ...] = ()  # as GenerationStats counts them
     accepted_by_position: tuple[int, ...] = ()
     reached_by_position: tuple[int, ...] = ()

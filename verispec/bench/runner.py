@@ -171,7 +171,8 @@ def run_record(contender: Contender, question: Question, outcome: Outcome) -> Ru
     return Run(method=contender.method, label=contender.label, task=question.task,
                question_id=question.question_id, k=contender.k, new_tokens=len(outcome.tokens),
                seconds=outcome.seconds, target_forwards=outcome.target_forwards, tree=contender.tree,
-               baseline=contender.baseline, peak_rss_mib=outcome.peak_rss_mib, **counts)
+               baseline=contender.baseline, peer=contender.peer, peak_rss_mib=outcome.peak_rss_mib,
+               **counts)
 
 
 def run_bench(config: BenchConfig, progress: bool = True) -> Results:

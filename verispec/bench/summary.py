@@ -27,7 +27,8 @@ from verispec.types import GenerationStats
 MAX_BEST_K = 32  # best_k is searched over 1..MAX_BEST_K
 TIE_ABSOLUTE = 0.01  # |logit gap| up to this looks like a numerical tie (float32)
 TIE_ULPS = 2  # ... or up to this many units in the last place of the logit, in the run's dtype
-EPSILON = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}  # spacing at 1.0
+EPSILON = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10,
+           "int4": 2.0 ** -23}  # spacing at 1.0 (a 4-bit target computes float32 logits)
 
 
 def by_label(runs: Iterable[Run]) -> dict[str, list[Run]]:
@@ -304,5 +305,5 @@ def differing_runs(runs: list[Run]) -> list[Run]:
     """The runs compared with ar that differ from it: lossless first, in report order."""
     order = {label: i for i, label in enumerate(labels_in_order(runs))}
     tasks = {task: i for i, task in enumerate(tasks_in_order(r.task for r in runs))}
-    failed = [r for r in runs if r.identical_to_baseline is False]
+    failed = [r for r in runs if r.identical_to_baseline is False and not r.peer]
     return sorted(failed, key=lambda r: (r.lossy, order[r.label], tasks[r.task], r.question_id))

@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from verispec.bench.baselines import BASELINES
 from verispec.cli.options import add_draft_options, add_model_arguments, comma_list, draft_options, list_of
 from verispec.errors import VerispecError
 from verispec.methods import BATCH_BENCH
@@ -20,7 +21,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_model_arguments(bench)
     bench.add_argument("--methods", type=comma_list,
                        help="comma-separated; default: every method available for the model. "
-                       "hf and ar baselines always run. Also: hf-pld, hf-assisted, hf-early-exit")
+                       "hf and ar baselines always run. Also: "
+                       + ", ".join(name for name in BASELINES if name != "hf")
+                       + " (llama.cpp: the target's own GGUF through the optional extra "
+                       "verispec[llamacpp])")
     bench.add_argument("--trained", type=comma_list,
                        help="trained drafter directories (from verispec train), comma-separated; "
                        "default: those shipped for the model")
