@@ -85,9 +85,9 @@ class CachedModel:
     @property
     def kernel(self) -> str:
         """How the target's linear products run, for stats and reports."""
-        quantized = next((m for m in self.model.modules() if isinstance(m, QuantLinear)), None)
-        if quantized is not None:
-            return quantized.kernel.name
+        quantized = {m.kernel.name: None for m in self.model.modules() if isinstance(m, QuantLinear)}
+        if quantized:  # a 4-bit target: its layers', then its head's
+            return "; ".join(quantized)
         dtype = str(self.model.dtype).removeprefix("torch.")
         if self.lean is not None:
             return f"{dtype} (oneDNN prepacked, fused)"

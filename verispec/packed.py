@@ -86,14 +86,14 @@ def cpu_packs(dtype: torch.dtype) -> bool:
 
 
 def linear_fingerprint(model: nn.Module) -> tuple:
-    """Identity and version of every linear weight (a 4-bit layer's: its codes): changes when
+    """Identity and version of every linear weight (a 4-bit layer's: its kernel's): changes when
     one is replaced or edited."""
     found = []
     for m in model.modules():
         if isinstance(m, nn.Linear):
             found.append((id(m.weight), m.weight._version))
-        elif hasattr(m, "stored"):  # lowbit.QuantLinear
-            found.append((id(m.stored.codes), m.stored.codes._version))
+        elif hasattr(m, "stored"):  # lowbit.QuantLinear: its weights live in its kernel
+            found.append((id(m.kernel), 0))
     return tuple(found)
 
 

@@ -26,6 +26,7 @@ from verispec.lean import LeanDecoder, LeanWeights, Product, fused_rms_norm, lea
 from verispec.lowbit import (
     FORMATS,
     INT4_GROUPS,
+    Int4Groups,
     QuantLinear,
     RescoredHead,
     candidates,
@@ -90,8 +91,9 @@ class SelfWeights:
             stored = []
             for module in modules:
                 name = f"{names[id(module)]}.weight"
-                if (isinstance(module, QuantLinear) and formats[part] == "int4"
-                        and module.stored.group == settings.group):  # a 4-bit target's own codes
+                if (isinstance(module, QuantLinear) and isinstance(module.stored, Int4Groups)
+                        and formats[part] == "int4" and module.stored.group == settings.group):
+                    # a 4-bit target's own codes
                     stored.append(module.stored)
                 else:
                     stored.append(blocks[name] if name in self.from_gguf
