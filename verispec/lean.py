@@ -105,14 +105,18 @@ class LeanWeights:
     linear: builds one product from linear layers over the same input (default: their float
     weights prepacked; verispec.drafters.self_spec stores them in low precision). layers: the
     decoder layers kept, in order (default: all; fewer skips the others, Draft & Verify style).
-    norm: what runs each RMSNorm module (default: the module itself, as the model computes it).
+    norm: what runs each RMSNorm module (default: the module itself, as the model computes it; for
+    a 4-bit target, whose arithmetic is verispec's own, torch's fused rms_norm, one op for seven).
     """
 
     def __init__(self, model: PreTrainedModel, linear: Callable[[list[nn.Linear]], Product] = Linear.fuse,
                  layers: Sequence[int] | None = None,
-                 norm: Callable[[nn.Module], Product] = lambda module: module) -> None:
+                 norm: Callable[[nn.Module], Product] | None = None) -> None:
         config = model.config.get_text_config(decoder=True)
         body = model.model
+        if norm is None:
+            four_bit = isinstance(body.layers[0].mlp.down_proj, QuantLinear)
+            norm = fused_rms_norm if four_bit else (lambda module: module)
         attention = body.layers[0].self_attn
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
@@ -123,10 +127,10 @@ class LeanWeights:
         self.norm = norm(body.norm)
         self.head = linear([model.get_output_embeddings()])
         kept = range(len(body.layers)) if layers is None else layers
-        # Prepacked float products round a lone row differently from the same row among 2..17 at
-        # some shapes (float32 over 1536 inputs: scripts/invariance_probe.py), so invariant
-        # one-row passes multiply two copies of the row (about the cost of one here). The 4-bit
-        # kernel is row-invariant from one row on: its passes need nothing.
+        # Prepacked float32 products over 1536 inputs (the MLP's down projection) round a lone
+        # row differently from the same row among 2..17 (scripts/invariance_probe.py; every other
+        # shape of the built-in model agrees), so invariant one-row passes multiply two copies of
+        # the row there. The 4-bit kernel is row-invariant from one row on: it needs nothing.
         self.pair_lone_rows = (linear == Linear.fuse
                                and not isinstance(body.layers[0].mlp.down_proj, QuantLinear))
         self.layers = [Layer(
@@ -202,7 +206,7 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
     q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
     widen = invariant and x.shape[1] == 1 and w.pair_lone_rows
 
-    def product(f: Product, h: torch.Tensor) -> torch.Tensor:  # h: [1, rows, in]
+    def paired(f: Product, h: torch.Tensor) -> torch.Tensor:  # h: [1, rows, in]
         return f(torch.cat([h, h], dim=1))[:, :1] if widen else f(h)
 
     captured = []
@@ -210,23 +214,24 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
         if index in layers:
             captured.append(x[0])
         attended = []
-        for decoder, qkv, n, (cos, sin), (mask, causal) in zip(
-                decoders, product(layer.qkv, layer.attn_norm(x)).split(sizes, dim=1), sizes, rotary,
+        for decoder, block, qkv, n, (cos, sin), (mask, causal) in zip(
+                decoders, blocks, layer.qkv(layer.attn_norm(x)).split(sizes, dim=1), sizes, rotary,
                 attention):
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = rotate(q.view(1, n, w.heads, w.head_dim).transpose(1, 2), cos, sin)
             k = rotate(k.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2), cos, sin)
             keys, values = decoder.caches[index].append(
                 k, v.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2))
-            if invariant and n > 1 and not causal:
-                attended.append(row_attention(q, keys, values, mask, w.scaling, w.kv_heads != w.heads))
+            if invariant and n > 1 and not causal:  # a chain slices its keys; a tree gathers them
+                attended.append(row_attention(q, keys, values, block.mask, w.scaling,
+                                              w.kv_heads != w.heads))
                 continue
             attended.append(nn.functional.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, is_causal=causal, scale=w.scaling,
                 enable_gqa=w.kv_heads != w.heads).transpose(1, 2).reshape(1, n, q_size))
-        x = x + product(layer.out, attended[0] if len(attended) == 1 else torch.cat(attended, dim=1))
-        gate, up = product(layer.gate_up, layer.mlp_norm(x)).chunk(2, dim=-1)
-        x = x + product(layer.down, nn.functional.silu(gate) * up)
+        x = x + layer.out(attended[0] if len(attended) == 1 else torch.cat(attended, dim=1))
+        gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
+        x = x + paired(layer.down, nn.functional.silu(gate) * up)
     return torch.cat([w.norm(x)[0], *captured], dim=-1) if captured else w.norm(x)[0]
 
 
