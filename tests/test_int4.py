@@ -16,7 +16,7 @@ from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
 from verispec.lowbit import Int4Groups, QuantLinear, gguf_int4, int4_target, weight_format
-from verispec.methods import build_engine
+from verispec.methods import FASTEST_4BIT, build_engine, fastest_method
 from verispec.models import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.options import DraftOptions
 from verispec.packed import cpu_packs
@@ -42,6 +42,7 @@ def test_the_layers_run_on_the_files_own_blocks(target):
         assert torch.equal(module.stored.scales, stored.scales)
     assert weight_format(target.model) == "int4" and target.kernel.startswith("layers int4")
     assert load_model(DEFAULT_MODEL, "q4").kernel == target.kernel  # the alias
+    assert fastest_method(target) == FASTEST_4BIT  # an int4 self drafter costs what this target does
 
 
 PROMPTS = ["Repeat this list twice: apples, pears, plums, cherries, figs.",

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from verispec.errors import VerispecError
-from verispec.methods import FALLBACK, FASTEST, METHODS
+from verispec.methods import FALLBACK, FASTEST, FASTEST_4BIT, METHODS
 from verispec.models import ALIASES, BUILTIN_MODELS, DEFAULT_MODEL, PRECISIONS
 from verispec.options import DraftOptions, option_flags
 
@@ -26,7 +26,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def method_help() -> str:
     return ("; ".join(f"{m.name}: {m.description}" for m in METHODS.values())
-            + f" (default: {FASTEST}, the fastest measured here, where the model can run it; "
+            + f" (default: {FASTEST}, the fastest measured here, where the model can run it "
+            f"({FASTEST_4BIT} on a 4-bit target); "
             f"else {FALLBACK})")
 
 
