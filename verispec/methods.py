@@ -198,7 +198,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("suffix", "suffix decoding: the most frequent continuations of the context's longest "
            "matching suffix, in the request and in the model's earlier outputs (SuffixDecoding)",
            16, _suffix, "repeated or agentic workloads (the same questions, tools, formats again); "
-           "any model", trees=True),
+           "any model; the default on a 4-bit target (`--dtype int4`)", trees=True),
     Method("lookahead", "lookahead decoding: Jacobi iterations in the verifying forward fill an "
            "n-gram pool whose n-grams after the last token are the draft", 2, _lookahead,
            "any model, no training, where a wider forward costs little (GPU); about break-even "
