@@ -27,8 +27,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from verispec.kv_cache import KVCache
-from verispec.lowbit import QuantLinear
-from verispec.packed import can_pack, pack_weight, packed_linear, per_model
+from verispec.lowbit import DenseKernel, QuantLinear
+from verispec.packed import can_pack, cpu_packs, pack_weight, packed_linear, per_model
 
 LEAN_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
@@ -114,8 +114,8 @@ class LeanWeights:
                  norm: Callable[[nn.Module], Product] | None = None) -> None:
         config = model.config.get_text_config(decoder=True)
         body = model.model
+        four_bit = isinstance(body.layers[0].mlp.down_proj, QuantLinear)
         if norm is None:
-            four_bit = isinstance(body.layers[0].mlp.down_proj, QuantLinear)
             norm = fused_rms_norm if four_bit else (lambda module: module)
         attention = body.layers[0].self_attn
         self.heads = int(config.num_attention_heads)
@@ -133,18 +133,34 @@ class LeanWeights:
         # the row there. The 4-bit kernel is row-invariant from one row on: it needs nothing.
         self.pair_lone_rows = (linear == Linear.fuse
                                and not isinstance(body.layers[0].mlp.down_proj, QuantLinear))
-        self.layers = [Layer(
-            norm(layer.input_layernorm),
-            linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-            linear([layer.self_attn.o_proj]),
-            norm(layer.post_attention_layernorm),
-            linear([layer.mlp.gate_proj, layer.mlp.up_proj]),
-            linear([layer.mlp.down_proj])) for layer in (body.layers[i] for i in kept)]
+        def stack(product: Callable[[list[nn.Linear]], Product]) -> list[Layer]:
+            return [Layer(
+                norm(layer.input_layernorm),
+                product([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                product([layer.self_attn.o_proj]),
+                norm(layer.post_attention_layernorm),
+                product([layer.mlp.gate_proj, layer.mlp.up_proj]),
+                product([layer.mlp.down_proj])) for layer in (body.layers[i] for i in kept)]
+
+        self.layers = stack(linear)
+        # A 4-bit target's prompts go through bfloat16 copies of its layers: the int4 kernel is a
+        # matrix-vector kernel, slow on many rows (a 300-token prefill: 277 ms against 151 ms in
+        # bfloat16, docs/int4.md). Plain and speculative decoding both prefill that way, so the
+        # guarantee holds; it costs 2 bytes a weight.
+        self.prompt_layers: list[Layer] | None = None
+        if linear == Linear.fuse and four_bit and cpu_packs(torch.bfloat16):
+            self.prompt_layers = stack(bfloat16_copy)
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> LeanWeights:
         """The (cached) weights of `model`; renewed when a linear weight was replaced or changed."""
         return per_model(_WEIGHTS, model, cls)
+
+
+def bfloat16_copy(layers: list[nn.Linear]) -> Product:
+    """One product over the layers' weights (a 4-bit target's: the values its codes stand for)
+    rounded to bfloat16 and prepacked; float activations in and out."""
+    return DenseKernel(torch.cat([layer.weight.detach() for layer in layers]), torch.bfloat16, True)
 
 
 def fused_rms_norm(module: nn.Module) -> Product:
@@ -185,6 +201,9 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
     w = decoders[0].weights
     invariant = decoders[0].invariant
     sizes = [block.tokens.shape[0] for block in blocks]
+    prompts_only = all(decoder.length == 0 and block.mask is None and block.tokens.shape[0] > 1
+                       for decoder, block in zip(decoders, blocks))
+    stack = w.prompt_layers if prompts_only and w.prompt_layers is not None else w.layers
     attention = []  # per block: (mask, is_causal)
     positions = []
     for decoder, block, n in zip(decoders, blocks, sizes):
@@ -210,7 +229,7 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
         return f(torch.cat([h, h], dim=1))[:, :1] if widen else f(h)
 
     captured = []
-    for index, layer in enumerate(w.layers):
+    for index, layer in enumerate(stack):
         if index in layers:
             captured.append(x[0])
         attended = []
