@@ -11,6 +11,7 @@ import collections
 import time
 
 from verispec.api import encode_prompt
+from verispec.drafters.suffix import forget_outputs
 from verispec.engine import SpeculativeEngine
 from verispec.models import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.stopping import StoppingRules
@@ -34,6 +35,7 @@ def compare(engines: dict[str, SpeculativeEngine], prompts: list[list[int]],
     for i, ids in enumerate(prompts):
         outputs = {}
         for name in names[i % len(names):] + names[: i % len(names)]:
+            forget_outputs(engines[name].model)  # suffix must not draft from another engine's answer
             started = time.perf_counter()
             result = engines[name].generate(ids, StoppingRules.build(max_new_tokens))
             seconds[name] += time.perf_counter() - started
