@@ -55,6 +55,7 @@ STAGED = f"{DRAFTERS}::test_staged_drafting_samples_the_targets_distribution"
 SELF = f"{DRAFTERS}::test_self_speculation_samples_the_targets_distribution"
 SHARED_PREFILL = "tests/test_batch.py::test_samples_share_the_prefill_and_follow_the_target_distribution"
 OWN_CACHE = "tests/test_batch.py::test_samples_of_one_prompt_each_own_their_cache"
+COPY_FROM = "tests/test_batch.py::test_copy_from_gives_a_cache_of_its_own"
 MTP_GRADIENTS = "tests/test_hydra_mtp.py::test_mtp_head_by_head_backward_gives_the_summed_losses_gradients"
 MTP_ORDER = "tests/test_hydra_mtp.py::test_mtp_training_backpropagates_head_by_head"
 EXPORT_IDS = "tests/test_eagle3.py::test_exported_aux_ids_point_the_engine_at_the_layers_the_drafter_reads"
@@ -89,7 +90,7 @@ MUTANTS = (
     Mutant("warp-p-not-q", "verispec/drafters/model.py",
            "return [sample(q, request.generator)], [q]",
            "return [sample(q, request.generator)], [logits.float().softmax(-1)]",
-           (SELF,),
+           (SELF, f"{DRAFTERS}::test_a_draft_model_samples_the_targets_distribution"),
            "the draft is drawn from the warped q but q is reported before temperature / top-p"),
     Mutant("warp-q-not-p", "verispec/verifiers/rejection.py",
            "target_probs = warp_probs(target_logits, sampling)",
@@ -108,17 +109,17 @@ MUTANTS = (
            "the target's KV cache keeps the rejected draft tokens"),
     Mutant("samples-share-hf-cache", "verispec/cached_model.py",
            "self.cache = copy.deepcopy(other.cache)", "self.cache = other.cache",
-           (OWN_CACHE,),
+           (OWN_CACHE, COPY_FROM),
            "samples of one prompt share one Hugging Face cache object (the non-lean path)"),
     Mutant("samples-share-lean-caches", "verispec/cached_model.py",
            "for mine, theirs in zip(self.lean.caches, other.lean.caches):",
            "self.lean.caches = other.lean.caches\n            for mine, theirs in zip((), ()):",
-           (OWN_CACHE, SHARED_PREFILL),
+           (OWN_CACHE, SHARED_PREFILL, COPY_FROM),
            "samples of one prompt share one set of lean KV caches"),
     Mutant("bonus-skipped", "verispec/engine.py",
            "block = [drafted_tokens[i] for i in path] + [verdict.next_token]",
            "block = [drafted_tokens[i] for i in path] + [verdict.next_token][: len(path) < len(proposal)]",
-           (GREEDY, "tests/test_greedy_equality.py::test_forcing_drafters_force_their_acceptance_pattern"),
+           ("tests/test_greedy_equality.py::test_every_step_adds_its_accepted_drafts_and_one_target_token",),
            "after a fully accepted draft the bonus token is not emitted"),
     Mutant("row-k-leaks", "verispec/engine.py",
            "self.policy = copy.deepcopy(speculation.policy)", "self.policy = speculation.policy",

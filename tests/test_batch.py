@@ -7,6 +7,7 @@ from __future__ import annotations
 import resource
 
 import pytest
+import torch
 
 from tests.distribution import assert_follows, exact_marginals, sample_runs
 from tests.drafters import RandomDrafter
@@ -161,6 +162,23 @@ def test_samples_of_one_prompt_each_own_their_cache(make_target):
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
     assert len({tuple(r.token_ids) for r in alone}) == 3
     assert all(sum(s.num_drafted for s in r.steps) > 0 for r in batched)
+
+
+@pytest.mark.parametrize("make_target", [tiny_llama, tiny_qwen3], ids=["lean", "hugging-face"])
+def test_copy_from_gives_a_cache_of_its_own(make_target):
+    """copy_from on both cache paths: the copy continues as a fresh prefill of the same tokens
+    would, and feeding it leaves the source as it was."""
+    model = make_target(seed=3)
+    source, copy, fresh = CachedModel(model), CachedModel(model), CachedModel(model)
+    assert (source.lean is None) == (make_target is tiny_qwen3)
+    prompt = torch.tensor(PROMPTS[0])
+    source.prefill(prompt)
+    fresh.prefill(prompt)
+    copy.copy_from(source)
+    assert torch.equal(copy.forward(torch.tensor([5, 6])), fresh.forward(torch.tensor([5, 6])))
+    assert source.length == len(PROMPTS[0])  # the copy's tokens did not land in the source
+    fresh.rewind(len(PROMPTS[0]))
+    assert torch.equal(source.forward(torch.tensor([7])), fresh.forward(torch.tensor([7])))
 
 
 def test_each_row_adapts_its_own_draft_length(target):

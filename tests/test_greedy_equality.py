@@ -84,6 +84,23 @@ def test_forcing_drafters_force_their_acceptance_pattern(target, references):
     assert oracle.steps[0].num_accepted == 0
 
 
+def test_every_step_adds_its_accepted_drafts_and_one_target_token(target, references):
+    """A fully accepted draft still ends with the target's bonus token, a refused one with its
+    correction: every step emits num_accepted + 1 tokens. Stepped one at a time with a bound, so a
+    step that emits nothing fails here instead of looping forever."""
+    prompt, truth = PROMPTS[0], references[0]
+    cases = ((ModelDrafter(target, VOCAB), 4), (RandomDrafter(VOCAB), 4), (ModelDrafter(target, VOCAB), 0))
+    for drafter, k in cases:
+        engine = SpeculativeEngine(target, drafter, ConstantK(k))
+        emitted, full = [], 0
+        for _, step in zip(range(NEW), engine.steps(prompt, StoppingRules.build(NEW))):
+            assert len(step.tokens) == step.num_accepted + 1, (k, step.num_drafted, step.num_accepted)
+            full += step.num_drafted > 0 and step.num_accepted == step.num_drafted
+            emitted += step.tokens
+        assert emitted == truth
+        assert full > 0 or k == 0 or isinstance(drafter, RandomDrafter)
+
+
 def test_heuristic_schedule_and_confidence_threshold_stay_exact(target, references):
     for prompt, truth in zip(PROMPTS, references):
         result = run(target, ModelDrafter(tiny_llama(seed=7, layers=1), VOCAB), 0, prompt, HeuristicK(3))

@@ -90,6 +90,9 @@ def drafter_factory(kind: str, target: torch.nn.Module):
         return lambda: MTPDrafter(target, net, ReducedHead(target, REDUCED))
     if kind == "lookahead":
         return lambda: LookaheadDrafter(3, 3, 4, pool_context=True)
+    if kind == "draft":  # an independent model: its q is far from p, and warping moves it
+        net = tiny_llama(seed=5, vocab=V)
+        return lambda: model_drafter.ModelDrafter(net, V)
     loaded = LoadedModel(target, None, "tiny-16")
     if kind == "self-int4":
         return lambda: SelfDrafter(loaded, SelfSettings("int4"))
@@ -126,6 +129,15 @@ def test_self_speculation_samples_the_targets_distribution(target, exact):
     sampled = run(target, "self-int4", sampling)
     sampled.check_drafting(positions=2)
     assert_follows(sampled, exact(sampling), "self-int4")
+
+
+def test_a_draft_model_samples_the_targets_distribution(target, exact):
+    """An independent draft model under temperature and top-p: the q it reports must be the warped
+    law it drew from (reporting q before the warping skews the output: scripts/mutate.py)."""
+    sampling = SamplingParams(do_sample=True, temperature=0.6, top_p=0.8)
+    sampled = run(target, "draft", sampling)
+    sampled.check_drafting(positions=2)
+    assert_follows(sampled, exact(sampling), "draft model")
 
 
 STAGED = [SamplingParams(do_sample=True, temperature=0.6),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
+from verispec.beam import BeamDecoder, BeamResult, BeamSettings, check_drafter
 from verispec.display import TokenPieces
 from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine import SpeculativeEngine
@@ -101,6 +102,7 @@ class Job:
     batched: bool = False  # the prompts came as a batch: the result is a list
     samples: int = 1  # sequences per prompt (num_return_sequences)
     predictions: list[list[int] | None] | None = None  # per prompt: its predicted output's ids
+    beams: BeamSettings | None = None  # beam search (num_beams > 1) instead of decoding one path
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -123,12 +125,26 @@ def make_job(target: LoadedModel, inputs: Prompts, *, method: str = PLAIN,
              max_new_tokens: int = 128, eos_token_id: int | Iterable[int] | None = None,
              stop_strings: str | Iterable[str] | None = None, chat: bool = False,
              seed: int | None = None, num_return_sequences: int = 1,
-             prediction: str | list[str] | None = None) -> Job:
+             prediction: str | list[str] | None = None, num_beams: int = 1,
+             length_penalty: float = 1.0, early_stopping: bool | str = False) -> Job:
     """Validate a request by method name (the CLI's entry); raises before any work starts."""
     if (isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, int)
             or num_return_sequences < 1):
         raise VerispecError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}")
+    beams = None
+    if num_beams != 1:
+        beams = BeamSettings(num_beams, length_penalty, early_stopping, num_return_sequences)
+        if sampling.do_sample:
+            raise VerispecError("beam search is deterministic: num_beams > 1 takes no sampling "
+                                "(do_sample / temperature)")
+        if prediction is not None:
+            raise VerispecError("beam search takes no prediction: drafts come from the method")
     engine = build_engine(target, method, options)
+    if beams is not None:
+        try:
+            check_drafter(engine.drafter)
+        except VerispecError as error:
+            raise VerispecError(f"method {method!r} cannot draft for beam search: {error}") from None
     eos = target.eos_token_ids if eos_token_id is None else eos_token_id
     stopping = StoppingRules.build(max_new_tokens, eos, stop_strings, target.tokenizer)
     prompts, batched = encode_prompts(target, inputs, chat)
@@ -136,8 +152,9 @@ def make_job(target: LoadedModel, inputs: Prompts, *, method: str = PLAIN,
         raise VerispecError("the batch of prompts is empty")
     for prompt_ids in prompts:
         engine.check_prompt(prompt_ids, max_new_tokens)
-    return Job(target, engine, prompts, stopping, sampling, seed, batched, num_return_sequences,
-               encode_predictions(target, prediction, len(prompts), batched))
+    return Job(target, engine, prompts, stopping, sampling, seed, batched,
+               1 if beams else num_return_sequences,
+               encode_predictions(target, prediction, len(prompts), batched), beams)
 
 
 def encode_predictions(target: LoadedModel, prediction: str | list[str] | None, count: int,
@@ -189,6 +206,9 @@ def prepare(
     chat: bool = False,
     num_return_sequences: int = 1,
     prediction: str | list[str] | None = None,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
 ) -> Job:
     """Map Hugging Face-style arguments to a method and validate; see `generate`."""
     target = _as_loaded(model, tokenizer)
@@ -236,12 +256,19 @@ def prepare(
                     sampling=SamplingParams(do_sample, temperature, top_k, top_p),
                     max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                     stop_strings=stop_strings, chat=chat, seed=seed,
-                    num_return_sequences=num_return_sequences, prediction=prediction)
+                    num_return_sequences=num_return_sequences, prediction=prediction,
+                    num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping)
 
 
-def run(job: Job, streamer=None) -> GenerationResult | list[GenerationResult]:
+Results = GenerationResult | list[GenerationResult] | BeamResult | list[BeamResult]
+
+
+def run(job: Job, streamer=None) -> Results:
     """Execute a prepared job; decode the text when a tokenizer is known. A batch, or several
-    samples of one prompt, runs as one batch and gives a list (samples of a prompt together)."""
+    samples of one prompt, runs as one batch and gives a list (samples of a prompt together).
+    Beam search gives BeamResults: per prompt its num_return_sequences best, best first."""
+    if job.beams is not None:
+        return run_beams(job, streamer)
     if job.batched or job.samples > 1:
         if streamer is not None:
             raise VerispecError("a streamer takes one sequence: stream a batch through verispec.serve "
@@ -264,7 +291,7 @@ def run(job: Job, streamer=None) -> GenerationResult | list[GenerationResult]:
 
 
 def generate(model: ModelLike, inputs: Prompts, *, streamer=None,
-             **kwargs) -> GenerationResult | list[GenerationResult]:
+             **kwargs) -> Results:
     """Generate from `model` (a name, path, LoadedModel or PreTrainedModel), losslessly faster.
 
     inputs: text (tokenized raw, or through the chat template with chat=True) or token ids
@@ -285,6 +312,10 @@ def generate(model: ModelLike, inputs: Prompts, *, streamer=None,
     in it; a list of texts for a batch; usage in result.stats.accepted_prediction_tokens /
     rejected_prediction_tokens) and acceptance="typical" (Medusa's typical acceptance: LOSSY
     under sampling, the output no longer follows the target's distribution; default "exact").
+    num_beams=B (> 1: beam search, exactly plain beam search's sequences and scores, with
+    speculation: verispec.beam; methods drafting chains by prompt lookup or a model drafter),
+    length_penalty and early_stopping (True, False or "never") as Hugging Face defines them;
+    it returns BeamResults (token ids, text, score), num_return_sequences <= B per prompt.
     A Hugging Face-style `streamer` (put/end) receives the prompt, then each committed block of
     tokens (one sequence only).
 
@@ -292,6 +323,19 @@ def generate(model: ModelLike, inputs: Prompts, *, streamer=None,
     ids, text, the steps with each token's fate, and stats.
     """
     return run(prepare(model, inputs, **kwargs), streamer)
+
+
+def run_beams(job: Job, streamer=None) -> BeamResult | list[BeamResult]:
+    """Speculative beam search (verispec.beam): the same sequences and scores as plain beam
+    search of the target, several search steps per target pass where the drafts allow."""
+    if streamer is not None:
+        raise VerispecError("a streamer takes one sequence; beam search returns whole sequences")
+    found = BeamDecoder.of(job.engine).generate(job.prompts, job.stopping, job.beams)
+    results = [result for per_prompt in found for result in per_prompt]
+    if job.target.tokenizer is not None:
+        for result in results:
+            result.text = job.target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    return results if job.batched or job.beams.num_return_sequences > 1 else results[0]
 
 
 def stream(model: ModelLike, inputs: str | list[int] | torch.Tensor, **kwargs) -> Iterator[str]:

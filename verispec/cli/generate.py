@@ -6,9 +6,11 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from verispec.api import make_job, run
+from verispec.beam import BeamResult
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
 from verispec.display import LEGEND, acceptance_line, render_steps, render_tree, stats_table
 from verispec.errors import VerispecError
@@ -31,6 +33,21 @@ def read_prediction(path: str) -> str:
         raise VerispecError(f"cannot read the prediction file {path}: {error.strerror}") from None
 
 
+def print_beams(results: BeamResult | list[BeamResult], as_json: bool) -> int:
+    """Beam search's returned sequences, best first, with their scores and search statistics."""
+    results = results if isinstance(results, list) else [results]
+    if as_json:
+        print(json.dumps({"sequences": [{"text": r.text, "token_ids": r.token_ids, "score": r.score}
+                                        for r in results], "stats": asdict(results[0].stats)}))
+        return 0
+    for rank, result in enumerate(results, 1):
+        print(f"[{rank}] score {result.score:.4f}\n{result.text}\n")
+    stats = results[0].stats
+    print(f"beam search: {stats.steps} steps in {stats.target_forwards} target passes, "
+          f"{stats.drafted} draft tokens")
+    return 0
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
     gen = commands.add_parser("generate", help="generate text with one method, coloured by token fate",
                               description="Generate text from a prompt. Output is exactly the "
@@ -49,6 +66,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--prediction", metavar="FILE",
                      help="a predicted output (the file being edited, say): drafted first wherever "
                      "the output is in it; exact whatever it says")
+    gen.add_argument("--num-beams", type=int, default=1, metavar="B",
+                     help="beam search with B beams (exactly plain beam search's result, several "
+                     "search steps per target pass where the method's drafts allow; greedy only)")
+    gen.add_argument("--length-penalty", type=float, default=1.0,
+                     help="beam search: finished scores are log-prob sums / length ** this (default 1)")
+    gen.add_argument("--early-stopping", default="false", choices=["false", "true", "never"],
+                     help="beam search's stopping rule, as Hugging Face's (default: false)")
+    gen.add_argument("--num-return-sequences", type=int, default=1, metavar="N",
+                     help="beam search: print the N best sequences (N <= B)")
     gen.add_argument("--color", default="auto", choices=["auto", "always", "never"])
     gen.add_argument("--show-tree", action="store_true",
                      help="with --tree: print every step's candidate tree, the accepted path marked")
@@ -65,7 +91,12 @@ def run_command(args: argparse.Namespace) -> int:
     job = make_job(target, args.prompt, method=args.method, options=draft_options(args),
                    sampling=sampling, max_new_tokens=args.max_new_tokens, stop_strings=args.stop,
                    chat=not args.raw, seed=args.seed,
-                   prediction=None if args.prediction is None else read_prediction(args.prediction))
+                   prediction=None if args.prediction is None else read_prediction(args.prediction),
+                   num_beams=args.num_beams, length_penalty=args.length_penalty,
+                   early_stopping={"false": False, "true": True}.get(args.early_stopping, "never"),
+                   num_return_sequences=args.num_return_sequences)
+    if job.beams is not None:
+        return print_beams(run(job), args.json)
     result = run(job)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
