@@ -24,6 +24,14 @@ from verispec.models import DEFAULT_MODEL, load
 METHODS = ("ar", "pld", "self-int4")
 
 
+def trailing(tokens: list[int], pad: int) -> int:
+    """How many pad tokens end `tokens`."""
+    count = 0
+    while count < len(tokens) and tokens[-1 - count] == pad:
+        count += 1
+    return count
+
+
 def main(path: str, per_task: int = 2, max_new_tokens: int = 64, beams: int = 4) -> None:
     target = load(DEFAULT_MODEL)
     questions = load_questions(Path(path), None, per_task)
@@ -47,10 +55,11 @@ def main(path: str, per_task: int = 2, max_new_tokens: int = 64, beams: int = 4)
                 passes[name] += result.stats.target_forwards
                 steps[name] += result.stats.steps
             seconds[name] += time.perf_counter() - started
-        reference = [t for t in outputs["hf"] if t != target.tokenizer.pad_token_id]
-        for name in names:
-            tokens[name] += len(outputs[name])
-            same[name] += outputs[name] == reference[: len(outputs[name])]
+        reference, pad = outputs["hf"], target.tokenizer.pad_token_id
+        for name in names:  # Hugging Face pads a sequence that ended early; verispec does not
+            mine = outputs[name] if name != "hf" else reference[: len(reference) - trailing(reference, pad)]
+            tokens[name] += len(mine)
+            same[name] += mine == reference[: len(mine)] and all(t == pad for t in reference[len(mine):])
         print(f"question {index + 1}/{len(questions)} done", flush=True)
     print(f"\n| method (B = {beams}) | seconds | vs hf | vs verispec plain | tokens/s | "
           f"search steps per target pass | best sequence = hf's |")
