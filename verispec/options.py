@@ -17,7 +17,7 @@ from verispec.errors import VerispecError
 from verispec.models import LoadedModel
 from verispec.policies import SCHEDULES
 from verispec.tree import TreeSettings
-from verispec.verifiers import ACCEPTANCE
+from verispec.verifiers import check_acceptance
 
 DEFAULT_TREE = "default"  # DraftOptions.tree: the method's own measured default tree
 
@@ -85,9 +85,10 @@ class DraftOptions:
         "per expanded node, NODES draft nodes in all); alone: the method's default tree",
         parse_tree, metavar="TOPKxNODES", bare=DEFAULT_TREE))
     acceptance: str = option("exact", Flag(
-        "exact (default, lossless) or typical: Medusa's typical acceptance, LOSSY under sampling "
-        "(the output no longer follows the target's distribution; under greedy decoding it is "
-        "exact)", str, ACCEPTANCE))
+        "exact (default, lossless); typical: Medusa's typical acceptance, LOSSY under sampling; "
+        "tv:X (e.g. tv:0.1): keep a draft token outright where draft and target are within total "
+        "variation X, LOSSY under sampling (the output no longer follows the target's "
+        "distribution; under greedy decoding both are exact)", check_acceptance, metavar="RULE"))
     group: int = option(SelfSettings.group, Flag(
         "self-int4: input columns sharing one scale (32, 64 or 128)", int))
     skip_layers: tuple[int, ...] = option(SelfSettings.skip, Flag(

@@ -190,8 +190,9 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def is_lossy(label: str) -> bool:
-    """Typical acceptance changes the output distribution: such labels are marked lossy."""
-    return "typical" in label
+    """Typical and distance ("tv:X") acceptance change the output distribution: such labels are
+    marked lossy."""
+    return "typical" in label or "tv:" in label
 
 
 def display_label(label: str) -> str:

@@ -8,6 +8,7 @@ import torch
 
 from verispec.errors import VerispecError
 from verispec.types import Proposal, SamplingParams, Verdict
+from verispec.verifiers.distance import DistanceVerifier, tv_threshold
 from verispec.verifiers.greedy import GreedyVerifier, greedy_accept
 from verispec.verifiers.rejection import RejectionVerifier, rejection_sample
 from verispec.verifiers.typical import TypicalVerifier
@@ -22,18 +23,29 @@ class Verifier(Protocol):
         ...
 
 
-ACCEPTANCE = ("exact", "typical")
+ACCEPTANCE = ("exact", "typical", "tv:X")
+
+
+def check_acceptance(acceptance: str) -> str:
+    """`acceptance` if it names a rule (ACCEPTANCE; "tv:X" with X in [0, 1]), else a clear error."""
+    if not isinstance(acceptance, str) or (
+            acceptance not in ACCEPTANCE[:2] and tv_threshold(acceptance) is None):
+        raise VerispecError(f"unknown acceptance rule {acceptance!r}; choose from {', '.join(ACCEPTANCE)}")
+    return acceptance
 
 
 def verifier_for(sampling: SamplingParams, acceptance: str = "exact") -> Verifier:
-    """The verifier for these sampling settings: lossless ("exact"), or Medusa's typical
-    acceptance ("typical", LOSSY; under greedy decoding it keeps only argmax tokens, so exact)."""
-    if acceptance not in ACCEPTANCE:
-        raise VerispecError(f"unknown acceptance rule {acceptance!r}; choose from {', '.join(ACCEPTANCE)}")
+    """The verifier for these sampling settings: lossless ("exact"), Medusa's typical acceptance
+    ("typical", LOSSY), or distance acceptance ("tv:X", LOSSY: verispec.verifiers.distance).
+    Under greedy decoding every rule keeps only argmax tokens, so all are exact there."""
+    check_acceptance(acceptance)
     if sampling.greedy:
         return GreedyVerifier()
-    return RejectionVerifier() if acceptance == "exact" else TypicalVerifier()
+    if acceptance == "exact":
+        return RejectionVerifier()
+    threshold = tv_threshold(acceptance)
+    return TypicalVerifier() if threshold is None else DistanceVerifier(threshold)
 
 
-__all__ = ["ACCEPTANCE", "Verifier", "GreedyVerifier", "RejectionVerifier", "TypicalVerifier",
-           "greedy_accept", "rejection_sample", "verifier_for"]
+__all__ = ["ACCEPTANCE", "DistanceVerifier", "GreedyVerifier", "RejectionVerifier", "TypicalVerifier",
+           "Verifier", "check_acceptance", "greedy_accept", "rejection_sample", "verifier_for"]
