@@ -109,7 +109,7 @@ def test_generate_shows_each_steps_tree_with_the_accepted_path(tiny_dir, capsys,
     (["--method", "ar", "--tree", "2x4"], "chains only"),
     (["--method", "ar", "--tree"], "chains only"),
     (["--method", "early-exit", "--tree"], "no measured default tree"),
-    (["--method", "pld", "--acceptance", "fast"], "invalid choice"),
+    (["--method", "pld", "--acceptance", "fast"], "unknown acceptance rule 'fast'"),
 ])
 def test_bad_tree_or_acceptance_is_refused(tiny_dir, capsys, args, message):
     try:
@@ -119,8 +119,10 @@ def test_bad_tree_or_acceptance_is_refused(tiny_dir, capsys, args, message):
     assert code == 2 and message in capsys.readouterr().err
 
 
-def test_typical_acceptance_is_labelled_lossy_in_the_help(capsys):
+def test_lossy_acceptance_rules_are_labelled_lossy_in_the_help(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "typical: Medusa's typical acceptance, LOSSY" in help_text
+    assert "tv:X (e.g. tv:0.1): keep a draft token outright where draft and target are within total " \
+           "variation X, LOSSY" in help_text
