@@ -26,13 +26,19 @@ Build = Callable[[str, LoadedModel, LoadedModel | None, BenchConfig, SamplingPar
 class Baseline:
     build: Build
     needs_draft: bool = False  # needs --draft: a Hugging Face model, not a verispec student
+    # Why it cannot run beam search (--num-beams); None: it can.
+    beam_refusal: str | None = "it decodes one path"
+
+
+HF_SPECULATIVE = "Hugging Face generate() refuses num_beams > 1 with speculation"
 
 
 def hf_generate(extra: Callable[[LoadedModel, LoadedModel | None, BenchConfig], dict],
                 counts_forwards: bool = True) -> Build:
     """A baseline: Hugging Face generate() with the keywords `extra` gives (its speculative mode),
-    HF defaults otherwise. Target forwards are counted by a hook, unless the drafter is the target
-    itself (early exit)."""
+    HF defaults otherwise, and with --num-beams its beam search (num_beams, length_penalty,
+    early_stopping). Target forwards are counted by a hook, unless the drafter is the target
+    itself (early exit); its beam search takes one search step per forward."""
     def build(name: str, target: LoadedModel, draft: LoadedModel | None, config: BenchConfig,
               sampling: SamplingParams) -> Contender:
         model = target.model
@@ -40,6 +46,9 @@ def hf_generate(extra: Callable[[LoadedModel, LoadedModel | None, BenchConfig], 
         settings = {"max_new_tokens": config.max_new_tokens, "do_sample": not sampling.greedy,
                     "eos_token_id": eos, "pad_token_id": eos[0] if eos else 0,
                     **extra(target, draft, config)}
+        if config.beams is not None:
+            settings |= {"num_beams": config.beams.num_beams, "length_penalty": config.beams.length_penalty,
+                         "early_stopping": config.beams.early_stopping}
         if not sampling.greedy:  # the same warps as verispec: temperature only, no top-k / top-p
             settings |= {"temperature": sampling.temperature, "top_k": 0, "top_p": 1.0}
 
@@ -55,7 +64,8 @@ def hf_generate(extra: Callable[[LoadedModel, LoadedModel | None, BenchConfig], 
                 seconds = time.perf_counter() - started
             finally:
                 hook.remove()
-            return Outcome(tokens, seconds, calls[0] if counts_forwards else None)
+            forwards = calls[0] if counts_forwards else None
+            return Outcome(tokens, seconds, forwards, search_steps=None if config.beams is None else forwards)
 
         return Contender(name, name, settings.get("prompt_lookup_num_tokens"), generate, baseline=True)
 
@@ -86,14 +96,15 @@ def llamacpp(lookup: bool) -> Build:
 
 
 BASELINES: dict[str, Baseline] = {
-    "hf": Baseline(hf_generate(lambda target, draft, config: {})),
-    "hf-pld": Baseline(hf_generate(lambda target, draft, config: {"prompt_lookup_num_tokens": PLD_TOKENS})),
+    "hf": Baseline(hf_generate(lambda target, draft, config: {}), beam_refusal=None),
+    "hf-pld": Baseline(hf_generate(lambda target, draft, config: {"prompt_lookup_num_tokens": PLD_TOKENS}),
+                       beam_refusal=HF_SPECULATIVE),
     "hf-assisted": Baseline(hf_generate(lambda target, draft, config: {"assistant_model": draft.model}),
-                            needs_draft=True),
+                            needs_draft=True, beam_refusal=HF_SPECULATIVE),
     "hf-early-exit": Baseline(hf_generate(
         lambda target, draft, config: {"assistant_early_exit": exit_layer(target, config)},
-        counts_forwards=False)),
-    "llama.cpp": Baseline(llamacpp(lookup=False)),
-    "llama.cpp-lookup": Baseline(llamacpp(lookup=True)),
+        counts_forwards=False), beam_refusal=HF_SPECULATIVE),
+    "llama.cpp": Baseline(llamacpp(lookup=False), beam_refusal="verispec runs llama.cpp greedy only"),
+    "llama.cpp-lookup": Baseline(llamacpp(lookup=True), beam_refusal="verispec runs llama.cpp greedy only"),
 }
 

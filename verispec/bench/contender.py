@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from verispec.beam import BeamSettings
 from verispec.drafters.early_exit import default_exit_layer
 from verispec.drafters.learned import drafter_config, is_drafter_dir
 from verispec.errors import VerispecError
@@ -38,6 +39,9 @@ class BenchConfig:
     trees: list[TreeSettings | str] | None = None
     typical: bool = False  # also run each method with typical acceptance (lossy; sampling only)
     options: DraftOptions = DraftOptions()  # every other drafting setting, for every method
+    # Beam search (--num-beams B > 1): every contender searches with B beams, Hugging Face's
+    # generate(num_beams=B) is the reference. None: one path each.
+    beams: BeamSettings | None = None
 
 
 @dataclass
@@ -47,6 +51,7 @@ class Outcome:
     target_forwards: int | None  # None where it cannot be counted
     stats: GenerationStats | None = None
     peak_rss_mib: float | None = None  # the process's most resident memory during the run
+    search_steps: int | None = None  # beam search: search steps taken (None: one path)
 
 
 @dataclass(frozen=True)

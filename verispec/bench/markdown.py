@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from verispec.beam import BeamSettings
 from verispec.bench.records import (
     AR,
     HF,
@@ -80,6 +81,12 @@ def _header(results: Results) -> list[str]:
         f"- **questions per task**: {per_task or 'none'}"
         f" ({sum(len(q) for q in questions.values())} in total)",
     ]
+    if beams := results.beams:
+        lines.append(f"- **beam search**: B = {beams.num_beams} (num_beams) · **length_penalty**: "
+                     f"{beams.length_penalty} · **early_stopping**: {beams.early_stopping}")
+    if left_out := config.get("left_out"):
+        lines.append("- **left out** (cannot run beam search): "
+                     + "; ".join(f"`{name}`: {why}" for name, why in left_out.items()))
     if machine:
         lines.append("- **machine**: " + ", ".join(f"{k}: {v}" for k, v in machine.items()))
     return lines
@@ -108,6 +115,28 @@ def _main_table(summaries: list[MethodSummary]) -> list[str]:
     intro += (" τ: new tokens per target forward. tok/s: new tokens per second over all the method's runs. "
               "`identical`: runs whose output equals `ar`'s token for token.")
     return [title, "", intro, ""] + _table(header, rows)
+
+
+def _beam_table(summaries: list[MethodSummary], beams: BeamSettings) -> list[str]:
+    """Beam search's table: speed against Hugging Face's and verispec's plain beam search, search
+    steps per target pass, and best sequences identical to Hugging Face's."""
+    tasks = summary_tasks(summaries)
+    b = beams.num_beams
+    header = ["method", *tasks, "overall", "vs ar", "steps/pass", "seconds", "tok/s", "= hf"]
+    rows = [[_name(s.label), *[_x(s.cells[t].speedup_vs_hf) if t in s.cells else "–" for t in tasks],
+             f"**{_x(s.overall.speedup_vs_hf)}**", _x(s.overall.speedup_vs_ar),
+             _f(s.overall.search_steps_per_pass), _f(s.overall.seconds, 1),
+             _f(s.overall.tokens_per_second, 1), s.overall.identical] for s in summaries]
+    intro = (f"Every contender runs beam search with B = {b} beams and returns its best sequence: `hf` is "
+             f"Hugging Face `generate(num_beams={b})`, `ar` verispec's plain beam search, the others "
+             "verispec's speculative beam search (each beam drafts; one target pass scores every "
+             "beam's draft; verispec.beam). Task and overall columns: speedup vs `hf`, the ratio of "
+             "summed wall-clock seconds over the questions both ran. `vs ar`: the same against "
+             "verispec's plain beam search. steps/pass: search steps per target forward (1 for plain "
+             "beam search). tok/s: tokens of the best sequence per second. `= hf`: questions whose "
+             "best sequence equals Hugging Face's, token for token.")
+    return [f"## Beam search (B = {b}): speedup over Hugging Face generate(num_beams={b})", "", intro,
+            ""] + _table(header, rows)
 
 
 def _ar_note(summaries: list[MethodSummary], results: Results) -> list[str]:
@@ -194,7 +223,7 @@ def _theory_section(models: dict[str, SpeedupModel]) -> list[str]:
     return lines
 
 
-def _exactness_section(runs: list[Run], greedy: bool, dtype: str) -> list[str]:
+def _exactness_section(runs: list[Run], greedy: bool, dtype: str, reference: str) -> list[str]:
     lines = ["", "## Exactness", ""]
     checked = [r for r in runs if r.identical_to_baseline is not None and not r.peer]
     failed = differing_runs(runs)
@@ -202,16 +231,20 @@ def _exactness_section(runs: list[Run], greedy: bool, dtype: str) -> list[str]:
     if not checked:
         reason = ("no comparison was recorded" if greedy else
                   "under sampling only the output distribution is exact, not the tokens")
-        return lines + [f"No run was compared with `ar` token for token ({reason})."]
+        return lines + [f"No run was compared with `{reference}` token for token ({reason})."]
     if not failed:
-        return lines + [f"All {len(checked)} compared runs are identical to `ar`, token for token."]
+        return lines + [f"All {len(checked)} compared runs are identical to `{reference}`, token for token."]
     lossy = sum(r.lossy for r in failed)
-    lines += [f"{len(failed)} of {len(checked)} compared runs differ from `ar`"
-              + (f" ({lossy} of them from lossy methods, expected)" if lossy else "")
-              + ". A logit gap at the first difference "
-              f"of at most {TIE_ABSOLUTE}, or {TIE_ULPS} units in the last place of the logit in {dtype} "
-              "when that is larger, means the two tokens were tied up to rounding (a batched verify "
-              "pass rounds differently from one-token decoding); a larger gap points to a bug.", ""]
+    if any(r.beam_search for r in failed):
+        why = ("Beam search keeps beams by summed log-probs, so no single logit gap tells a tie: "
+               "compare the two sequences' scores (verispec.generate(num_beams=B) gives them).")
+    else:
+        why = (f"A logit gap at the first difference of at most {TIE_ABSOLUTE}, or {TIE_ULPS} units in "
+               f"the last place of the logit in {dtype} when that is larger, means the two tokens were "
+               "tied up to rounding (a batched verify pass rounds differently from one-token "
+               "decoding); a larger gap points to a bug.")
+    lines += [f"{len(failed)} of {len(checked)} compared runs differ from `{reference}`"
+              + (f" ({lossy} of them from lossy methods, expected)" if lossy else "") + ". " + why, ""]
     rows = []
     for r in failed:
         diff = r.first_difference
@@ -293,22 +326,28 @@ def _memory_section(results: Results) -> list[str]:
 def render_markdown(results: Results, figures: list[str] = ()) -> str:
     """A Spec-Bench-style Markdown report of `results`, linking the PNG files `figures`.
 
-    Sections: header (model, dtype, device, machine, settings, questions per task); speedup table
-    (tasks and overall vs hf, overall vs ar, τ, tok/s, identical n/m) with a note on `ar` against
-    the bare-forward limit; trees against chains; theory vs measurement; drafters and memory;
-    exactness (every non-identical run, its first difference and logit gap); acceptance per draft
-    position; the figures.
+    Sections: header (model, dtype, device, machine, settings, questions per task, beam search's
+    B); speedup table (tasks and overall vs hf, overall vs ar, τ, tok/s, identical n/m) with a
+    note on `ar` against the bare-forward limit, or under beam search its own table (vs hf and
+    ar, search steps per pass, seconds, tok/s, best sequences identical to hf's); trees against
+    chains; theory vs measurement; drafters and memory; exactness (every non-identical run, its
+    first difference and logit gap); acceptance per draft position; the figures.
     """
     runs = results.runs
     summaries = summarize(runs)
     greedy = not results.config.get("temperature")
     lines = _header(results)
-    lines += [""] + _main_table(summaries) if summaries else ["", "No runs."]
-    lines += _ar_note(summaries, results)
+    beams = results.beams
+    if not summaries:
+        lines += ["", "No runs."]
+    elif beams is not None:  # B rows a step: the one-path notes on ar and verification do not apply
+        lines += [""] + _beam_table(summaries, beams)
+    else:
+        lines += [""] + _main_table(summaries) + _ar_note(summaries, results)
     lines += _tree_section(runs, summaries)
     lines += _theory_section(speedup_model(runs, results.forward))
     lines += _memory_section(results)
-    lines += _exactness_section(runs, greedy, results.config.get("dtype") or "float32")
+    lines += _exactness_section(runs, greedy, results.config.get("dtype") or "float32", results.reference)
     lines += _acceptance_section(runs)
     if figures:
         lines += ["", "## Figures", ""] + [f"![{Path(f).stem.replace('_', ' ')}]({f})" for f in figures]
@@ -323,14 +362,14 @@ def compare(a: Results, b: Results, name_a: str = "A", name_b: str = "B") -> str
     """Markdown comparing two results: overall and per-task speedup vs hf, and τ, per label.
 
     Only labels present in both are tabulated; the others are listed. Differences in model, dtype,
-    device, max_new_tokens or temperature, and in the set of questions, are noted first, since they
-    make the numbers incomparable.
+    device, max_new_tokens, temperature or beam search, and in the set of questions, are noted
+    first, since they make the numbers incomparable.
     """
     sa = {s.label: s for s in summarize(a.runs)}
     sb = {s.label: s for s in summarize(b.runs)}
     lines = [f"# Benchmark comparison: {name_a} → {name_b}", ""]
     differ = [f"{key}: {a.config.get(key)!r} vs {b.config.get(key)!r}"
-              for key in ("model", "dtype", "device", "max_new_tokens", "temperature")
+              for key in ("model", "dtype", "device", "max_new_tokens", "temperature", "beams")
               if a.config.get(key) != b.config.get(key)]
     if differ:
         lines.append("**Configurations differ** (" + "; ".join(differ) + "): the numbers may not be "

@@ -10,11 +10,12 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from verispec.beam import BeamSettings
 from verispec.bench.questions import TASKS
 from verispec.methods import PLAIN
 
 HF = "hf"  # Hugging Face generate(): the baseline speedups are given against
-AR = PLAIN  # verispec's plain decoding: the reference every output is compared with
+AR = PLAIN  # verispec's plain decoding: the reference outputs are compared with (one path)
 OVERALL = "overall"  # the summary's key for all tasks together
 
 
@@ -55,10 +56,16 @@ class Run:
     identical_to_baseline: bool | None = None  # None: not compared (sampling, or ar itself)
     first_difference: FirstDifference | None = None
     peak_rss_mib: float | None = None  # the process's most resident memory during the run
+    # Beam search (--num-beams): search steps taken (new_tokens: the best sequence's); None: one path.
+    search_steps: int | None = None
 
     @property
     def mean_accepted_tokens(self) -> float | None:
         return self.new_tokens / self.target_forwards if self.target_forwards else None
+
+    @property
+    def beam_search(self) -> bool:
+        return self.search_steps is not None
 
     @property
     def lossy(self) -> bool:
@@ -90,7 +97,9 @@ class Cell:
     speedup_vs_ar: float | None
     mean_accepted_tokens: float | None  # tau; None if a run could not count its forwards
     tokens_per_second: float
-    identical: str  # "n/m": runs identical to ar among those compared; "-" if none was
+    identical: str  # "n/m": runs identical to the reference among those compared; "-" if none was
+    seconds: float = 0.0  # summed over the runs
+    search_steps_per_pass: float | None = None  # beam search: search steps per target forward
 
 
 @dataclass(frozen=True)
@@ -170,6 +179,18 @@ class Results:
     @property
     def interrupted(self) -> bool:
         return bool(self.config.get("interrupted"))
+
+    @property
+    def beams(self) -> BeamSettings | None:
+        """The beam search every contender ran (--num-beams > 1); None: one path each."""
+        settings = self.config.get("beams")
+        return BeamSettings(**settings) if settings else None
+
+    @property
+    def reference(self) -> str:
+        """The label outputs are compared with, token for token: under beam search Hugging
+        Face's `generate(num_beams=B)` (the issue's reference), else verispec's `ar`."""
+        return HF if self.beams else AR
 
     @classmethod
     def from_json(cls, data: dict) -> Results:

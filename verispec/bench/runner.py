@@ -9,6 +9,7 @@ with verispec's `ar` output.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from verispec import methods as registry
 from verispec.api import encode_prompt
+from verispec.beam import BeamDecoder, check_drafter
 from verispec.bench.baselines import BASELINES
 from verispec.bench.contender import BenchConfig, Contender, Outcome, exit_layer, trained_drafters
 from verispec.bench.machine import PeakResident, machine_info, measure_forward
@@ -31,7 +33,7 @@ from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import forget_outputs
-from verispec.engine import context_length
+from verispec.engine import SpeculativeEngine, context_length
 from verispec.errors import VerispecError
 from verispec.methods import Method, Needs, build_engine, resolve_tree
 from verispec.models import LoadedModel, load_model
@@ -94,18 +96,38 @@ def choose_methods(config: BenchConfig, runnable: Callable[[Method], bool] = lam
     return [HF, AR] + [m for m in dict.fromkeys(chosen) if m not in (HF, AR)]
 
 
-def verispec_contender(method: str, k: int | None, label: str, target: LoadedModel,
-                       draft: LoadedModel | None, config: BenchConfig, sampling: SamplingParams,
-                       stopping: StoppingRules, tree: TreeSettings | None = None,
-                       acceptance: str = "exact") -> Contender:
+def build_method(method: str, k: int | None, target: LoadedModel, draft: LoadedModel | None,
+                 config: BenchConfig, tree: TreeSettings | None = None,
+                 acceptance: str = "exact") -> SpeculativeEngine:
+    """The engine a method runs in the bench: its k, tree and acceptance, the given draft model or
+    trained drafter, and the bench's other drafting options."""
     spec = registry.METHODS[method]
     trained = trained_drafters(config).get(spec.trained_kind)
     given = draft if spec.needs is Needs.DRAFT_MODEL and draft is not None else trained
     options = replace(config.options, k=k, draft=given, exit_layer=exit_layer(target, config), tree=tree,
                       acceptance=acceptance)
-    engine = build_engine(target, method, options)
+    return build_engine(target, method, options)
+
+
+def beam_refusal(engine: SpeculativeEngine) -> str | None:
+    """Why the engine's drafter cannot draft for beam search (verispec.beam.check_drafter, as
+    verispec.generate(num_beams=B) checks it); None: it can."""
+    try:
+        check_drafter(engine.drafter)
+    except VerispecError as error:
+        return str(error)
+    return None
+
+
+def verispec_contender(engine: SpeculativeEngine, method: str, k: int | None, label: str,
+                       config: BenchConfig, sampling: SamplingParams, stopping: StoppingRules,
+                       tree: TreeSettings | None = None) -> Contender:
+    """A method as the bench times it: the engine's decoding, or with --num-beams its beam
+    search (verispec.beam.BeamDecoder, as verispec.generate(num_beams=B) runs it), timed on the
+    best sequence."""
     describe = getattr(engine.drafter, "describe", None)
     nbytes = getattr(engine.drafter, "nbytes", None)
+    decoder = None if config.beams is None else BeamDecoder.of(engine)
 
     def generate(prompt_ids: list[int]) -> Outcome:
         started = time.perf_counter()
@@ -113,18 +135,33 @@ def verispec_contender(method: str, k: int | None, label: str, target: LoadedMod
         seconds = time.perf_counter() - started
         return Outcome(result.token_ids, seconds, result.stats.target_forwards, result.stats)
 
-    return Contender(label, method, k if method != AR else None, generate,
+    def search(prompt_ids: list[int]) -> Outcome:
+        started = time.perf_counter()
+        best = decoder.generate([prompt_ids], stopping, config.beams)[0][0]
+        seconds = time.perf_counter() - started
+        return Outcome(best.token_ids, seconds, best.stats.target_forwards,
+                       search_steps=best.stats.steps)
+
+    return Contender(label, method, k if method != AR else None, generate if decoder is None else search,
                      None if tree is None else f"{tree.topk}x{tree.nodes}",
                      describe() if describe else None, None if nbytes is None else nbytes / 2**20,
                      baseline=method == AR)
 
 
 def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
-                     sampling: SamplingParams, stopping: StoppingRules) -> list[Contender]:
-    contenders = []
+                     sampling: SamplingParams, stopping: StoppingRules
+                     ) -> tuple[list[Contender], dict[str, str]]:
+    """The contenders, and with --num-beams the methods left out because they cannot run beam
+    search, with why. Methods named in --methods that cannot are refused, all named in one error;
+    the default set leaves them out."""
+    contenders, refused = [], {}
     for method in choose_methods(config, can_run(target, config)):
         if method in BASELINES:
-            contenders.append(BASELINES[method].build(method, target, draft, config, sampling))
+            baseline = BASELINES[method]
+            if config.beams is not None and baseline.beam_refusal is not None:
+                refused[method] = baseline.beam_refusal
+            else:
+                contenders.append(baseline.build(method, target, draft, config, sampling))
             continue
         spec = registry.METHODS[method]
         ks = [None] if method == AR else (config.ks or [spec.default_k])
@@ -138,27 +175,44 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
             label = " ".join([method] + ([f"k={k}"] if len(ks) > 1 else [])
                              + ([f"tree={tree.topk}x{tree.nodes}"] if tree else [])
                              + (["typical"] if rule == "typical" else []))
-            contenders.append(verispec_contender(method, k, label, target, draft, config, sampling,
-                                                 stopping, tree, rule))
-    return contenders
+            engine = build_method(method, k, target, draft, config, tree, rule)
+            reason = None if config.beams is None else beam_refusal(engine)
+            if reason is not None:
+                refused[method] = reason
+                break
+            contenders.append(verispec_contender(engine, method, k, label, config, sampling, stopping,
+                                                 tree))
+    if refused and config.methods is not None:
+        raise VerispecError(f"--num-beams {config.beams.num_beams}: cannot run beam search: "
+                            + "; ".join(f"{name} ({why})" for name, why in refused.items())
+                            + ". Leave them out of --methods")
+    return contenders, refused
+
+
+def parting(ours: list[int], baseline: list[int]) -> FirstDifference | None:
+    """Where two outputs part (None: they are equal), without the logit gap: how beam search's
+    outputs are compared (its choices rest on summed log-probs, not one token's logits)."""
+    position = next((i for i, (a, b) in enumerate(zip(ours, baseline)) if a != b), None)
+    if position is None and len(ours) == len(baseline):
+        return None
+    if position is None:
+        position = min(len(ours), len(baseline))
+    return FirstDifference(position, ours[position] if position < len(ours) else None,
+                           baseline[position] if position < len(baseline) else None)
 
 
 def first_difference(target: LoadedModel, prompt_ids: list[int], ours: list[int],
                      baseline: list[int]) -> FirstDifference | None:
     """Where two outputs part, and the target's logit gap between the two tokens there."""
-    position = next((i for i, (a, b) in enumerate(zip(ours, baseline)) if a != b), None)
-    if position is None:
-        if len(ours) == len(baseline):
-            return None
-        position = min(len(ours), len(baseline))
-        return FirstDifference(position, ours[position] if position < len(ours) else None,
-                               baseline[position] if position < len(baseline) else None)
+    found = parting(ours, baseline)
+    if found is None or found.ours is None or found.baseline is None:
+        return found
+    position = found.position
     with torch.inference_mode():
         ids = torch.tensor([prompt_ids + baseline[:position]], device=target.model.device)
         logits = target.model(input_ids=ids).logits[0, -1].float()
     gap = float(logits[baseline[position]] - logits[ours[position]])
-    return FirstDifference(position, ours[position], baseline[position], gap,
-                           float(logits[baseline[position]]))
+    return replace(found, logit_gap=gap, baseline_logit=float(logits[baseline[position]]))
 
 
 def run_record(contender: Contender, question: Question, outcome: Outcome) -> Run:
@@ -172,7 +226,22 @@ def run_record(contender: Contender, question: Question, outcome: Outcome) -> Ru
                question_id=question.question_id, k=contender.k, new_tokens=len(outcome.tokens),
                seconds=outcome.seconds, target_forwards=outcome.target_forwards, tree=contender.tree,
                baseline=contender.baseline, peer=contender.peer, peak_rss_mib=outcome.peak_rss_mib,
-               **counts)
+               search_steps=outcome.search_steps, **counts)
+
+
+def check_beams(config: BenchConfig) -> None:
+    """With --num-beams: refuse what beam search does not take (sampling, trees, acceptance rules:
+    it keeps exactly plain beam search's beams, greedy)."""
+    if config.beams is None:
+        return
+    flags = {"--temperature > 0": config.temperature > 0, "--typical": config.typical,
+             "--tree": bool(config.trees or config.options.tree),
+             f"--acceptance {config.options.acceptance}": config.options.acceptance != "exact"}
+    given = [flag for flag, set_ in flags.items() if set_]
+    if given:
+        raise VerispecError(f"--num-beams {config.beams.num_beams}: beam search is greedy over chains of "
+                            f"drafts and keeps exactly plain beam search's beams; it takes no "
+                            f"{', '.join(given)}")
 
 
 def run_bench(config: BenchConfig, progress: bool = True) -> Results:
@@ -191,12 +260,16 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
         raise VerispecError(f"--k values must be >= 0, got {config.ks}")
     if config.warmup < 0:
         raise VerispecError(f"--warmup must be >= 0, got {config.warmup}")
+    check_beams(config)
     target = load_model(config.model, config.dtype, config.device)
     if target.tokenizer is None:
         raise VerispecError(f"{config.model} has no tokenizer: the benchmark needs text prompts")
     draft = load_model(config.draft, config.dtype, config.device) if config.draft else None
     stopping = StoppingRules.build(config.max_new_tokens, target.eos_token_ids)
-    contenders = build_contenders(config, target, draft, sampling, stopping)
+    contenders, left_out = build_contenders(config, target, draft, sampling, stopping)
+    if left_out:
+        print(f"verispec bench: --num-beams {config.beams.num_beams} leaves out what cannot run beam "
+              f"search: {', '.join(left_out)} (reasons in report.md)", file=sys.stderr)
     prompts = {q: encode_prompt(target, q.prompt, chat=bool(getattr(target.tokenizer, "chat_template",
                                                                    None)))
                for q in questions}
@@ -214,7 +287,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
                 "drafters": {c.label: {"runs": c.drafter, "weights_mib": c.weights_mib}
                              for c in contenders if c.drafter is not None},
                 "questions": str(config.questions or "built-in"),
-                "num_questions": len(questions), "interrupted": False,
+                "num_questions": len(questions), "interrupted": False, "left_out": left_out,
                 **{name: value for name, value in asdict(CachedModel(target.model).stats()).items()
                    if name in ("invariance", "dtype", "kernel")}},
         machine=machine_info(config.device))
@@ -230,7 +303,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
         # Timed after the warm-up: the first forwards after loading are slow. The warm-up's
         # outputs leave the suffix cache, or the first question would draft from its own answer.
         forget_outputs(target.model)
-        results.forward = measure_forward(target, (first_prompt * (300 // len(first_prompt) + 1))[:300])
+        if config.beams is None:  # one path's forward costs: beam search's report does not use them
+            results.forward = measure_forward(target, (first_prompt * (300 // len(first_prompt) + 1))[:300])
         for index, question in enumerate(questions):
             prompt_ids = prompts[question]
             order = contenders[index % len(contenders):] + contenders[:index % len(contenders)]
@@ -241,14 +315,16 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
                     outputs[contender] = contender.generate(prompt_ids)
                 outputs[contender].peak_rss_mib = memory.peak
                 bar.update()
-            baseline = next((o.tokens for c, o in outputs.items() if c.label == AR), None)
+            reference = results.reference
+            baseline = next((o.tokens for c, o in outputs.items() if c.label == reference), None)
             for contender in contenders:  # records in a stable order
                 record = run_record(contender, question, outputs[contender])
-                if sampling.greedy and baseline is not None and contender.label != AR:
+                if sampling.greedy and baseline is not None and contender.label != reference:
                     tokens = outputs[contender].tokens
+                    difference = (parting(tokens, baseline) if config.beams is not None
+                                  else first_difference(target, prompt_ids, tokens, baseline))
                     record = replace(record, identical_to_baseline=tokens == baseline,
-                                     first_difference=first_difference(target, prompt_ids, tokens,
-                                                                       baseline))
+                                     first_difference=difference)
                 results.runs.append(record)
             write_results(results, config.out, report=False)
     except KeyboardInterrupt:

@@ -58,16 +58,19 @@ def speedup(runs: list[Run], baseline: list[Run]) -> float | None:
 
 def cell(runs: list[Run], hf: list[Run], ar: list[Run]) -> Cell:
     """Speedups vs hf and ar, tau (None if any run could not count its forwards), tokens per
-    second over all the runs, and "n/m" identical to ar over the runs compared ("-" if none)."""
+    second over all the runs, "n/m" identical to the reference over the runs compared ("-" if
+    none), seconds, and under beam search the search steps per target forward."""
     new = sum(r.new_tokens for r in runs)
     seconds = sum(r.seconds for r in runs)
     forwards = [r.target_forwards for r in runs]
-    tau = None
-    if forwards and all(f is not None for f in forwards) and sum(forwards) > 0:
-        tau = new / sum(forwards)
+    counted = bool(forwards) and all(f is not None for f in forwards) and sum(forwards) > 0
+    tau = new / sum(forwards) if counted else None
+    per_pass = None
+    if counted and all(r.beam_search for r in runs):
+        per_pass = sum(r.search_steps for r in runs) / sum(forwards)
     checked = [r.identical_to_baseline for r in runs if r.identical_to_baseline is not None]
     return Cell(speedup(runs, hf), speedup(runs, ar), tau, new / seconds if seconds > 0 else 0.0,
-                f"{sum(checked)}/{len(checked)}" if checked else "-")
+                f"{sum(checked)}/{len(checked)}" if checked else "-", seconds, per_pass)
 
 
 def summarize(runs: list[Run]) -> list[MethodSummary]:
@@ -168,7 +171,8 @@ def _best_k(speedup_at: dict[int, float]) -> int:
 
 
 def speedup_model(runs: list[Run], forward: ForwardTimings | None) -> dict[str, SpeedupModel]:
-    """Leviathan et al.'s speedup model per speculative label, next to the measured speedup vs ar.
+    """Leviathan et al.'s speedup model per speculative label decoding one path, next to the
+    measured speedup vs ar.
 
     alpha: pooled conditional acceptance, sum(accepted_by_position) / sum(reached_by_position).
     c: (sum draft_seconds / drafted tokens) / (ar seconds / ar new tokens); None without "ar" runs
@@ -190,7 +194,7 @@ def speedup_model(runs: list[Run], forward: ForwardTimings | None) -> dict[str, 
     models: dict[str, SpeedupModel] = {}
     for label in labels_in_order(runs):
         mine = grouped[label]
-        if mine[0].baseline:
+        if mine[0].baseline or mine[0].beam_search:  # the model is for one path
             continue
         stats = pooled_stats(mine)
         reached = sum(stats.reached_by_position)

@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from verispec.beam import BeamSettings
 from verispec.bench.baselines import BASELINES
 from verispec.cli.options import add_draft_options, add_model_arguments, comma_list, draft_options, list_of
 from verispec.errors import VerispecError
@@ -46,6 +47,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--no-load-cap", action="store_true",
                        help="with --batch-size: draft full length at every batch size (the engine "
                             "otherwise shortens drafts as the batch grows)")
+    bench.add_argument("--num-beams", type=int, default=1, metavar="B",
+                       help="beam search with B beams (> 1): hf runs generate(num_beams=B), ar "
+                            "verispec's plain beam search, each method verispec's speculative beam "
+                            "search; each best sequence is compared with Hugging Face's. Greedy only. "
+                            "Methods that cannot draft for beam search (beam search drafts with pld, "
+                            "self-*, draft and early-exit chains) and the speculative hf-* and "
+                            "llama.cpp baselines are refused when named in --methods, all named in "
+                            "one error; the default set leaves them out and says which")
+    bench.add_argument("--length-penalty", type=float, metavar="X",
+                       help="with --num-beams: finished scores are summed log-probs / length ** this "
+                            "(Hugging Face's; default 1.0)")
+    bench.add_argument("--early-stopping", choices=["false", "true", "never"],
+                       help="with --num-beams: Hugging Face's early_stopping (default false)")
     bench.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     bench.add_argument("--compare", nargs=2, metavar="RESULTS",
                        help="print the change between two results.json files instead of running")
@@ -67,7 +81,10 @@ def run_command(args: argparse.Namespace) -> int:
                 raise VerispecError(f"cannot read results file {path}: {error}") from error
         print(compare(*loaded))
         return 0
+    beams = beam_settings(args)
     if args.batch_size:
+        if beams is not None:
+            raise VerispecError("--batch-size measures decoding one path: it takes no --num-beams")
         return bench_batched(args)
     config = BenchConfig(model=args.model, out=Path(args.out), methods=args.methods, ks=args.k,
                          draft=args.draft, trained=args.trained, exit_layer=args.exit_layer,
@@ -76,13 +93,25 @@ def run_command(args: argparse.Namespace) -> int:
                          limit_per_task=args.limit_per_task, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, seed=args.seed, warmup=args.warmup,
                          dtype=args.dtype, device=args.device, trees=args.tree,
-                         typical=args.typical)
+                         typical=args.typical, beams=beams)
     results = run_bench(config)
     print((Path(args.out) / "report.md").read_text() if results.runs else "no runs finished")
     if results.interrupted:
         print(f"verispec: interrupted; results so far are in {args.out}", file=sys.stderr)
         return 130
     return 0
+
+
+def beam_settings(args: argparse.Namespace) -> BeamSettings | None:
+    """The beam search --num-beams, --length-penalty and --early-stopping ask for; None: one path."""
+    if args.num_beams == 1:
+        given = [flag for flag, value in (("--length-penalty", args.length_penalty),
+                                          ("--early-stopping", args.early_stopping)) if value is not None]
+        if given:
+            raise VerispecError(f"{' and '.join(given)} set beam search: give --num-beams B > 1 too")
+        return None
+    early = {"false": False, "true": True, "never": "never"}[args.early_stopping or "false"]
+    return BeamSettings(args.num_beams, 1.0 if args.length_penalty is None else args.length_penalty, early)
 
 
 def bench_batched(args: argparse.Namespace) -> int:
