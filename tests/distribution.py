@@ -22,6 +22,7 @@ import torch
 
 from tests.test_rejection_distribution import tv, tv_bound
 from verispec.engine import SpeculativeEngine
+from verispec.grammar import Constraint
 from verispec.sampling import warp_probs
 from verispec.stopping import StoppingRules
 from verispec.types import SamplingParams
@@ -69,9 +70,10 @@ class Sampled:
 
 
 def sample_runs(engine: SpeculativeEngine, prompt: list[int], n: int, sampling: SamplingParams,
-                runs: int, per_batch: int = 500, seed: int = 0) -> Sampled:
+                runs: int, per_batch: int = 500, seed: int = 0, constraint: Constraint | None = None
+                ) -> Sampled:
     """`runs` samples of n tokens of `prompt` through `engine` (batches of per_batch samples of
-    one prompt; sample i seeded with seed + i).
+    one prompt; sample i seeded with seed + i), each under its own copy of `constraint` if given.
 
     On one thread: the tiny models gain nothing from a second, and on a machine shared with
     other jobs two threads contending for the cores made the same run up to 20 times slower."""
@@ -83,9 +85,10 @@ def sample_runs(engine: SpeculativeEngine, prompt: list[int], n: int, sampling: 
     torch.set_num_threads(1)
     try:
         results = [result for start in range(0, runs, per_batch)
-                   for result in engine.generate_batch([prompt], StoppingRules.build(n), sampling,
-                                                       seed=seed + start,
-                                                       samples=min(per_batch, runs - start))]
+                   for result in engine.generate_batch(
+                       [prompt], StoppingRules.build(n), sampling, seed=seed + start,
+                       samples=min(per_batch, runs - start),
+                       constraints=[None if constraint is None else constraint.copy()])]
     finally:
         torch.set_num_threads(threads)
     for result in results:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     GenerationConfig,
     LlamaConfig,
@@ -78,3 +78,21 @@ def plain_greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int
                               pad_token_id=0)
     out = model.generate(torch.tensor([prompt]), generation_config=config)
     return out[0, len(prompt):].tolist()
+
+
+def tiny_bpe_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer over the text 'w' and digits, which a grammar engine
+    (verispec.grammar) can read: the five special tokens, then 'w', '0'..'9', then merges
+    'w1'..'w9' and 'w10', 'w11', ... up to the vocabulary's size. Any text of 'w's and digits
+    tokenizes; e.g. 'w10w3' -> ['w10', 'w3'].
+    """
+    specials = ["<pad>", "<bos>", "<eos>", "<user>", "<assistant>"]
+    pieces = ["w", *"0123456789"]
+    merges = [("w", d) for d in "123456789"]
+    tens = [(f"w{i // 10}", str(i % 10)) for i in range(10, 10 + vocab - len(specials) - len(pieces) - 9)]
+    ids = {token: i for i, token in enumerate(specials + pieces + [a + b for a, b in merges + tens])}
+    backend = Tokenizer(models.BPE(ids, merges + tens))
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>")

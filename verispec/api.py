@@ -18,6 +18,7 @@ from verispec.display import TokenPieces
 from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.errors import VerispecError
+from verispec.grammar import Constraint, Grammar
 from verispec.methods import HF_SELECTORS, PLAIN, build_engine
 from verispec.models import LoadedModel, load
 from verispec.options import DraftOptions
@@ -103,6 +104,7 @@ class Job:
     samples: int = 1  # sequences per prompt (num_return_sequences)
     predictions: list[list[int] | None] | None = None  # per prompt: its predicted output's ids
     beams: BeamSettings | None = None  # beam search (num_beams > 1) instead of decoding one path
+    grammars: list[Constraint | None] | None = None  # per prompt: the grammar its output matches
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -113,6 +115,15 @@ class Job:
     def prediction(self) -> PredictionDrafter | None:
         """A drafter of the predicted output of a single-prompt job."""
         return self.predictors()[0]
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """A fresh grammar state for a single-prompt job."""
+        return self.constraints()[0]
+
+    def constraints(self) -> list[Constraint | None]:
+        """A fresh grammar state for each prompt (None: unconstrained)."""
+        return [None if c is None else c.copy() for c in self.grammars or [None] * len(self.prompts)]
 
     def predictors(self) -> list[PredictionDrafter | None]:
         """A drafter of each prompt's predicted output (None: it has none)."""
@@ -126,7 +137,9 @@ def make_job(target: LoadedModel, inputs: Prompts, *, method: str = PLAIN,
              stop_strings: str | Iterable[str] | None = None, chat: bool = False,
              seed: int | None = None, num_return_sequences: int = 1,
              prediction: str | list[str] | None = None, num_beams: int = 1,
-             length_penalty: float = 1.0, early_stopping: bool | str = False) -> Job:
+             length_penalty: float = 1.0, early_stopping: bool | str = False,
+             json_schema: dict | str | list | None = None, regex: str | list | None = None,
+             grammar: str | list | None = None) -> Job:
     """Validate a request by method name (the CLI's entry); raises before any work starts."""
     if (isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, int)
             or num_return_sequences < 1):
@@ -139,6 +152,8 @@ def make_job(target: LoadedModel, inputs: Prompts, *, method: str = PLAIN,
                                 "(do_sample / temperature)")
         if prediction is not None:
             raise VerispecError("beam search takes no prediction: drafts come from the method")
+        if any(value is not None for value in (json_schema, regex, grammar)):
+            raise VerispecError("beam search takes no grammar (json_schema, regex, grammar)")
     engine = build_engine(target, method, options)
     if beams is not None:
         try:
@@ -154,7 +169,36 @@ def make_job(target: LoadedModel, inputs: Prompts, *, method: str = PLAIN,
         engine.check_prompt(prompt_ids, max_new_tokens)
     return Job(target, engine, prompts, stopping, sampling, seed, batched,
                1 if beams else num_return_sequences,
-               encode_predictions(target, prediction, len(prompts), batched), beams)
+               encode_predictions(target, prediction, len(prompts), batched), beams,
+               compile_grammars(target, json_schema, regex, grammar, len(prompts), batched))
+
+
+def compile_grammars(target: LoadedModel, json_schema: dict | str | list | None, regex: str | list | None,
+                     grammar: str | list | None, count: int, batched: bool) -> list[Constraint | None] | None:
+    """Each prompt's grammar, compiled (a bad one fails here, before any work): one value
+    constrains every prompt; a list gives each prompt of a batch its own (None: unconstrained)."""
+    given = {"json_schema": json_schema, "regex": regex, "grammar": grammar}
+    if all(value is None for value in given.values()):
+        return None
+    per_prompt: list[dict] = [{} for _ in range(count)]
+    for name, value in given.items():
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value] * count
+        if isinstance(value, list) and (not batched or len(value) != count):
+            raise VerispecError(f"a list of {name} gives one per prompt of a batch: {count} expected, "
+                                f"got {len(value)}")
+        for kwargs, one in zip(per_prompt, values):
+            kwargs[name] = one
+    compiled: dict[Grammar, Constraint] = {}
+    constraints: list[Constraint | None] = []
+    for kwargs in per_prompt:
+        spec = Grammar.of(**kwargs)
+        if spec is not None and spec not in compiled:
+            compiled[spec] = Constraint.compile(spec, target.tokenizer, target.vocab_size,
+                                                target.eos_token_ids)
+        constraints.append(None if spec is None else compiled[spec])
+    return constraints
 
 
 def encode_predictions(target: LoadedModel, prediction: str | list[str] | None, count: int,
@@ -209,6 +253,9 @@ def prepare(
     num_beams: int = 1,
     length_penalty: float = 1.0,
     early_stopping: bool | str = False,
+    json_schema: dict | str | list | None = None,
+    regex: str | list | None = None,
+    grammar: str | list | None = None,
 ) -> Job:
     """Map Hugging Face-style arguments to a method and validate; see `generate`."""
     target = _as_loaded(model, tokenizer)
@@ -257,7 +304,8 @@ def prepare(
                     max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                     stop_strings=stop_strings, chat=chat, seed=seed,
                     num_return_sequences=num_return_sequences, prediction=prediction,
-                    num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping)
+                    num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
+                    json_schema=json_schema, regex=regex, grammar=grammar)
 
 
 Results = GenerationResult | list[GenerationResult] | BeamResult | list[BeamResult]
@@ -274,15 +322,15 @@ def run(job: Job, streamer=None) -> Results:
             raise VerispecError("a streamer takes one sequence: stream a batch through verispec.serve "
                                 "or SpeculativeEngine.add / step")
         results = job.engine.generate_batch(job.prompts, job.stopping, job.sampling, job.seed,
-                                            job.samples, job.predictors())
+                                            job.samples, job.predictors(), job.constraints())
     elif streamer is None:
         results = [job.engine.generate(job.prompt_ids, job.stopping, job.sampling, job.seed,
-                                       prediction=job.prediction)]
+                                       prediction=job.prediction, constraint=job.constraint)]
     else:
         streamer.put(torch.tensor(job.prompt_ids))
         results = [job.engine.generate(job.prompt_ids, job.stopping, job.sampling, job.seed,
                                        on_step=lambda step: streamer.put(torch.tensor(step.tokens)),
-                                       prediction=job.prediction)]
+                                       prediction=job.prediction, constraint=job.constraint)]
         streamer.end()
     if job.target.tokenizer is not None:
         for result in results:
@@ -310,7 +358,11 @@ def generate(model: ModelLike, inputs: Prompts, *, streamer=None,
     method's measured default tree), prediction=TEXT (OpenAI's predicted outputs: text the
     answer is expected to be mostly, drafted before the method's drafter wherever the output is
     in it; a list of texts for a batch; usage in result.stats.accepted_prediction_tokens /
-    rejected_prediction_tokens) and acceptance="typical" (Medusa's typical acceptance: LOSSY
+    rejected_prediction_tokens), json_schema=SCHEMA (a dict or JSON text), regex=PATTERN or
+    grammar=LARK (the output matches it: the target's distribution masked to what the grammar
+    allows, exactly, with every method; tokens the grammar forces are drafted for free, counted
+    in result.stats.forced_tokens; a list gives each prompt of a batch its own, None for none),
+    and acceptance="typical" (Medusa's typical acceptance: LOSSY
     under sampling, the output no longer follows the target's distribution; default "exact").
     num_beams=B (> 1: beam search, exactly plain beam search's sequences and scores, with
     speculation: verispec.beam; methods drafting chains by prompt lookup or a model drafter),
@@ -346,7 +398,7 @@ def stream(model: ModelLike, inputs: str | list[int] | torch.Tensor, **kwargs) -
     if job.target.tokenizer is None:
         raise VerispecError(f"{job.target.name} has no tokenizer: streaming text needs one")
     yield from stream_text(job.engine.steps(job.prompt_ids, job.stopping, job.sampling, job.seed,
-                                            job.prediction), job.target.tokenizer)
+                                            job.prediction, job.constraint), job.target.tokenizer)
 
 
 def stream_text(steps: Iterable[Step], tokenizer) -> Iterator[str]:

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 from verispec.cached_model import CachedModel, forward_rows
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.errors import VerispecError
+from verispec.grammar import Constraint, apply_masks
 from verispec.policies import ConstantK, DraftLengthPolicy, LoadCap
 from verispec.stopping import StoppingRules
 from verispec.tree import check_parents
@@ -74,7 +75,7 @@ class _Row:
     def __init__(self, speculation: Speculation, target: CachedModel, drafter: Drafter | None,
                  hidden_size: int, prompt_ids: list[int], stopping: StoppingRules,
                  sampling: SamplingParams, seed: int | None, prediction: Drafter | None = None,
-                 logprobs: int | None = None) -> None:
+                 logprobs: int | None = None, constraint: Constraint | None = None) -> None:
         device = target.device
         self.speculation = speculation
         self.target, self.drafter = target, drafter
@@ -102,6 +103,12 @@ class _Row:
         # The caller's predicted output, drafted before the row's own drafter while it has a draft.
         self.predicted = prediction
         self.from_prediction = False  # this step's draft came from the prediction
+        # The grammar the output must match (None: unconstrained), and this step's masks of the
+        # tokens it allows at the root and after each draft node [1 + k, vocab].
+        self.constraint = constraint
+        self.masks: torch.Tensor | None = None
+        self.forced = False  # this step's draft is the grammar's forced tokens
+        self.proposed = False  # this step's drafter proposed something
 
     def prefill(self, source: _Row | None = None) -> None:
         """Cache the prompt (all of it but the last token), or copy it from `source`, a row with
@@ -111,6 +118,8 @@ class _Row:
             self.drafter.reset()
         if self.predicted is not None:
             self.predicted.reset()
+        if self.constraint is not None:
+            self.constraint.reset()
         if self.length == 1:
             return
         if source is None:
@@ -136,6 +145,18 @@ class _Row:
         hidden = None if self.hidden is None else self.hidden[: self.length - 1]
         return DraftRequest(self.buffer[: self.length], k, self.sampling, self.generator, hidden)
 
+    def force(self, vocab_size: int) -> bool:
+        """Take the tokens the grammar forces as this step's draft, if there are any (free to
+        propose, always kept: within the budget, not the batch's cap); False: draft otherwise."""
+        if self.constraint is None:
+            return False
+        forced = self.constraint.forced()[: self.stopping.max_new_tokens - len(self.generated) - 1]
+        if not forced:
+            return False
+        self.take(Proposal(torch.tensor(forced, dtype=torch.int64, device=self.buffer.device)), 0.0,
+                  vocab_size, forced=True)
+        return True
+
     def predict(self, cap: int | None, vocab_size: int) -> bool:
         """Take the prediction's draft for this step if it has one (as long as it likes, within
         the budget and the batch's cap); False: the row's own drafter drafts."""
@@ -155,16 +176,20 @@ class _Row:
         return True
 
     def take(self, proposal: Proposal | None, seconds: float, vocab_size: int,
-             from_prediction: bool = False) -> None:
-        """This step's draft (None: none), and the seconds it took."""
+             from_prediction: bool = False, forced: bool = False) -> None:
+        """This step's draft (None: none), and the seconds it took; under a grammar, cut where
+        it leaves it (verispec.grammar.Constraint.cut)."""
         proposal = Proposal(self.buffer[:0]) if proposal is None else proposal
         if proposal.parents is not None:  # a drafter's tree must be well formed
             check_parents(proposal.parents)
         if len(proposal) and not 0 <= int(proposal.tokens.min()) <= int(proposal.tokens.max()) < vocab_size:
             # Caught here, a bad draft fails its own row, not the batch's shared forward.
             raise VerispecError(f"the drafter proposed a token outside the vocabulary (0..{vocab_size - 1})")
+        self.proposed = len(proposal) > 0  # the drafter has state to commit, even if cut to nothing
+        if self.constraint is not None:
+            proposal, self.masks = self.constraint.cut(proposal)
         self.proposal, self.draft_seconds = proposal, seconds
-        self.from_prediction = from_prediction
+        self.from_prediction, self.forced = from_prediction, forced
 
     def block(self) -> torch.Tensor:
         """The tokens the target scores this step: the last committed one, the draft, and the
@@ -182,6 +207,8 @@ class _Row:
         if proposal.side is not None:  # side rows go back to the drafter, never to the verifier
             self.drafter.observe_side(logits[len(proposal) + 1:])
             logits = logits[: len(proposal) + 1]
+        if self.masks is not None:  # the constrained target: its own distribution masked
+            logits = apply_masks(logits, self.masks.to(logits.device))
         verdict = self.verifier.verify(proposal, logits, self.sampling, self.generator)
         path, accepted = list(verdict.path), verdict.num_accepted
         rows = [0] + [node + 1 for node in path]  # block rows to keep: root + accepted path
@@ -190,7 +217,7 @@ class _Row:
         self.target.keep(self.length - 1, rows)
         if self.from_prediction:
             self.predicted.commit(accepted)
-        elif len(proposal):
+        elif self.proposed and not self.forced:
             self.drafter.commit(accepted)
             self.policy.update(proposal.depth, accepted)
 
@@ -199,8 +226,13 @@ class _Row:
         end = path[-1] if path else -1
         alternatives = [drafted_tokens[i] for i, parent in enumerate(parents) if parent == end]
         block = [drafted_tokens[i] for i in path] + [verdict.next_token]
-        fates = [Fate.ACCEPTED] * accepted + [Fate.RECOVERED if alternatives else Fate.BONUS]
+        fates = ([Fate.FORCED if self.forced else Fate.ACCEPTED] * accepted
+                 + [Fate.RECOVERED if alternatives else Fate.BONUS])
         keep, finished = self.stopping.cut(self.generated, block)
+        if self.constraint is not None:  # the grammar complete: nothing more may follow
+            complete = self.constraint.commit(block[:keep])
+            if complete is not None:
+                keep, finished = complete, True
         logprobs = None if self.logprobs is None else token_logprobs(logits[rows[:keep]], block[:keep],
                                                                      self.logprobs)
         self.buffer[self.length: self.length + keep] = torch.tensor(block[:keep])
@@ -211,7 +243,7 @@ class _Row:
         verify_seconds = forward_seconds + time.perf_counter() - started
         return Step(block[:keep], fates[:keep], alternatives, len(proposal), accepted,
                     self.draft_seconds, verify_seconds, finished, shown, self.from_prediction,
-                    logprobs)
+                    logprobs, self.forced)
 
 
 class SpeculativeEngine:
@@ -266,7 +298,7 @@ class SpeculativeEngine:
     def _open(self, prompt_ids: list[int], stopping: StoppingRules, sampling: SamplingParams,
               seed: int | None, source: _Row | None = None,
               speculation: Speculation | None = None, prediction: Drafter | None = None,
-              logprobs: int | None = None) -> _Row:
+              logprobs: int | None = None, constraint: Constraint | None = None) -> _Row:
         speculation = speculation or self.speculation
         if speculation not in self._free:  # first seen: its own drafter is the first to use
             self._free[speculation] = [(CachedModel(self.model), speculation.drafter)]
@@ -281,7 +313,7 @@ class SpeculativeEngine:
             drafter = None if speculation.drafter is None else speculation.spawn()
         try:
             row = _Row(speculation, target, drafter, self.hidden_size, prompt_ids, stopping, sampling,
-                       seed, prediction, logprobs)
+                       seed, prediction, logprobs, constraint)
             row.prefill(source)
         except BaseException:  # a bad setting or a failed prefill: the cache and drafter go back
             free.append((target, drafter))
@@ -334,7 +366,7 @@ class SpeculativeEngine:
         groups: dict[type, list[tuple[_Row, DraftRequest]]] = {}
         for row in rows:
             try:
-                if row.predict(cap, self.vocab_size):
+                if row.force(self.vocab_size) or row.predict(cap, self.vocab_size):
                     continue
                 request = row.request(cap)
                 if request is None:
@@ -372,13 +404,16 @@ class SpeculativeEngine:
 
     def steps(self, prompt_ids: list[int], stopping: StoppingRules,
               sampling: SamplingParams = SamplingParams(),
-              seed: int | None = None, prediction: Drafter | None = None) -> Iterator[Step]:
+              seed: int | None = None, prediction: Drafter | None = None,
+              constraint: Constraint | None = None) -> Iterator[Step]:
         """Run generation, yielding each step's emitted tokens as soon as they are committed.
         prediction: a drafter for this sequence alone, asked before the engine's own each step
         (verispec.drafters.prediction: the caller's predicted output); its steps are counted as
-        prediction tokens."""
+        prediction tokens. constraint: a grammar the output must match (verispec.grammar; the
+        sequence's own, advanced as it goes)."""
         self.check_prompt(prompt_ids, stopping.max_new_tokens)
-        row = self._open(prompt_ids, stopping, sampling, seed, prediction=prediction)
+        row = self._open(prompt_ids, stopping, sampling, seed, prediction=prediction,
+                         constraint=constraint)
         try:
             while True:
                 (step,) = self._step([row])
@@ -394,12 +429,13 @@ class SpeculativeEngine:
                  sampling: SamplingParams = SamplingParams(),
                  seed: int | None = None,
                  on_step: Callable[[Step], None] | None = None,
-                 prediction: Drafter | None = None) -> GenerationResult:
+                 prediction: Drafter | None = None,
+                 constraint: Constraint | None = None) -> GenerationResult:
         """Run to completion and collect tokens, steps and statistics."""
         stats = self.target.stats()
         steps: list[Step] = []
         started = time.perf_counter()
-        for step in self.steps(prompt_ids, stopping, sampling, seed, prediction):
+        for step in self.steps(prompt_ids, stopping, sampling, seed, prediction, constraint):
             steps.append(step)
             stats.add(step)
             if on_step is not None:
@@ -413,13 +449,14 @@ class SpeculativeEngine:
     def add(self, prompt_ids: list[int], stopping: StoppingRules,
             sampling: SamplingParams = SamplingParams(), seed: int | None = None,
             samples: int = 1, speculation: Speculation | None = None,
-            prediction: Drafter | None = None, logprobs: int | None = None) -> list[int]:
+            prediction: Drafter | None = None, logprobs: int | None = None,
+            constraint: Constraint | None = None) -> list[int]:
         """Start `samples` sequences of one prompt (they share its prefill); each joins the batch
         at the next `step`. Sample i is seeded with seed + i. speculation: how they draft
         (default: the engine's own; see verispec.methods.build_speculation). logprobs: each Step
         then reports its tokens' log-probabilities under the target (and this many top
-        alternatives each), read from the verification pass's logits. prediction: see `steps`.
-        Returns their ids."""
+        alternatives each), read from the verification pass's logits. prediction, constraint: see
+        `steps` (each sample follows its own copy). Returns their ids."""
         if logprobs is not None and not 0 <= logprobs <= self.vocab_size:
             raise VerispecError(f"logprobs must be in 0..{self.vocab_size}, got {logprobs}")
         self.check_prompt(prompt_ids, stopping.max_new_tokens)
@@ -430,8 +467,9 @@ class SpeculativeEngine:
         try:
             for i in range(samples):
                 own = prediction if i == 0 or prediction is None else copy.deepcopy(prediction)
+                grammar = constraint if i == 0 or constraint is None else constraint.copy()
                 row = self._open(prompt_ids, stopping, sampling, None if seed is None else seed + i,
-                                 first, speculation, own, logprobs)
+                                 first, speculation, own, logprobs, grammar)
                 first = first or row
                 self._rows[self._next_id] = row
                 ids.append(self._next_id)
@@ -475,17 +513,20 @@ class SpeculativeEngine:
 
     def generate_batch(self, prompts: list[list[int]], stopping: StoppingRules | list[StoppingRules],
                        sampling: SamplingParams = SamplingParams(), seed: int | None = None,
-                       samples: int = 1, predictions: list[Drafter | None] | None = None
-                       ) -> list[GenerationResult]:
+                       samples: int = 1, predictions: list[Drafter | None] | None = None,
+                       constraints: list[Constraint | None] | None = None) -> list[GenerationResult]:
         """Generate for every prompt together (`samples` each, one after another in the result);
         each result is what that sequence would be alone. Sequence i is seeded with seed + i.
-        predictions: one per prompt (None: none), see `steps`."""
+        predictions, constraints: one per prompt (None: none), see `steps`."""
         rules = stopping if isinstance(stopping, list) else [stopping] * len(prompts)
         if len(rules) != len(prompts):
             raise VerispecError(f"{len(rules)} stopping rules for {len(prompts)} prompts")
         predictions = predictions or [None] * len(prompts)
         if len(predictions) != len(prompts):
             raise VerispecError(f"{len(predictions)} predictions for {len(prompts)} prompts")
+        constraints = constraints or [None] * len(prompts)
+        if len(constraints) != len(prompts):
+            raise VerispecError(f"{len(constraints)} constraints for {len(prompts)} prompts")
         for prompt, rule in zip(prompts, rules):  # all valid before any work starts
             self.check_prompt(prompt, rule.max_new_tokens)
         if self._rows:
@@ -493,9 +534,10 @@ class SpeculativeEngine:
         started = time.perf_counter()
         order: list[int] = []
         try:
-            for i, (prompt, rule, prediction) in enumerate(zip(prompts, rules, predictions)):
+            for i, (prompt, rule, prediction, constraint) in enumerate(
+                    zip(prompts, rules, predictions, constraints)):
                 order += self.add(prompt, rule, sampling, None if seed is None else seed + i * samples,
-                                  samples, prediction=prediction)
+                                  samples, prediction=prediction, constraint=constraint)
             collected: dict[int, list[Step]] = {row_id: [] for row_id in order}
             while self._rows:
                 for row_id, step in self.step():

@@ -127,9 +127,11 @@ class DraftTree:
 
 
 class Fate(Enum):
-    """Why a token is in the output: drafted and accepted, a target correction, or a bonus."""
+    """Why a token is in the output: drafted and accepted, forced by the grammar (proposed for
+    free, kept with probability 1), a target correction, or a bonus."""
 
     ACCEPTED = "accepted"
+    FORCED = "forced"
     RECOVERED = "recovered"
     BONUS = "bonus"
 
@@ -159,6 +161,7 @@ class Step:
     tree: DraftTree | None = None
     from_prediction: bool = False  # the draft came from the caller's predicted output
     logprobs: list[TokenLogprob] | None = None  # one per emitted token, when asked for
+    forced: bool = False  # the draft was the grammar's forced tokens (verispec.grammar)
 
     @property
     def draft_depth(self) -> int:
@@ -189,6 +192,7 @@ class GenerationStats:
     # usage.completion_tokens_details names).
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    forced_tokens: int = 0  # tokens the grammar forced, drafted for free (verispec.grammar)
     invariance: str = ""  # the target's batch-invariance mode (CachedModel.invariance); "" unknown
     dtype: str = ""  # what the target's weights are in (CachedModel.precision): float32 ... int4
     kernel: str = ""  # how its products run (CachedModel.kernel)
@@ -199,6 +203,11 @@ class GenerationStats:
             self.accepted_prediction_tokens += step.num_accepted
             self.rejected_prediction_tokens += step.num_drafted - step.num_accepted
         self.target_forwards += 1
+        if step.forced:  # not the drafter's guesses: kept out of its acceptance by position
+            self.forced_tokens += step.fates.count(Fate.FORCED)
+            self.draft_seconds += step.draft_seconds
+            self.verify_seconds += step.verify_seconds
+            return
         # Positions the verifier judged: the accepted ones and, where the draft went on past
         # them, the first refused. In a tree that is where the accepted node has children
         # (`rejected`), not wherever the tree is deeper than the accepted path.
@@ -225,6 +234,7 @@ class GenerationStats:
             total.total_seconds += s.total_seconds
             total.accepted_prediction_tokens += s.accepted_prediction_tokens
             total.rejected_prediction_tokens += s.rejected_prediction_tokens
+            total.forced_tokens += s.forced_tokens
         for name in ("invariance", "dtype", "kernel"):
             setattr(total, name, "/".join(sorted({getattr(s, name) for s in all_stats})))
         return total
@@ -266,6 +276,7 @@ class GenerationStats:
             "tokens_per_second": self.tokens_per_second,
             "accepted_prediction_tokens": self.accepted_prediction_tokens,
             "rejected_prediction_tokens": self.rejected_prediction_tokens,
+            "forced_tokens": self.forced_tokens,
             "invariance": self.invariance,
             "dtype": self.dtype,
             "kernel": self.kernel,

@@ -1,0 +1,278 @@
+"""Grammar-constrained decoding (verispec.grammar) is exact under speculation.
+
+Greedy: every kind of drafter (forcing drafters, a draft model, prompt lookup chains and trees,
+lookahead's side branch) gives the tokens of masked plain decoding, computed here independently
+(a full forward per token, the mask read from llguidance's own byte-per-token bias). Sampling:
+the emitted tokens follow the masked target's exact law, enumerated. Each test checks that it
+exercised what it names: drafts cut where they left the grammar, forced tokens drafted for free,
+drafts accepted and refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import llguidance.hf
+import pytest
+import torch
+
+import verispec
+from tests.distribution import assert_follows, sample_runs
+from tests.drafters import OracleDrafter, RandomDrafter
+from tests.tiny import EOS, VOCAB, tiny_bpe_tokenizer, tiny_llama
+from verispec.drafters.lookahead import LookaheadDrafter
+from verispec.drafters.model import ModelDrafter
+from verispec.drafters.ngram import PromptLookupDrafter
+from verispec.engine import SpeculativeEngine
+from verispec.errors import VerispecError
+from verispec.grammar import Constraint, Grammar
+from verispec.models import LoadedModel
+from verispec.policies import ConstantK, LoadCap
+from verispec.sampling import warp_probs
+from verispec.stopping import StoppingRules
+from verispec.tree import TreeSettings
+from verispec.types import Fate, SamplingParams
+
+# Two to six free tokens, three forced ones, then free tokens from a narrower set: masks that
+# change along the output, forced tokens in the middle, and no end (the budget stops it).
+REGEX = r"(w1[0-9]|w2[0-9]|w3[0-9]){2,6}w10w11w12(w4[0-8]|w2[0-9])+"
+GRAMMAR = Grammar.of(regex=REGEX)
+NEW = 32
+PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5], [1, 30, 31, 30, 31]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_bpe_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return verispec.load("smollm2-135m-instruct")
+
+
+def constraint(tokenizer, grammar: Grammar = GRAMMAR) -> Constraint:
+    return Constraint.compile(grammar, tokenizer, VOCAB, {EOS})
+
+
+def llguidance_matcher(tokenizer, grammar: Grammar, vocab: int = VOCAB) -> llguidance.LLMatcher:
+    """The grammar engine's own matcher, apart from verispec.grammar's mask handling."""
+    eos = tokenizer.eos_token_id
+    return llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos),
+                                grammar.llguidance())
+
+
+def allowed(matcher: llguidance.LLMatcher, vocab: int = VOCAB) -> torch.Tensor:
+    """[vocab] bool, from llguidance's one byte per token (0 refused, 200 allowed)."""
+    return torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)[:vocab] > 0
+
+
+@torch.no_grad()
+def masked_plain(model, tokenizer, prompt: list[int], n: int, grammar: Grammar = GRAMMAR) -> list[int]:
+    """Masked plain decoding: a full forward per token, argmax over what the grammar allows."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    matcher, out = llguidance_matcher(tokenizer, grammar, vocab), []
+    while len(out) < n and not matcher.is_stopped():
+        logits = model(torch.tensor([prompt + out])).logits[0, -1]
+        out.append(int(logits.masked_fill(~allowed(matcher, vocab), float("-inf")).argmax()))
+        assert matcher.consume_token(out[-1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(target, tokenizer):
+    return [masked_plain(target, tokenizer, p, NEW) for p in PROMPTS]
+
+
+def drafters(target, prompt: list[int], truth: list[int]) -> dict:
+    return {
+        "random": RandomDrafter(VOCAB),
+        "oracle": OracleDrafter(len(prompt), truth, errors={0, 3, 4, 11, 12, 20}, vocab=VOCAB),
+        "self": ModelDrafter(target, VOCAB),
+        "draft-model": ModelDrafter(tiny_llama(seed=7, layers=1), VOCAB),
+        "pld": PromptLookupDrafter(max_ngram=3),
+        "pld-tree": PromptLookupDrafter(max_ngram=3, tree=TreeSettings(topk=3, nodes=12)),
+        "self-tree": ModelDrafter(target, VOCAB, tree=TreeSettings(topk=2, nodes=12)),
+        "lookahead": LookaheadDrafter(window=4, ngram=3, guesses=4),
+    }
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_constrained_speculation_equals_masked_plain_decoding(target, tokenizer, references, k):
+    for prompt, truth in zip(PROMPTS, references):
+        assert tokenizer.decode(truth).startswith("w")  # the reference itself obeys the grammar
+        for name, drafter in drafters(target, prompt, truth).items():
+            engine = SpeculativeEngine(target, drafter, ConstantK(k))
+            result = engine.generate(prompt, StoppingRules.build(NEW), constraint=constraint(tokenizer))
+            assert result.token_ids == truth, f"{name} with k={k} left masked plain decoding"
+            assert result.stats.new_tokens == len(truth)
+            forced = [s for s in result.steps if s.forced]
+            assert all(set(s.fates[:-1]) == {Fate.FORCED} for s in forced), name
+            assert sum(s.fates.count(Fate.FORCED) for s in forced) == result.stats.forced_tokens
+            if name == "random":  # its drafts never reach w10 w11: a step starts at them
+                assert result.stats.forced_tokens >= 2
+
+
+def test_drafts_leaving_the_grammar_are_cut_before_verification(target, tokenizer, references):
+    """Random drafts mostly leave the grammar: the verifier sees them cut (fewer than k rows),
+    and an oracle's correct drafts are kept whole."""
+    prompt, truth = PROMPTS[0], references[0]
+    k = 6
+    random = SpeculativeEngine(target, RandomDrafter(VOCAB), ConstantK(k)).generate(
+        prompt, StoppingRules.build(NEW), constraint=constraint(tokenizer))
+    drafted = [s.num_drafted for s in random.steps if not s.forced]
+    assert min(drafted) < k and random.token_ids == truth, drafted
+    oracle = SpeculativeEngine(target, OracleDrafter(len(prompt), truth, set(), VOCAB), ConstantK(k))
+    oracle = oracle.generate(prompt, StoppingRules.build(NEW), constraint=constraint(tokenizer))
+    assert any(s.num_accepted == k for s in oracle.steps if not s.forced)
+
+
+def test_a_row_with_a_grammar_beside_rows_without(target, tokenizer, references):
+    """One batch: a constrained row, an unconstrained row, and a row with another grammar; each
+    gives what it gives alone."""
+    other = Grammar.of(regex=r"(w3[0-9]w4[0-8])+")
+    engine = SpeculativeEngine(target, PromptLookupDrafter(max_ngram=3), ConstantK(4),
+                               spawn=lambda: PromptLookupDrafter(max_ngram=3), load_cap=LoadCap(()))
+    alone_free = SpeculativeEngine(target).generate(PROMPTS[1], StoppingRules.build(NEW)).token_ids
+    results = engine.generate_batch(PROMPTS + [PROMPTS[0]], StoppingRules.build(NEW), constraints=[
+        constraint(tokenizer), None, constraint(tokenizer, other)])
+    assert results[0].token_ids == references[0]
+    assert results[1].token_ids == alone_free
+    assert results[2].token_ids == masked_plain(target, tokenizer, PROMPTS[0], NEW, other)
+    assert results[1].token_ids != masked_plain(target, tokenizer, PROMPTS[1], NEW)  # the mask mattered
+
+
+def test_a_complete_grammar_ends_the_sequence(target, tokenizer):
+    """A grammar with an end: the output stops there, before the budget, for every method."""
+    grammar = Grammar.of(regex=r"(w1[0-9]|w2[0-9]){3}w10w11")
+    truth = masked_plain(target, tokenizer, PROMPTS[0], NEW, grammar)
+    assert len(truth) < NEW and tokenizer.decode(truth).endswith("w10w11")
+    for drafter in (None, PromptLookupDrafter(max_ngram=3), ModelDrafter(target, VOCAB)):
+        result = SpeculativeEngine(target, drafter, ConstantK(5)).generate(
+            PROMPTS[0], StoppingRules.build(NEW), constraint=constraint(tokenizer, grammar))
+        assert result.token_ids == truth and result.steps[-1].finished
+
+
+# -- sampling: the masked target's exact law ------------------------------------------------------
+
+SAMPLING_REGEX = r"(w1[0-9]|w2[0-9])(w3[0-9]|w4[0-8])w10w11(w1[0-9]|w3[0-9])"
+POSITIONS = 3  # two free tokens, then (canonically) the forced w10
+
+
+@torch.no_grad()
+def exact_masked_marginals(model, tokenizer, prompt: list[int], n: int, grammar: Grammar,
+                           sampling: SamplingParams) -> torch.Tensor:
+    """The masked target's exact law of each of its first n sampled tokens [n, vocab] float64:
+    every path enumerated, each masked by a fresh llguidance matcher that consumed it."""
+    paths, weights, out = [[]], torch.ones(1, dtype=torch.float64), []
+    for position in range(n):
+        logits = model(torch.tensor([prompt + p for p in paths])).logits[:, -1]  # [P, V]
+        masks = []
+        for path in paths:
+            matcher = llguidance_matcher(tokenizer, grammar)
+            assert matcher.consume_tokens(path)
+            masks.append(allowed(matcher))
+        probs = warp_probs(logits.masked_fill(~torch.stack(masks), float("-inf")), sampling).double()
+        joint = weights[:, None] * probs
+        out.append(joint.sum(0))
+        if position == n - 1:
+            break
+        path_index, token = joint.nonzero(as_tuple=True)
+        paths = [paths[i] + [t] for i, t in zip(path_index.tolist(), token.tolist())]
+        weights = joint[path_index, token]
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(do_sample=True, temperature=1.0),
+                                      SamplingParams(do_sample=True, temperature=0.7, top_p=0.8)],
+                         ids=["t1.0", "t0.7-p0.8"])
+def test_constrained_sampling_follows_the_masked_targets_law(tokenizer, sampling, monkeypatch):
+    """An independent draft model samples unconstrained drafts: most leave the grammar and are
+    cut; the kept ones must be verified against q renormalized over the allowed tokens (with the
+    raw q the emitted law is skewed: scripts/mutate.py plants that)."""
+    target = tiny_llama(seed=2)
+    grammar = Grammar.of(regex=SAMPLING_REGEX)
+    cuts = {"drafts": 0, "cut": 0}
+    original = Constraint.cut
+
+    def counting(self, proposal):
+        kept, masks = original(self, proposal)
+        cuts["drafts"] += 1
+        cuts["cut"] += len(kept) < len(proposal)
+        return kept, masks
+
+    monkeypatch.setattr(Constraint, "cut", counting)
+    drafter = lambda: ModelDrafter(tiny_llama(seed=5, layers=1), VOCAB)  # noqa: E731
+    engine = SpeculativeEngine(target, drafter(), ConstantK(3), spawn=drafter, load_cap=LoadCap(()))
+    prompt = PROMPTS[1]
+    sampled = sample_runs(engine, prompt, POSITIONS, sampling, runs=3000,
+                          constraint=constraint(tokenizer, grammar))
+    exact = exact_masked_marginals(target, tokenizer, prompt, POSITIONS, grammar, sampling)
+    assert 0 < cuts["cut"] < cuts["drafts"], cuts  # drafts were cut, and some were kept whole
+    sampled.check_drafting(positions=1)
+    assert_follows(sampled, exact, f"constrained {sampling}")
+
+
+# -- the API and the built-in model ---------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "city": {"type": "string"}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+EXTRACT = "Extract the person as JSON with name, age and city: Maria Lopez is a 34-year-old architect " \
+          "who lives in Valencia."
+
+
+def test_json_schema_on_the_builtin_model(smollm):
+    """Every method's output parses and matches the schema, identical to constrained `ar` and to
+    masked plain decoding; the schema's keys and punctuation were forced."""
+    prompt = verispec.api.encode_prompt(smollm, EXTRACT, chat=True)
+    truth = masked_plain(smollm.model, smollm.tokenizer, prompt, 48, Grammar.of(json_schema=SCHEMA))
+    for method in ("ar", "pld", "suffix", "eagle"):
+        result = verispec.generate(smollm, EXTRACT, chat=True, method=method, json_schema=SCHEMA,
+                                   max_new_tokens=48)
+        assert result.token_ids == truth, method
+        value = json.loads(result.text)
+        assert set(value) == {"name", "age", "city"} and isinstance(value["age"], int), value
+        assert result.stats.forced_tokens >= 3 and Fate.FORCED in {f for s in result.steps for f in s.fates}
+
+
+def test_regex_and_lark_through_generate(smollm):
+    date = verispec.generate(smollm, "Today's date?", chat=True, regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}",
+                             method="pld", max_new_tokens=16)
+    assert len(date.text) == 10 and date.text[4] == "-" and date.text[7] == "-"
+    answer = verispec.generate(smollm, "Is water wet?", chat=True, max_new_tokens=8,
+                               grammar='start: "yes" | "no"')
+    assert answer.text in {"yes", "no"}
+
+
+def test_bad_constraints_are_refused_before_any_work(smollm):
+    with pytest.raises(VerispecError, match="bad regex"):
+        verispec.generate(smollm, "x", regex="a(b")
+    with pytest.raises(VerispecError, match="not valid JSON"):
+        verispec.generate(smollm, "x", json_schema="{not json")
+    with pytest.raises(VerispecError, match="JSON schema is a JSON object"):
+        verispec.generate(smollm, "x", json_schema="[1, 2]")
+    with pytest.raises(VerispecError, match="bad lark"):
+        verispec.generate(smollm, "x", grammar="start: undefined_rule")
+    with pytest.raises(VerispecError, match="give one constraint"):
+        verispec.generate(smollm, "x", regex="a", grammar='start: "a"')
+    with pytest.raises(VerispecError, match="one per prompt"):
+        verispec.generate(smollm, ["x", "y"], regex=["a"])
+    with pytest.raises(VerispecError, match="beam search takes no grammar"):
+        verispec.generate(smollm, "x", regex="a", num_beams=2)
+    with pytest.raises(VerispecError, match="needs the model's tokenizer"):
+        verispec.generate(LoadedModel(smollm.model, None, "no tokenizer"), [1, 2], regex="a")
+
+
+def test_a_batch_with_a_grammar_per_prompt(smollm):
+    results = verispec.generate(smollm, [EXTRACT, "Name a colour."], chat=True, method="pld",
+                                json_schema=[SCHEMA, None], max_new_tokens=24)
+    assert json.loads(results[0].text)["age"] == 34
+    alone = verispec.generate(smollm, "Name a colour.", chat=True, method="pld", max_new_tokens=24)
+    assert results[1].token_ids == alone.token_ids
