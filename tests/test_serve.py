@@ -322,13 +322,15 @@ def test_sigterm_drains_requests_in_flight_and_refuses_new_ones(tiny_dir, tmp_pa
 
 
 FATE_COLOURS = {"tok accepted": "rgb(0, 128, 0)", "tok rejected": "rgb(205, 0, 0)",
-                "tok recovered": "rgb(0, 0, 238)", "tok bonus": "rgb(0, 139, 139)"}
+                "tok recovered": "rgb(0, 0, 238)", "tok bonus": "rgb(0, 139, 139)",
+                "tok forced": "rgb(205, 0, 205)", "tok plain": "rgb(34, 34, 34)"}
 
 
-def playground(url: str, method: str, prompt: str, max_tokens: int,
-               screenshot: Path) -> tuple[list, list, float]:
-    """Submit a prompt in headless Chromium; the speculative pane's tokens (class, colour,
-    decoration), the plain pane's classes, and the tau shown. Writes a screenshot."""
+def playground(url: str, method: str, prompt: str, max_tokens: int, screenshot: Path,
+               output: str = "text", schema: dict | None = None) -> tuple[list, list, float]:
+    """Submit a prompt in headless Chromium (output: the format select's value, with `schema` for
+    json_schema); the speculative pane's tokens (class, colour, decoration), the plain pane's
+    classes, and the tau shown. Writes a screenshot."""
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: run `make install-dev` (installs Debian's chromium)")
     from playwright.sync_api import sync_playwright
@@ -341,6 +343,9 @@ def playground(url: str, method: str, prompt: str, max_tokens: int,
             page.select_option("#method", method)
             page.fill("#prompt", prompt)
             page.fill("#max-tokens", str(max_tokens))
+            page.select_option("#format", output)
+            if schema is not None:
+                page.fill("#schema", json.dumps(schema))
             page.click("#go")
             page.wait_for_selector("body[data-state=done]", timeout=300_000)
             page.screenshot(path=str(screenshot), full_page=True)
@@ -358,7 +363,10 @@ def playground(url: str, method: str, prompt: str, max_tokens: int,
     for cls, colour, decoration in colours:
         assert colour == FATE_COLOURS[cls], cls
         assert (decoration == "line-through") == (cls == "tok rejected")
-    assert plain and set(plain) == {"tok plain"}  # plain decoding drafts nothing: uncoloured
+    if output == "text":
+        assert plain and set(plain) == {"tok plain"}  # plain decoding drafts nothing: uncoloured
+    else:  # under a grammar, plain decoding's steps with forced tokens are painted
+        assert plain and set(plain) <= {"tok plain", "tok forced", "tok bonus"}
     return colours, plain, tau
 
 

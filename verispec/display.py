@@ -5,10 +5,12 @@ from __future__ import annotations
 from verispec.tree import children
 from verispec.types import DraftTree, Fate, GenerationStats, Step
 
-GREEN, RED_STRIKE, BLUE, CYAN, RESET = "\033[32m", "\033[31;9m", "\033[34m", "\033[36m", "\033[0m"
-FATE_COLOURS = {Fate.ACCEPTED: GREEN, Fate.RECOVERED: BLUE, Fate.BONUS: CYAN}
+GREEN, RED_STRIKE, BLUE, CYAN, MAGENTA, RESET = ("\033[32m", "\033[31;9m", "\033[34m", "\033[36m",
+                                                "\033[35m", "\033[0m")
+FATE_COLOURS = {Fate.ACCEPTED: GREEN, Fate.FORCED: MAGENTA, Fate.RECOVERED: BLUE, Fate.BONUS: CYAN}
 LEGEND = (f"{GREEN}accepted draft{RESET}  {RED_STRIKE}rejected draft{RESET}  "
           f"{BLUE}target correction{RESET}  {CYAN}bonus token{RESET}")
+FORCED_LEGEND = f"  {MAGENTA}forced by the grammar{RESET}"
 
 
 class TokenPieces:
@@ -71,7 +73,8 @@ def render_steps(steps: list[Step], tokenizer, colour: bool = True) -> str:
         for piece, struck, fate in zip(pieces, rejected, step.fates):
             if struck:
                 out.append(f"{RED_STRIKE}{struck}{RESET}")
-            out.append(piece if step.num_drafted == 0 or not piece else f"{FATE_COLOURS[fate]}{piece}{RESET}")
+            painted = step.num_drafted > 0 and piece
+            out.append(f"{FATE_COLOURS[fate]}{piece}{RESET}" if painted else piece)
     return "".join(out)
 
 

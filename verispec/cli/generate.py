@@ -12,7 +12,14 @@ from pathlib import Path
 from verispec.api import make_job, run
 from verispec.beam import BeamResult
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
-from verispec.display import LEGEND, acceptance_line, render_steps, render_tree, stats_table
+from verispec.display import (
+    FORCED_LEGEND,
+    LEGEND,
+    acceptance_line,
+    render_steps,
+    render_tree,
+    stats_table,
+)
 from verispec.errors import VerispecError
 from verispec.methods import PLAIN, fastest_method
 from verispec.models import load_model
@@ -25,12 +32,14 @@ def use_colour(choice: str) -> bool:
     return choice == "always"
 
 
-def read_prediction(path: str) -> str:
-    """The text of --prediction FILE."""
+def read_file(path: str | None, what: str) -> str | None:
+    """The text of a file named on the command line (None: not given)."""
+    if path is None:
+        return None
     try:
         return Path(path).read_text()
     except OSError as error:
-        raise VerispecError(f"cannot read the prediction file {path}: {error.strerror}") from None
+        raise VerispecError(f"cannot read the {what} file {path}: {error.strerror}") from None
 
 
 def print_beams(results: BeamResult | list[BeamResult], as_json: bool) -> int:
@@ -66,6 +75,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--prediction", metavar="FILE",
                      help="a predicted output (the file being edited, say): drafted first wherever "
                      "the output is in it; exact whatever it says")
+    gen.add_argument("--json-schema", metavar="FILE",
+                     help="the output is JSON matching this JSON schema (constrained decoding: the "
+                     "target's distribution masked to what the schema allows; exact with every method)")
+    gen.add_argument("--regex", help="the output matches this regular expression (constrained decoding)")
+    gen.add_argument("--grammar", metavar="FILE",
+                     help="the output matches this Lark grammar (llguidance's dialect; constrained decoding)")
     gen.add_argument("--num-beams", type=int, default=1, metavar="B",
                      help="beam search with B beams (exactly plain beam search's result, several "
                      "search steps per target pass where the method's drafts allow; greedy only)")
@@ -91,7 +106,9 @@ def run_command(args: argparse.Namespace) -> int:
     job = make_job(target, args.prompt, method=args.method, options=draft_options(args),
                    sampling=sampling, max_new_tokens=args.max_new_tokens, stop_strings=args.stop,
                    chat=not args.raw, seed=args.seed,
-                   prediction=None if args.prediction is None else read_prediction(args.prediction),
+                   prediction=read_file(args.prediction, "prediction"),
+                   json_schema=read_file(args.json_schema, "JSON schema"), regex=args.regex,
+                   grammar=read_file(args.grammar, "grammar"),
                    num_beams=args.num_beams, length_penalty=args.length_penalty,
                    early_stopping={"false": False, "true": True}.get(args.early_stopping, "never"),
                    num_return_sequences=args.num_return_sequences)
@@ -111,9 +128,12 @@ def run_command(args: argparse.Namespace) -> int:
                 print(render_tree(step.tree, target.tokenizer) + "\n")
     print(render_steps(result.steps, target.tokenizer, colour))
     print()
-    if colour and args.method != PLAIN:
-        print(LEGEND)
+    forced = result.stats.forced_tokens > 0
+    if colour and (args.method != PLAIN or forced):
+        print(LEGEND + (FORCED_LEGEND if forced else ""))
     print(stats_table({args.method: result.stats}))
     if args.method != PLAIN:
         print(acceptance_line(result.stats))
+    if forced:
+        print(f"forced by the grammar: {result.stats.forced_tokens} tokens, drafted for free")
     return 0

@@ -73,7 +73,7 @@ class Metrics:
         totals.add(step)
         self.generation_tokens.labels(method).inc(len(step.tokens))
         self.forwards.labels(method).inc()
-        if step.num_drafted:
+        if step.num_drafted and not step.forced:  # forced tokens are the grammar's, not drafts
             drafts = totals.drafted_by_position[0]  # steps that drafted
             self.drafts.labels(method).inc()
             self.draft_tokens.labels(method).inc(step.num_drafted)

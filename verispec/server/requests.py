@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from verispec.api import encode_chat, encode_predictions, encode_prompt
 from verispec.engine import context_length
 from verispec.errors import VerispecError
+from verispec.grammar import Constraint, Grammar
 from verispec.methods import resolve_tree
 from verispec.models import LoadedModel
 from verispec.options import DraftOptions, parse_tree
@@ -33,6 +34,7 @@ MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # per stop string
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat's top_logprobs; completions' logprobs: 5)
 MAX_DEPTH = 32  # JSON nesting (the deepest valid body nests 5)
+MAX_GRAMMAR_CHARS = 100_000  # a regex or Lark grammar
 MAX_INT = 2**63 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
@@ -70,6 +72,32 @@ class Prediction(_Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema: the schema under "schema" (name and strict are
+    accepted; the output always matches the schema exactly)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> Grammar | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Grammar("json_object")
+        if self.json_schema is None:
+            raise VerispecError("response_format of type json_schema needs json_schema.schema")
+        return Grammar.of(json_schema=self.json_schema.json_schema)
+
+
 class Message(_Body):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
@@ -98,6 +126,20 @@ class Common(_Body):
     k: Annotated[int, Field(ge=0, le=MAX_K)] | None = None  # verispec: draft length (default: the method's)
     tree: Annotated[str, Field(max_length=32)] | None = None  # verispec: TOPKxNODES or "default"
     prediction: Prediction | None = None  # OpenAI's predicted outputs
+    response_format: ResponseFormat | None = None  # OpenAI's structured output
+    regex: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None  # verispec
+    grammar: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None  # Lark
+
+    def constraint_spec(self) -> Grammar | None:
+        """The one grammar the request names (None: unconstrained)."""
+        named = [name for name, value in (("response_format", self.response_format and
+                                           self.response_format.grammar()),
+                                          ("regex", self.regex), ("grammar", self.grammar)) if value]
+        if len(named) > 1:
+            raise VerispecError(f"give one of response_format, regex and grammar, got {' and '.join(named)}")
+        if self.response_format is not None and self.response_format.type != "text":
+            return self.response_format.grammar()
+        return Grammar.of(regex=self.regex, grammar=self.grammar)
 
     def logprobs_wanted(self) -> int | None:
         """None: no logprobs; else the top alternatives wanted per token."""
@@ -126,10 +168,7 @@ class CompletionBody(Common):
 
 # OpenAI fields this server does not act on, refused (400 naming the field) whenever a request
 # gives them a value that would change the answer; field -> (is that value harmless, why).
-# Structured output (response_format json_object / json_schema) would be honoured here first.
 REFUSED: dict[str, tuple[Any, str]] = {
-    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text",
-                        "structured output is not supported; only {\"type\": \"text\"}"),
     "tools": (lambda v: not v, "tool calls are not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tool calls are not supported"),
     "functions": (lambda v: not v, "function calls are not supported"),
@@ -238,12 +277,17 @@ def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: 
         param = "prediction"
         prediction = None if body.prediction is None else encode_predictions(
             target, body.prediction.text(), 1, False)[0]
+        param = "response_format" if body.response_format is not None else (
+            "regex" if body.regex is not None else "grammar")
+        spec = body.constraint_spec()
+        constraint = None if spec is None else Constraint.compile(spec, target.tokenizer, target.vocab_size,
+                                                                  target.eos_token_ids)
     except VerispecError as error:
         raise BadRequest(str(error), param) from None
     request = GenerationRequest(prompt_ids, stopping, sampling, body.seed, body.n, method,
                                 replace(defaults, k=defaults.k if body.k is None else body.k, tree=tree),
                                 prediction=prediction,
-                                logprobs=logprobs)
+                                logprobs=logprobs, constraint=constraint)
     try:
         check_fits(request)
     except VerispecError as error:

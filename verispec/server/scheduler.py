@@ -20,6 +20,7 @@ import psutil
 from verispec.drafters.prediction import PredictionDrafter
 from verispec.engine import RowFailure, Speculation, context_length
 from verispec.errors import VerispecError
+from verispec.grammar import Constraint
 from verispec.methods import METHODS, PLAIN, build_engine, build_speculation, resolve_tree
 from verispec.models import LoadedModel
 from verispec.options import DraftOptions
@@ -89,6 +90,7 @@ class GenerationRequest:
     options: DraftOptions  # k and tree; the rest are the method's defaults
     prediction: list[int] | None = None  # the predicted output's ids (OpenAI's `prediction`)
     logprobs: int | None = None  # None: no logprobs; else top alternatives per token
+    constraint: Constraint | None = None  # the grammar the output matches (response_format, ...)
 
     @property
     def kv_tokens(self) -> int:
@@ -363,7 +365,9 @@ class Scheduler:
                                        request.seed, samples=request.n, speculation=speculation,
                                        prediction=None if request.prediction is None
                                        else PredictionDrafter(request.prediction),
-                                       logprobs=request.logprobs)
+                                       logprobs=request.logprobs,
+                                       constraint=None if request.constraint is None
+                                       else request.constraint.copy())
         except VerispecError as error:  # counted as a bad request by the handler
             self._release(ticket, request.n)
             ticket.post(Refused(str(error)))

@@ -22,7 +22,7 @@ function token(text, cls, tag = "span") {
 }
 
 // One streamed answer into one pane; resolves with the server's summary.
-async function run(pane, model, method, prompt, maxTokens) {
+async function run(pane, model, method, prompt, maxTokens, format) {
   const out = $(".output", pane);
   out.textContent = "";
   $(".title", pane).textContent = method === "ar" ? "plain decoding (ar)" : `speculative: ${method}`;
@@ -32,6 +32,7 @@ async function run(pane, model, method, prompt, maxTokens) {
     method: "POST",
     headers: {"Content-Type": "application/json"},
     body: JSON.stringify({model, method, stream: true, temperature: 0, max_tokens: maxTokens,
+                          response_format: format,
                           messages: [{role: "user", content: prompt}]}),
   });
   if (!response.ok) throw new Error((await response.json()).error.message);
@@ -78,9 +79,17 @@ async function main() {
     document.body.dataset.state = "running";
     const prompt = $("#prompt").value, maxTokens = Number($("#max-tokens").value);
     try {
+      const format = {type: $("#format").value};
+      if (format.type === "json_schema") {
+        let schema;
+        try { schema = JSON.parse($("#schema").value); } catch (bad) {
+          throw new Error(`the schema is not valid JSON: ${bad.message}`);
+        }
+        format.json_schema = {name: "playground", schema};
+      }
       // One after the other, so each gets the machine to itself and the speeds compare.
-      await run($("#spec"), model, $("#method").value, prompt, maxTokens);
-      if ($("#compare").checked) await run($("#plain"), model, "ar", prompt, maxTokens);
+      await run($("#spec"), model, $("#method").value, prompt, maxTokens, format);
+      if ($("#compare").checked) await run($("#plain"), model, "ar", prompt, maxTokens, format);
     } catch (failure) {
       error.textContent = failure.message;
       error.hidden = false;
@@ -91,4 +100,5 @@ async function main() {
   });
 }
 
+$("#format").addEventListener("change", () => { $("#schema").hidden = $("#format").value !== "json_schema"; });
 main();
