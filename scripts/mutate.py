@@ -154,6 +154,19 @@ MUTANTS = (
            "body.seed, body.n", "None, body.n",
            ("tests/test_serve_sampling.py",),
            "the server drops the request's seed"),
+    Mutant("grammar-q-not-renormalized", "verispec/grammar.py",
+           "kept / kept.sum(-1, keepdim=True)", "draft_probs[:legal] + 0 * kept.sum(-1, keepdim=True)",
+           ("tests/test_grammar.py::test_constrained_sampling_follows_the_masked_targets_law",),
+           "a draft cut to the grammar is verified against the drafter's raw q, not q masked and "
+           "renormalized over the allowed tokens"),
+    Mutant("grammar-drafts-unmasked", "verispec/engine.py",
+           "logits = apply_masks(logits, self.masks.to(logits.device))", "pass",
+           ("tests/test_grammar.py::test_constrained_speculation_equals_masked_plain_decoding",),
+           "the verifier scores drafts against the target's unmasked logits"),
+    Mutant("grammar-mask-one-row-late", "verispec/grammar.py",
+           "self._fill(bitmask, i + 1)", "self._fill(bitmask, i)",
+           ("tests/test_grammar.py::test_constrained_speculation_equals_masked_plain_decoding",),
+           "a draft row is masked by its parent's grammar state instead of its own"),
 )
 
 
