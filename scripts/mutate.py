@@ -156,7 +156,7 @@ MUTANTS = (
            "the server drops the request's seed"),
     Mutant("grammar-q-not-renormalized", "verispec/grammar.py",
            "kept / kept.sum(-1, keepdim=True)", "draft_probs[:legal] + 0 * kept.sum(-1, keepdim=True)",
-           ("tests/test_grammar.py::test_constrained_sampling_follows_the_masked_targets_law",),
+           ("tests/test_grammar.py::test_a_cut_draft_is_verified_against_q_renormalized_over_the_grammar",),
            "a draft cut to the grammar is verified against the drafter's raw q, not q masked and "
            "renormalized over the allowed tokens"),
     Mutant("grammar-drafts-unmasked", "verispec/engine.py",
