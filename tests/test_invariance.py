@@ -2,7 +2,10 @@
 its token prefix only, bitwise (torch.equal), whether computed one token at a time, in a
 verification block of any length 2..17, as a node of a token tree, or as a row of a batch beside
 sequences of other lengths. Switched off (invariant=False), the same checks fail: the test below
-shows it, so these tests are known to exercise the switch."""
+shows it, so these tests are known to exercise the switch.
+
+Each case runs on the CPU and, where torch sees a GPU, on CUDA (float32, bfloat16 and float16
+there; the 4-bit target is CPU-only): without one the CUDA cases are skipped, never passed."""
 
 from __future__ import annotations
 
@@ -14,13 +17,18 @@ from verispec.lean import Block, LeanDecoder, LeanWeights, forward_rows
 from verispec.lowbit import int4_target
 from verispec.models import DEFAULT_MODEL, load_model
 
-DTYPES = ("float32", "bfloat16", "int4")
+DTYPES = {"cpu": ("float32", "bfloat16", "int4"), "cuda": ("float32", "bfloat16", "float16")}
 PREFIX = 10
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: no GPU on this machine")
+
+
+def device_of(weights: LeanWeights) -> torch.device:
+    return weights.embed.weight.device
 
 
 def one_at_a_time(weights: LeanWeights, tokens: torch.Tensor) -> tuple[torch.Tensor, LeanDecoder]:
     """Logits [n, vocab] of every position fed one token per step, and the decoder."""
-    decoder = LeanDecoder(weights, torch.device("cpu"))
+    decoder = LeanDecoder(weights, device_of(weights))
     return torch.cat([decoder.logits(decoder.forward(tokens[i: i + 1])) for i in range(len(tokens))]), decoder
 
 
@@ -33,7 +41,7 @@ def same_cache(a: LeanDecoder, b: LeanDecoder, length: int) -> bool:
 def blocks_differing(weights: LeanWeights, tokens: torch.Tensor, invariant: bool) -> list[int]:
     """Block lengths 2..17 after a one-token-at-a-time prefix whose logits or cache differ."""
     reference, plain = one_at_a_time(weights, tokens)
-    decoder = LeanDecoder(weights, torch.device("cpu"), invariant)
+    decoder = LeanDecoder(weights, device_of(weights), invariant)
     for i in range(PREFIX):
         decoder.forward(tokens[i: i + 1])
     differing = []
@@ -46,24 +54,27 @@ def blocks_differing(weights: LeanWeights, tokens: torch.Tensor, invariant: bool
     return differing
 
 
-@pytest.fixture(scope="module", params=[(model, dtype) for model in ("tiny", "builtin") for dtype in DTYPES],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[
+    pytest.param((model, dtype, device), marks=NO_CUDA if device == "cuda" else (),
+                 id=f"{model}-{dtype}-{device}")
+    for device in DTYPES for model in ("tiny", "builtin") for dtype in DTYPES[device]])
 def weights(request) -> LeanWeights:
     """A tiny Llama, and the built-in model (SmolLM2-135M), in each dtype (int4: the 4-bit
-    target, on the GGUF's own blocks for the built-in model), lean."""
-    model, dtype = request.param
+    target, on the GGUF's own blocks for the built-in model), lean, on each device."""
+    model, dtype, device = request.param
     if model == "builtin":
-        return LeanWeights.of(load_model(DEFAULT_MODEL, dtype).model)
+        return LeanWeights.of(load_model(DEFAULT_MODEL, dtype, device).model)
     tiny = tiny_llama(hidden=64)
     if dtype == "int4":
         int4_target(tiny, None)
         return LeanWeights.of(tiny)
-    return LeanWeights.of(tiny.to(getattr(torch, dtype)))
+    return LeanWeights.of(tiny.to(device, getattr(torch, dtype)))
 
 
 @pytest.fixture(scope="module")
-def tokens() -> torch.Tensor:
-    return torch.randint(3, 64, (PREFIX + 17,), generator=torch.Generator().manual_seed(0))
+def tokens(weights) -> torch.Tensor:
+    return torch.randint(3, 64, (PREFIX + 17,), generator=torch.Generator().manual_seed(0)).to(
+        device_of(weights))
 
 
 @torch.no_grad()
@@ -85,8 +96,9 @@ def test_switched_off_blocks_differ(weights, tokens):
 def test_tree_nodes_match_their_paths(weights, tokens):
     # tree after the prefix: node 0 root; 1, 2 children of 0; 3 child of 2; 4 child of 1
     parents = [-1, 0, 0, 2, 1]
-    tree_tokens = torch.tensor([11, 12, 13, 14, 15])
-    mask = torch.ones(5, PREFIX + 5, dtype=torch.bool)
+    device = device_of(weights)
+    tree_tokens = torch.tensor([11, 12, 13, 14, 15], device=device)
+    mask = torch.ones(5, PREFIX + 5, dtype=torch.bool, device=device)
     mask[:, PREFIX:] = False
     depth = []
     for i, parent in enumerate(parents):
@@ -95,10 +107,11 @@ def test_tree_nodes_match_their_paths(weights, tokens):
             mask[i, PREFIX + node] = True
             node = parents[node]
         depth.append(0 if parent < 0 else depth[parent] + 1)
-    decoder = LeanDecoder(weights, torch.device("cpu"))
+    decoder = LeanDecoder(weights, device)
     for i in range(PREFIX):
         decoder.forward(tokens[i: i + 1])
-    tree_logits = decoder.logits(decoder.forward(tree_tokens, torch.tensor(depth) + PREFIX, mask))
+    tree_logits = decoder.logits(decoder.forward(tree_tokens, torch.tensor(depth, device=device) + PREFIX,
+                                                 mask))
     for i in range(5):
         path, node = [], i
         while node >= 0:
@@ -115,7 +128,7 @@ def test_batch_rows_match_alone(weights, tokens):
     """Three sequences of different lengths verified in one pass give each row's own bits."""
     prompts = [tokens[:PREFIX], tokens[2: PREFIX + 7], tokens[5:8]]
     drafts = [tokens[PREFIX: PREFIX + 5], tokens[:1], tokens[3:12]]
-    decoders = [LeanDecoder(weights, torch.device("cpu")) for _ in prompts]
+    decoders = [LeanDecoder(weights, device_of(weights)) for _ in prompts]
     for decoder, prompt in zip(decoders, prompts):
         for i in range(len(prompt)):
             decoder.forward(prompt[i: i + 1])

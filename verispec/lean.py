@@ -13,7 +13,9 @@ glue: keys and values are written into place, q/k/v and gate/up are one product 
 
 It applies to decoders of the plain Llama shape (Llama, Mistral and Qwen2 without sliding
 windows) whose linear layers can be prepacked (`packed.can_pack`); every other model runs
-through its own forward (verispec.cached_model).
+through its own forward (verispec.cached_model). LeanWeights of a model on a GPU run their
+products as plain fused F.linear calls (`DenseLinear`), at a fixed row count when invariant
+(`FIXED_ROWS`); CachedModel does not choose that path by itself (docs/invariance.md, CUDA).
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from verispec.lowbit import DenseKernel, QuantLinear
 from verispec.packed import can_pack, cpu_packs, pack_weight, packed_linear, per_model
 
 LEAN_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+
+# Off the CPU (cuBLAS) a product's kernel and reduction split may depend on its row count (not
+# yet measured on a GPU: docs/invariance.md, CUDA), so an invariant forward runs every product and
+# norm there on chunks of exactly this many rows (zero-padded).
+FIXED_ROWS = 32
 
 # model -> (fingerprint of its linear weights, LeanWeights): engines built per call share them.
 _WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -78,6 +85,8 @@ class Linear:
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach() if b is not None else weight.new_zeros(layer.out_features)
                               for b, layer in zip(biases, layers)])
+        if weight.device.type != "cpu":
+            return DenseLinear(weight, bias)
         return cls(pack_weight(weight), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,8 +94,28 @@ class Linear:
         return packed_linear(x, self.packed, self.bias)
 
 
+@dataclass(frozen=True)
+class DenseLinear:
+    """A fused weight off the CPU (no oneDNN packing there) and its bias: F.linear."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
 # A product over one or more linear layers' weights (fused by rows): x [..., in] -> [..., out].
 Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+def at_fixed_rows(f: Product, h: torch.Tensor, rows: int = FIXED_ROWS) -> torch.Tensor:
+    """f(h) computed on chunks of exactly `rows` rows (the last zero-padded), so that a row's
+    result does not depend on how many rows came with it. h: [..., n, in] -> [..., n, out]."""
+    n = h.shape[-2]
+    padded = h.new_zeros(*h.shape[:-2], -(-n // rows) * rows, h.shape[-1])
+    padded[..., :n, :] = h
+    return torch.cat([f(chunk) for chunk in padded.split(rows, dim=-2)], dim=-2)[..., :n, :]
 
 
 @dataclass(frozen=True)
@@ -131,8 +160,11 @@ class LeanWeights:
         # row differently from the same row among 2..17 (scripts/invariance_probe.py; every other
         # shape of the built-in model agrees), so invariant one-row passes multiply two copies of
         # the row there. The 4-bit kernel is row-invariant from one row on: it needs nothing.
-        self.pair_lone_rows = (linear == Linear.fuse
+        on_cpu = model.get_output_embeddings().weight.device.type == "cpu"
+        self.pair_lone_rows = (on_cpu and linear == Linear.fuse
                                and not isinstance(body.layers[0].mlp.down_proj, QuantLinear))
+        # Off the CPU every product and norm of an invariant forward runs at FIXED_ROWS rows.
+        self.fixed_rows = not on_cpu
         def stack(product: Callable[[list[nn.Linear]], Product]) -> list[Layer]:
             return [Layer(
                 norm(layer.input_layernorm),
@@ -224,9 +256,12 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
     rotary = list(zip(cos.split(sizes), sin.split(sizes)))
     q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
     widen = invariant and x.shape[1] == 1 and w.pair_lone_rows
+    fixed = invariant and w.fixed_rows and not prompts_only  # prompts are cached alike anyway
 
-    def paired(f: Product, h: torch.Tensor) -> torch.Tensor:  # h: [1, rows, in]
-        return f(torch.cat([h, h], dim=1))[:, :1] if widen else f(h)
+    def run(f: Product, h: torch.Tensor, pair: bool = False) -> torch.Tensor:  # h: [1, rows, in]
+        if fixed:
+            return at_fixed_rows(f, h)
+        return f(torch.cat([h, h], dim=1))[:, :1] if pair and widen else f(h)
 
     captured = []
     for index, layer in enumerate(stack):
@@ -234,7 +269,7 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
             captured.append(x[0])
         attended = []
         for decoder, block, qkv, n, (cos, sin), (mask, causal) in zip(
-                decoders, blocks, layer.qkv(layer.attn_norm(x)).split(sizes, dim=1), sizes, rotary,
+                decoders, blocks, run(layer.qkv, run(layer.attn_norm, x)).split(sizes, dim=1), sizes, rotary,
                 attention):
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = rotate(q.view(1, n, w.heads, w.head_dim).transpose(1, 2), cos, sin)
@@ -248,10 +283,11 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
             attended.append(nn.functional.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, is_causal=causal, scale=w.scaling,
                 enable_gqa=w.kv_heads != w.heads).transpose(1, 2).reshape(1, n, q_size))
-        x = x + layer.out(attended[0] if len(attended) == 1 else torch.cat(attended, dim=1))
-        gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
-        x = x + paired(layer.down, nn.functional.silu(gate) * up)
-    return torch.cat([w.norm(x)[0], *captured], dim=-1) if captured else w.norm(x)[0]
+        x = x + run(layer.out, attended[0] if len(attended) == 1 else torch.cat(attended, dim=1))
+        gate, up = run(layer.gate_up, run(layer.mlp_norm, x)).chunk(2, dim=-1)
+        x = x + run(layer.down, nn.functional.silu(gate) * up, pair=True)
+    normed = run(w.norm, x)[0]
+    return torch.cat([normed, *captured], dim=-1) if captured else normed
 
 
 def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -313,6 +349,8 @@ class LeanDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] through the model's LM head."""
+        if self.invariant and self.weights.fixed_rows:
+            return at_fixed_rows(self.weights.head, hidden)
         return self.weights.head(hidden)
 
     def rewind(self, length: int) -> None:
