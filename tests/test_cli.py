@@ -21,7 +21,8 @@ def test_generate_json_has_every_field(tiny_dir, capsys):
     assert set(out["stats"]) == {"new_tokens", "target_forwards", "mean_accepted_tokens",
                                  "acceptance_by_position", "draft_seconds", "verify_seconds",
                                  "tokens_per_second", "accepted_prediction_tokens",
-                                 "rejected_prediction_tokens", "invariance", "dtype", "kernel"}
+                                 "rejected_prediction_tokens", "forced_tokens", "invariance", "dtype",
+                                 "kernel"}
     stats = out["stats"]
     assert stats["new_tokens"] == len(out["token_ids"]) <= 12
     assert stats["mean_accepted_tokens"] == pytest.approx(stats["new_tokens"] / stats["target_forwards"])

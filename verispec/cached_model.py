@@ -11,7 +11,7 @@ import copy
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from verispec.lean import Block, LeanDecoder, lean_supported
+from verispec.lean import FIXED_ROWS, Block, LeanDecoder, lean_supported
 from verispec.lean import forward_rows as lean_forward_rows
 from verispec.lowbit import QuantLinear, weight_format
 from verispec.packed import packed_view
@@ -89,6 +89,8 @@ class CachedModel:
         if quantized:  # a 4-bit target: its layers', then its head's
             return "; ".join(quantized)
         dtype = str(self.model.dtype).removeprefix("torch.")
+        if self.lean is not None and self.model.device.type != "cpu":
+            return f"{dtype} (fused F.linear at {FIXED_ROWS} rows)"
         if self.lean is not None:
             return f"{dtype} (oneDNN prepacked, fused)"
         packed = "oneDNN prepacked, " if self.runner is not self.model else ""

@@ -13,9 +13,9 @@ glue: keys and values are written into place, q/k/v and gate/up are one product 
 
 It applies to decoders of the plain Llama shape (Llama, Mistral and Qwen2 without sliding
 windows) whose linear layers can be prepacked (`packed.can_pack`); every other model runs
-through its own forward (verispec.cached_model). LeanWeights of a model on a GPU run their
-products as plain fused F.linear calls (`DenseLinear`), at a fixed row count when invariant
-(`FIXED_ROWS`); CachedModel does not choose that path by itself (docs/invariance.md, CUDA).
+through its own forward (verispec.cached_model). On a GPU the products are plain fused F.linear
+calls (`DenseLinear`), at a fixed row count when invariant (`FIXED_ROWS`: cuBLAS picks its kernel
+by row count; docs/invariance.md, CUDA).
 """
 
 from __future__ import annotations
@@ -44,8 +44,12 @@ _WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def lean_supported(model: PreTrainedModel) -> bool:
-    """Whether `model` has the plain Llama shape this module runs, on a CPU that packs its dtype."""
-    if type(model).__name__ not in LEAN_CLASSES or not can_pack(model):
+    """Whether `model` has the plain Llama shape this module runs, on a CPU that packs its dtype
+    or on a GPU (float weights: fused F.linear at a fixed row count, docs/invariance.md)."""
+    parameter = next(model.parameters(), None)
+    on_gpu = (parameter is not None and parameter.device.type == "cuda"
+              and parameter.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    if type(model).__name__ not in LEAN_CLASSES or not (can_pack(model) or on_gpu):
         return False
     config = model.config.get_text_config(decoder=True)
     if getattr(config, "hidden_act", None) != "silu":
