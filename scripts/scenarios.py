@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import time
@@ -122,9 +123,10 @@ def main() -> None:
     args = parser.parse_args()
     target = load("smollm2-135m-instruct")
     stopping = StoppingRules.build(args.new, target.eos_token_ids)
+    load_average = os.getloadavg()[0]
     lines = [f"# Scenarios\n\nBuilt-in model (SmolLM2-135M-Instruct), float32, greedy, {args.new} new "
-             f"tokens at most, one run on {cpu()} (2 cores shared with other work: timings are "
-             f"noisy), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}. Made by "
+             f"tokens at most, one run on {cpu()} ({os.cpu_count()} cores, load average {load_average:.1f} "
+             f"at the start), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}. Made by "
              f"`scripts/scenarios.py`.\n"]
     if "repeat" in args.scenarios:
         prompts = [encode_prompt(target, q, chat=True) for q in QUESTIONS]
@@ -179,6 +181,10 @@ def main() -> None:
                   HEADER[0] + " valid JSON | forced tokens |", HEADER[1] + " ---: | ---: |",
                   row("ar (constrained)", ar_stats, ar_seconds, base, True)
                   + f" {valid}/{len(PEOPLE)} | {ar_stats.forced_tokens} |"]
+        free_stats, free_seconds, free_out = run(build_engine(target, "ar"), prompts, stopping)
+        valid = sum(valid_person(target.tokenizer.decode(o, skip_special_tokens=True)) for o in free_out)
+        lines.append(row("ar, unconstrained (reference)", free_stats, free_seconds, base, free_out == ar_out)
+                     + f" {valid}/{len(PEOPLE)} | 0 |")
         for method in ("pld", "suffix", "eagle", "self-int4-pld"):
             forget_outputs(target.model)
             stats, seconds, out = run(build_engine(target, method), prompts, stopping, constraint=constraint)
