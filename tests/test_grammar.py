@@ -230,6 +230,39 @@ def test_constrained_sampling_follows_the_masked_targets_law(tokenizer, sampling
     assert_follows(sampled, exact, f"constrained {sampling}")
 
 
+def test_constrained_tree_sampling_follows_the_masked_targets_law(tokenizer, monkeypatch):
+    """Token trees are masked, not cut: a node the grammar refuses has p = 0 and is never kept,
+    and siblings drawn without replacement update the residual as without a grammar. Refused
+    nodes were drafted (counted through the masks' rows) and the law still holds."""
+    target = tiny_llama(seed=2)
+    grammar = Grammar.of(regex=SAMPLING_REGEX)
+    sampling = SamplingParams(do_sample=True, temperature=1.0)
+    seen = {"nodes": 0, "refused": 0}
+    original = Constraint.cut
+
+    def counting(self, proposal):
+        kept, masks = original(self, proposal)
+        if proposal.parents is None:  # the grammar's forced tokens, or no draft
+            return kept, masks
+        assert kept is proposal  # a tree goes through whole
+        tokens, parents = proposal.tokens.tolist(), proposal.parents.tolist()
+        seen["nodes"] += len(tokens)
+        seen["refused"] += sum(not bool(masks[parent + 1, token]) for token, parent in zip(tokens, parents))
+        return kept, masks
+
+    monkeypatch.setattr(Constraint, "cut", counting)
+    drafter = lambda: ModelDrafter(tiny_llama(seed=5, layers=1), VOCAB,  # noqa: E731
+                                   tree=TreeSettings(topk=3, nodes=8))
+    engine = SpeculativeEngine(target, drafter(), ConstantK(2), spawn=drafter, load_cap=LoadCap(()))
+    prompt = PROMPTS[1]
+    sampled = sample_runs(engine, prompt, POSITIONS, sampling, runs=3000,
+                          constraint=constraint(tokenizer, grammar))
+    assert 0 < seen["refused"] < seen["nodes"], seen
+    sampled.check_drafting(positions=1)
+    assert_follows(sampled, exact_masked_marginals(target, tokenizer, prompt, POSITIONS, grammar, sampling),
+                   "constrained tree")
+
+
 class FixedLawDrafter:
     """Drafts k tokens, each drawn from one fixed law q [vocab] (reported as drawn): most of its
     mass on two tokens the grammar allows at the first two positions, the rest spread over the
