@@ -132,14 +132,12 @@ class Common(_Body):
 
     def constraint_spec(self) -> Grammar | None:
         """The one grammar the request names (None: unconstrained)."""
-        named = [name for name, value in (("response_format", self.response_format and
-                                           self.response_format.grammar()),
-                                          ("regex", self.regex), ("grammar", self.grammar)) if value]
+        formatted = None if self.response_format is None else self.response_format.grammar()
+        named = [name for name, value in (("response_format", formatted), ("regex", self.regex),
+                                          ("grammar", self.grammar)) if value is not None]
         if len(named) > 1:
             raise VerispecError(f"give one of response_format, regex and grammar, got {' and '.join(named)}")
-        if self.response_format is not None and self.response_format.type != "text":
-            return self.response_format.grammar()
-        return Grammar.of(regex=self.regex, grammar=self.grammar)
+        return formatted or Grammar.of(regex=self.regex, grammar=self.grammar)
 
     def logprobs_wanted(self) -> int | None:
         """None: no logprobs; else the top alternatives wanted per token."""
