@@ -22,15 +22,6 @@ SUMMARY_FIELDS = {"speedup_vs_hf", "speedup_vs_ar", "mean_accepted_tokens", "tok
                   "identical"}
 
 
-@pytest.fixture(scope="module")
-def questions(tmp_path_factory):
-    path = tmp_path_factory.mktemp("questions") / "questions.jsonl"
-    rows = [{"question_id": 1, "category": "writing", "turns": ["w10 w11 w12 w10 w11 w12 w10", "w5"]},
-            {"question_id": 2, "category": "qa", "turns": ["w20 w21 w22 w20 w21"]}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def config(tiny_dir, questions, out, **kwargs):
     return BenchConfig(model=str(tiny_dir), out=out, questions=questions, max_new_tokens=12,
                        warmup=0, exit_layer=1, **kwargs)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from tests.test_bench import config
 from verispec.beam import BeamSearch, BeamSettings
 from verispec.bench.runner import BenchConfig, build_contenders, run_bench
 from verispec.cli import main
@@ -16,20 +17,6 @@ from verispec.models import load_model
 from verispec.stopping import StoppingRules
 from verispec.tree import TreeSettings
 from verispec.types import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def questions(tmp_path_factory):
-    path = tmp_path_factory.mktemp("questions") / "questions.jsonl"
-    rows = [{"question_id": 1, "category": "writing", "turns": ["w10 w11 w12 w10 w11 w12 w10"]},
-            {"question_id": 2, "category": "qa", "turns": ["w20 w21 w22 w20 w21"]}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def config(tiny_dir, questions, out, **kwargs):
-    return BenchConfig(model=str(tiny_dir), out=out, questions=questions, max_new_tokens=12,
-                       warmup=0, exit_layer=1, **kwargs)
 
 
 def test_bench_with_beams_names_b_and_counts_best_sequences_equal_to_hf(tiny_dir, questions, tmp_path,
