@@ -21,10 +21,10 @@ import random
 from held_out import held_out
 
 from verispec.api import encode_prompt
+from verispec.core.stopping import StoppingRules
+from verispec.core.types import GenerationStats
 from verispec.methods import METHODS, build_engine
 from verispec.options import DraftOptions
-from verispec.stopping import StoppingRules
-from verispec.types import GenerationStats
 
 
 def corpus_prompts(path: str, count: int) -> list[str]:

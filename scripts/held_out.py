@@ -11,10 +11,10 @@ import collections
 import time
 
 from verispec.api import encode_prompt
+from verispec.core.stopping import StoppingRules
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.suffix import forget_outputs
-from verispec.engine import SpeculativeEngine
-from verispec.models import DEFAULT_MODEL, LoadedModel, load_model
-from verispec.stopping import StoppingRules
+from verispec.target.models import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.training.prompts import make_prompts
 
 

@@ -24,13 +24,13 @@ import matplotlib
 import torch
 
 from verispec.api import encode_prompt
+from verispec.core.sampling import warp_probs
+from verispec.core.stopping import StoppingRules
+from verispec.core.types import SamplingParams
 from verispec.methods import build_engine
-from verispec.models import DEFAULT_MODEL, load_model
 from verispec.options import DraftOptions
-from verispec.sampling import warp_probs
-from verispec.stopping import StoppingRules
+from verispec.target.models import DEFAULT_MODEL, load_model
 from verispec.training.prompts import make_prompts
-from verispec.types import SamplingParams
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from verispec.api import encode_prompt
+from verispec.core.grammar import Constraint, Grammar
+from verispec.core.stopping import StoppingRules
+from verispec.core.types import GenerationStats
 from verispec.drafters.prediction import PredictionDrafter
 from verispec.drafters.suffix import forget_outputs
-from verispec.grammar import Constraint, Grammar
 from verispec.methods import build_engine
-from verispec.models import load
-from verispec.stopping import StoppingRules
-from verispec.types import GenerationStats
+from verispec.target.models import load
 
 QUESTIONS = [
     "List the planets of the solar system in order from the Sun, one per line.",

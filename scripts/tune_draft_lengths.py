@@ -14,12 +14,12 @@ import sys
 
 from held_out import compare, held_out
 
+from verispec.core.policies import ConstantK
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.hybrid import LookupThenModel
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.engine import SpeculativeEngine
 from verispec.methods import build_engine
 from verispec.options import DraftOptions
-from verispec.policies import ConstantK
 
 
 def main(count: int = 16, seed: int = 778) -> None:

@@ -14,9 +14,9 @@ import sys
 
 from held_out import compare, held_out
 
+from verispec.core.tree import TreeSettings
 from verispec.methods import METHODS, build_engine
 from verispec.options import DraftOptions
-from verispec.tree import TreeSettings
 
 # The first round: each tree-capable method worth speculating with on a CPU, chain first.
 FIRST_ROUND = ("pld:chain,pld:2x8,pld:2x12,pld:4x16,"

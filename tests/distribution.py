@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from tests.test_rejection_distribution import tv, tv_bound
-from verispec.engine import SpeculativeEngine
-from verispec.grammar import Constraint
-from verispec.sampling import warp_probs
-from verispec.stopping import StoppingRules
-from verispec.types import SamplingParams
+from verispec.core.grammar import Constraint
+from verispec.core.sampling import warp_probs
+from verispec.core.stopping import StoppingRules
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 
 
 @torch.no_grad()

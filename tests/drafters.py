@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from verispec.core.types import Proposal
 from verispec.drafters.base import DraftRequest
-from verispec.types import Proposal
 
 
 class RandomDrafter:

@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import torch
 
-from verispec.engine import SpeculativeEngine
-from verispec.sampling import warp_probs
-from verispec.stopping import StoppingRules
-from verispec.types import GenerationResult, SamplingParams
+from verispec.core.sampling import warp_probs
+from verispec.core.stopping import StoppingRules
+from verispec.core.types import GenerationResult, SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 
 # mask(prefix of new tokens) -> [vocab] bool of the tokens allowed next (None: all)
 MaskFn = Callable[[list[int]], torch.Tensor | None]

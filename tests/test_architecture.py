@@ -16,12 +16,12 @@ import verispec
 from verispec import api, methods
 from verispec.bench.runner import BenchConfig, run_bench
 from verispec.cli import main
+from verispec.core.errors import VerispecError
+from verispec.core.tree import TreeSettings
+from verispec.core.types import Proposal
 from verispec.drafters.base import DraftRequest
-from verispec.errors import VerispecError
 from verispec.methods import METHODS, Method, methods_table
 from verispec.options import DraftOptions
-from verispec.tree import TreeSettings
-from verispec.types import Proposal
 
 PACKAGE = Path(verispec.__file__).parent
 README = PACKAGE.parent / "README.md"
@@ -89,21 +89,81 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
-    assert "verispec.methods" in graph and graph["verispec.engine"]  # the graph was read
+    assert "verispec.methods" in graph and graph["verispec.decoding.engine"]  # the graph was read
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
 def test_the_cycle_finder_finds_a_planted_cycle():
     graph = import_graph()
-    graph["verispec.engine"] = graph["verispec.engine"] | {"verispec.methods"}
+    graph["verispec.decoding.engine"] = graph["verispec.decoding.engine"] | {"verispec.methods"}
     assert find_cycle(graph) is not None
 
 
 def test_the_engine_sits_below_the_registry_and_the_drafters():
-    below = reachable(import_graph(), "verispec.engine")
+    below = reachable(import_graph(), "verispec.decoding.engine")
     assert "verispec.methods" not in below and "verispec.options" not in below
     assert not any(m.startswith("verispec.drafters.") and m != "verispec.drafters.base" for m in below)
     assert not any(m.startswith(("verispec.bench", "verispec.cli", "verispec.server")) for m in below)
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def layout() -> list[tuple[str, dict[str, list[str]]]]:
+    """docs/architecture.md's layer table: per layer, each folder's (or the package's) modules, as
+    module names ("verispec.core.types"), in the table's order (core first)."""
+    layers = []
+    for line in ARCHITECTURE.read_text().split("## Layout", 1)[1].split("\n## ", 1)[0].splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or cells[0] in ("layer", "---"):
+            continue
+        folders = re.findall(r"`(verispec/[a-z_/]*)`", cells[1])
+        groups = cells[2].split(";") if len(folders) > 1 else [cells[2]]
+        found: dict[str, list[str]] = {}
+        for folder, group in zip(folders, groups):
+            names = group.split(":", 1)[-1]
+            package = folder.strip("/").replace("/", ".")
+            found[package] = [f"{package}.{name.strip()}" for name in names.split(",") if name.strip()]
+        layers.append((cells[0], found))
+    return layers
+
+
+def layer_of(module: str, layers: list[tuple[str, dict[str, list[str]]]]) -> int | None:
+    """The index of the layer holding `module` (a module of a listed one counts as it)."""
+    for index, (_, found) in enumerate(layers):
+        for modules in found.values():
+            if any(module == m or module.startswith(m + ".") for m in modules):
+                return index
+    return None
+
+
+def test_the_layout_in_the_docs_lists_every_module_and_only_those():
+    listed = {m for _, found in layout() for modules in found.values() for m in modules}
+    files = {module_name(p) for p in PACKAGE.rglob("*.py")
+             if p.name not in ("__init__.py", "__main__.py")}
+    assert len(layout()) >= 8 and "verispec.decoding.engine" in listed  # the table was read
+    assert files - listed == set(), "modules missing from docs/architecture.md's layout"
+    assert listed - files == set(), "docs/architecture.md lists modules that do not exist"
+
+
+def layer_breaches(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a module to a module of a later (higher) layer of the table."""
+    layers = layout()
+    breaches = []
+    for module, targets in graph.items():
+        own = layer_of(module, layers)
+        for target in targets:
+            other = layer_of(target, layers)
+            if own is not None and other is not None and other > own:
+                breaches.append(f"{module} ({layers[own][0]}) imports {target} ({layers[other][0]})")
+    return breaches
+
+
+def test_each_layer_imports_only_from_itself_and_the_layers_below():
+    graph = import_graph()
+    assert layer_breaches(graph) == []
+    graph["verispec.core.types"] = graph["verispec.core.types"] | {"verispec.target.models"}
+    assert layer_breaches(graph), "a planted upward import went unseen"
 
 
 def test_no_module_outside_the_registry_names_a_method():

@@ -12,20 +12,20 @@ import torch
 from tests.distribution import assert_follows, exact_marginals, sample_runs
 from tests.drafters import RandomDrafter
 from tests.tiny import EOS, VOCAB, save_tiny, tiny_llama, tiny_qwen3
-from verispec.cached_model import CachedModel
+from verispec.core.errors import VerispecError
+from verispec.core.policies import ConstantK, HeuristicK, LoadCap
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.early_exit import early_exit_drafter
 from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
 from verispec.methods import build_engine, build_speculation
-from verispec.models import load_model
 from verispec.options import DraftOptions
-from verispec.policies import ConstantK, HeuristicK, LoadCap
-from verispec.stopping import StoppingRules
-from verispec.tree import TreeSettings
-from verispec.types import SamplingParams
+from verispec.target.cached_model import CachedModel
+from verispec.target.models import load_model
 
 # Rows of different lengths, repetitive (lookup finds drafts) and not; budgets end at different
 # steps; row 3 also stops at an EOS its solo decoding reaches (rules_for).
@@ -148,7 +148,7 @@ def test_samples_share_the_prefill_and_follow_the_target_distribution(monkeypatc
 
 @pytest.mark.parametrize("make_target", [tiny_llama, tiny_qwen3], ids=["lean", "hugging-face"])
 def test_samples_of_one_prompt_each_own_their_cache(make_target):
-    """copy_from on both cache paths (verispec.lean's caches, Hugging Face's DynamicCache): each
+    """copy_from on both cache paths (verispec.target.lean's caches, Hugging Face's DynamicCache): each
     sample of one prompt starts from the shared prefill in a cache of its own, so it is what its
     seed gives alone."""
     model = make_target(seed=3)

@@ -7,10 +7,10 @@ import torch
 from transformers import GenerationConfig
 
 from tests.tiny import VOCAB
-from verispec.beam import BeamDecoder, BeamSettings
+from verispec.core.stopping import StoppingRules
+from verispec.decoding.beam import BeamDecoder, BeamSettings
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.stopping import StoppingRules
 
 NEW = 20
 PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5], [1, 5, 6, 7, 5, 6, 7, 5, 6]]

@@ -13,8 +13,8 @@ from transformers import GenerationConfig
 import verispec
 from verispec.api import encode_prompt
 from verispec.cli import main
-from verispec.errors import VerispecError
-from verispec.models import DEFAULT_MODEL, load
+from verispec.core.errors import VerispecError
+from verispec.target.models import DEFAULT_MODEL, load
 
 NEW = 16
 PROMPTS = ["Answer in one word: what colour is the sky on a clear day?",
@@ -65,7 +65,7 @@ def test_generate_with_beams_is_hugging_face_beam_search(target, beams, penalty,
 def test_one_prompt_one_sequence_and_bad_requests(target):
     best = verispec.generate(target, PROMPTS[1], chat=True, method="pld", max_new_tokens=NEW,
                              num_beams=2)
-    assert isinstance(best, verispec.beam.BeamResult) and best.text
+    assert isinstance(best, verispec.decoding.beam.BeamResult) and best.text
     with pytest.raises(VerispecError, match="deterministic"):
         verispec.generate(target, PROMPTS[1], num_beams=2, do_sample=True, temperature=0.7)
     with pytest.raises(VerispecError, match="'lookahead' cannot draft for beam search"):

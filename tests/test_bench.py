@@ -10,10 +10,10 @@ import pytest
 from verispec.bench.report import results_json
 from verispec.bench.runner import BenchConfig, choose_methods, run_bench
 from verispec.cli import main
-from verispec.errors import VerispecError
+from verispec.core.errors import VerispecError
+from verispec.core.tree import TreeSettings
 from verispec.methods import METHODS, Method
 from verispec.options import DEFAULT_TREE
-from verispec.tree import TreeSettings
 from verispec.verifiers import greedy
 
 RUN_FIELDS = {"method", "task", "question_id", "k", "new_tokens", "seconds", "target_forwards",

@@ -9,14 +9,14 @@ import json
 import pytest
 
 from tests.test_bench import config
-from verispec.beam import BeamSearch, BeamSettings
 from verispec.bench.runner import BenchConfig, build_contenders, run_bench
 from verispec.cli import main
-from verispec.errors import VerispecError
-from verispec.models import load_model
-from verispec.stopping import StoppingRules
-from verispec.tree import TreeSettings
-from verispec.types import SamplingParams
+from verispec.core.errors import VerispecError
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import SamplingParams
+from verispec.decoding.beam import BeamSearch, BeamSettings
+from verispec.target.models import load_model
 
 
 def test_bench_with_beams_names_b_and_counts_best_sequences_equal_to_hf(tiny_dir, questions, tmp_path,

@@ -7,12 +7,12 @@ import pytest
 
 from tests.tiny import VOCAB, tiny_llama
 from verispec.cli import build_parser
+from verispec.core.errors import VerispecError
+from verispec.core.policies import ConstantK
+from verispec.core.stopping import StoppingRules
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.model import ModelDrafter
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
-from verispec.policies import ConstantK
-from verispec.stopping import StoppingRules
-from verispec.types import SamplingParams
 from verispec.verifiers import verifier_for
 
 SAMPLING = SamplingParams(do_sample=True, temperature=1.0)

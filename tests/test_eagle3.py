@@ -24,20 +24,20 @@ from safetensors.torch import load_file
 
 from tests.tiny import save_tiny, tiny_llama, tiny_tokenizer
 from verispec.cli import main
+from verispec.core.errors import VerispecError
+from verispec.core.policies import ConstantK
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, default_aux_layers, eagle3_settings
 from verispec.drafters.learned import save_drafter
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
 from verispec.export import export_eagle3
 from verispec.methods import build_engine
-from verispec.models import load_model
 from verispec.options import DraftOptions
-from verispec.policies import ConstantK
-from verispec.stopping import StoppingRules
+from verispec.target.models import load_model
 from verispec.training.data import build_dataset
-from verispec.tree import TreeSettings
-from verispec.types import SamplingParams
 
 # Float32 on both sides, different operation order (fused SDPA and a KV cache against explicit
 # softmax over the whole sequence): agreement to float32 rounding, well under any flip of a draft.

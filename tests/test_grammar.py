@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding (verispec.grammar) is exact under speculation.
+"""Grammar-constrained decoding (verispec.core.grammar) is exact under speculation.
 
 Greedy: every kind of drafter (forcing drafters, a draft model, prompt lookup chains and trees,
 lookahead's side branch) gives the tokens of masked plain decoding, computed here independently
@@ -21,19 +21,19 @@ import verispec
 from tests.distribution import assert_follows, sample_runs
 from tests.drafters import OracleDrafter, RandomDrafter
 from tests.tiny import EOS, VOCAB, tiny_bpe_tokenizer, tiny_llama
+from verispec.core.errors import VerispecError
+from verispec.core.grammar import Constraint, Grammar
+from verispec.core.policies import ConstantK, LoadCap
+from verispec.core.sampling import warp_probs
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import Fate, GenerationResult, Proposal, SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
-from verispec.grammar import Constraint, Grammar
-from verispec.models import LoadedModel
-from verispec.policies import ConstantK, LoadCap
-from verispec.sampling import warp_probs
-from verispec.stopping import StoppingRules
-from verispec.tree import TreeSettings
-from verispec.types import Fate, GenerationResult, Proposal, SamplingParams
+from verispec.target.models import LoadedModel
 
 # Two to six free tokens, three forced ones, then free tokens from a narrower set: masks that
 # change along the output, forced tokens in the middle, and no end (the budget stops it).
@@ -63,7 +63,7 @@ def constraint(tokenizer, grammar: Grammar = GRAMMAR) -> Constraint:
 
 
 def llguidance_matcher(tokenizer, grammar: Grammar, vocab: int = VOCAB) -> llguidance.LLMatcher:
-    """The grammar engine's own matcher, apart from verispec.grammar's mask handling."""
+    """The grammar engine's own matcher, apart from verispec.core.grammar's mask handling."""
     eos = tokenizer.eos_token_id
     return llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos),
                                 grammar.llguidance())

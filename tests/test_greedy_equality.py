@@ -7,13 +7,13 @@ import torch
 
 from tests.drafters import OracleDrafter, RandomDrafter
 from tests.tiny import VOCAB, plain_greedy, tiny_llama, tiny_qwen3
+from verispec.core.policies import ConstantK, HeuristicK
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.early_exit import early_exit_drafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.engine import SpeculativeEngine
-from verispec.policies import ConstantK, HeuristicK
-from verispec.stopping import StoppingRules
-from verispec.tree import TreeSettings
 
 NEW = 48
 PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5], [1, 60]]
@@ -56,7 +56,7 @@ def test_every_drafter_matches_plain_decoding(target, references, k):
 
 @pytest.mark.parametrize("k", [1, 4, 7])
 def test_models_off_the_lean_path_match_plain_decoding(k):
-    """Architectures verispec.lean does not run go through their own forward: still exact."""
+    """Architectures verispec.target.lean does not run go through their own forward: still exact."""
     model = tiny_qwen3(seed=3)
     for prompt in PROMPTS:
         truth = plain_greedy(model, prompt, NEW)

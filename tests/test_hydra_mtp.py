@@ -15,22 +15,22 @@ from tests.test_rejection_distribution import tv, tv_bound
 from tests.tiny import VOCAB, plain_greedy, save_tiny
 from verispec.api import make_job, run
 from verispec.cli import main
+from verispec.core.errors import VerispecError
+from verispec.core.policies import ConstantK
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.hydra import HydraDrafter, HydraNet, hydra_settings
 from verispec.drafters.learned import ReducedHead
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
 from verispec.methods import METHODS, TREE_METHODS, build_engine
-from verispec.models import load_model
 from verispec.options import DraftOptions
-from verispec.policies import ConstantK
-from verispec.stopping import StoppingRules
+from verispec.target.models import load_model
 from verispec.training.data import build_dataset, load_dataset
 from verispec.training.losses import multi_head_backward
 from verispec.training.recipes import Recipe, RecipeOptions, collate, train_drafter
 from verispec.training.trainer import TrainConfig
-from verispec.tree import TreeSettings
-from verispec.types import SamplingParams
 
 NEW = 40
 OPTIONS = RecipeOptions(vocab=48, heads=3)

@@ -11,19 +11,19 @@ from tests.distribution import assert_follows, exact_marginals, sample_runs
 from tests.tiny import save_tiny, tiny_llama
 from verispec.api import encode_prompt
 from verispec.cli import main
+from verispec.core.errors import VerispecError
+from verispec.core.policies import ConstantK, LoadCap
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
-from verispec.lowbit import Int4Groups, QuantLinear, gguf_int4, int4_target, weight_format
 from verispec.methods import FASTEST_4BIT, build_engine, fastest_method
-from verispec.models import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.options import DraftOptions
-from verispec.packed import cpu_packs
-from verispec.policies import ConstantK, LoadCap
-from verispec.stopping import StoppingRules
-from verispec.tree import TreeSettings
-from verispec.types import SamplingParams
+from verispec.target.lowbit import Int4Groups, QuantLinear, gguf_int4, int4_target, weight_format
+from verispec.target.models import DEFAULT_MODEL, LoadedModel, load_model
+from verispec.target.packed import cpu_packs
 
 
 @pytest.fixture(scope="module")

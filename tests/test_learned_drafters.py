@@ -18,8 +18,13 @@ import torch
 from tests.tiny import VOCAB, plain_greedy, save_tiny, tiny_llama
 from verispec.bench.runner import BenchConfig, run_bench
 from verispec.bench.summary import summarize
-from verispec.cached_model import CachedModel
 from verispec.cli import main
+from verispec.core.errors import VerispecError
+from verispec.core.policies import ConstantK
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import Proposal, SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.distilled import distilled_drafter
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
@@ -29,13 +34,10 @@ from verispec.drafters.learned import ReducedHead, load_drafter, target_identity
 from verispec.drafters.medusa import MedusaDrafter, MedusaNet, medusa_settings
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.trained_exit import trained_exit_drafter
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
 from verispec.methods import METHODS, build_engine
-from verispec.models import load_model
 from verispec.options import DraftOptions
-from verispec.policies import ConstantK
-from verispec.stopping import StoppingRules
+from verispec.target.cached_model import CachedModel
+from verispec.target.models import load_model
 from verispec.training.data import (
     Sequence,
     build_dataset,
@@ -45,8 +47,6 @@ from verispec.training.data import (
 )
 from verispec.training.recipes import KINDS, RECIPES, Recipe, RecipeOptions, collate, train_drafter
 from verispec.training.trainer import TrainConfig
-from verispec.tree import TreeSettings
-from verispec.types import Proposal, SamplingParams
 
 NEW = 40
 PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5], [1, 60, 7]]
@@ -538,7 +538,7 @@ def test_drafter_layer_cache_feeds_incrementally_as_one_pass():
     """EAGLE's layer with its KV cache: chunks, a rewind and growth past the first 256 slots give
     what one causal pass over the whole sequence gives."""
     from verispec.drafters.nn import DecoderLayer
-    from verispec.kv_cache import KVCache
+    from verispec.target.kv_cache import KVCache
 
     torch.manual_seed(0)
     layer = DecoderLayer(32, 4, 64).eval()

@@ -10,17 +10,17 @@ import verispec.verifiers.tree as tree_verifier
 from tests.test_rejection_distribution import tv, tv_bound
 from tests.test_tree_sampling import P0, TABLE, V
 from tests.tiny import plain_greedy, tiny_qwen3
+from verispec.core.errors import VerispecError
+from verispec.core.policies import ConstantK, HeuristicK
+from verispec.core.sampling import sample
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import side_block
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.lookahead import LookaheadDrafter, lookahead_branch
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
 from verispec.methods import build_engine
 from verispec.options import DraftOptions
-from verispec.policies import ConstantK, HeuristicK
-from verispec.sampling import sample
-from verispec.stopping import StoppingRules
-from verispec.tree import side_block
-from verispec.types import SamplingParams
 from verispec.verifiers.tree import tree_rejection_sample
 
 NEW = 40

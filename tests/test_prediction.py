@@ -9,14 +9,14 @@ import torch
 from tests.pair_distribution import empirical_pairs, exact_pairs
 from tests.test_rejection_distribution import tv, tv_bound
 from tests.tiny import plain_greedy, tiny_llama
+from verispec.core.errors import VerispecError
+from verispec.core.policies import ConstantK
+from verispec.core.stopping import StoppingRules
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.prediction import PredictionDrafter, realign
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
-from verispec.policies import ConstantK
-from verispec.stopping import StoppingRules
-from verispec.types import SamplingParams
 
 NEW = 40
 PROMPT = [1, 60, 7, 9]

@@ -50,8 +50,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from verispec.sampling import sample, warp_probs
-from verispec.types import SamplingParams
+from verispec.core.sampling import sample, warp_probs
+from verispec.core.types import SamplingParams
 from verispec.verifiers.rejection import rejection_sample
 
 DELTA = 1e-6  # false-alarm probability of one TV check

@@ -22,6 +22,9 @@ import torch
 import verispec.drafters.model as model_drafter
 from tests.distribution import Sampled, assert_follows, exact_marginals, sample_runs
 from tests.tiny import tiny_llama
+from verispec.core.policies import ConstantK, LoadCap
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
 from verispec.drafters.hydra import HydraDrafter, HydraNet, hydra_settings
@@ -30,10 +33,7 @@ from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
-from verispec.engine import SpeculativeEngine
-from verispec.models import LoadedModel
-from verispec.policies import ConstantK, LoadCap
-from verispec.types import SamplingParams
+from verispec.target.models import LoadedModel
 
 V = 16
 NEW = 3  # positions checked: the first two are drafted at k >= 2, the third after them

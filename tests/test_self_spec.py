@@ -12,11 +12,17 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from tests.tiny import VOCAB, plain_greedy, tiny_llama, tiny_qwen3, tiny_tokenizer
+from verispec.core.errors import VerispecError
+from verispec.core.sampling import warp_probs
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import SamplingParams
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
-from verispec.errors import VerispecError
-from verispec.lowbit import (
+from verispec.methods import build_engine
+from verispec.options import DraftOptions
+from verispec.target.lowbit import (
     Int4Groups,
     Int4Kernel,
     Int8Channels,
@@ -27,13 +33,7 @@ from verispec.lowbit import (
     q4_blocks,
     quantize,
 )
-from verispec.methods import build_engine
-from verispec.models import LoadedModel
-from verispec.options import DraftOptions
-from verispec.sampling import warp_probs
-from verispec.stopping import StoppingRules
-from verispec.tree import TreeSettings
-from verispec.types import SamplingParams
+from verispec.target.models import LoadedModel
 
 NEW = 40
 PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5, 17, 42], [1, 60]]
@@ -145,8 +145,8 @@ def self_drafters(loaded):
 
 @pytest.mark.parametrize("k", list(range(1, 17)))
 def test_self_drafters_match_plain_decoding(loaded, references, k):
-    from verispec.engine import SpeculativeEngine
-    from verispec.policies import ConstantK
+    from verispec.core.policies import ConstantK
+    from verispec.decoding.engine import SpeculativeEngine
 
     for name, drafter in self_drafters(loaded).items():
         engine = SpeculativeEngine(loaded.model, drafter, ConstantK(k))
@@ -287,7 +287,7 @@ def test_api_and_cli_reach_self_methods(tiny_dir, capsys):
 
 def test_drafter_starts_from_the_targets_prompt_cache(loaded):
     """adopt_prefill copies the target's prompt keys and values instead of recomputing them."""
-    from verispec.cached_model import CachedModel
+    from verispec.target.cached_model import CachedModel
 
     target = CachedModel(loaded.model)
     target.prefill(torch.tensor(PROMPTS[0][:-1]))

@@ -21,8 +21,8 @@ from openai import OpenAI
 
 from tests.serving import LiveServer, wait_until
 from verispec.cli import main
-from verispec.models import load_model
 from verispec.server import create_app
+from verispec.target.models import load_model
 
 METHODS = ["pld", "ar", "early-exit"]
 CHAT = "w10 w11 w12 w10 w11"
@@ -103,8 +103,8 @@ def test_stop_strings_end_the_text_before_them(server):
 
 def test_text_stream_holds_back_a_possible_stop_string_across_steps():
     from tests.tiny import tiny_tokenizer
+    from verispec.core.types import Fate, Step
     from verispec.server.text import TextStream
-    from verispec.types import Fate, Step
 
     def step(*tokens: int) -> Step:
         return Step(list(tokens), [Fate.BONUS] * len(tokens), [], 0, 0, 0.0, 0.0, False)
@@ -204,7 +204,7 @@ def test_bad_requests_get_a_400_and_the_server_keeps_serving(server):
 
 
 def test_a_method_the_model_cannot_run_fails_before_serving(loaded):
-    from verispec.errors import VerispecError
+    from verispec.core.errors import VerispecError
 
     with pytest.raises(VerispecError, match="no trained eagle drafter"):
         create_app(loaded, ["eagle"])
@@ -435,9 +435,9 @@ def test_a_thousand_varied_requests_keep_memory_flat(server):
 def test_the_servers_drafting_options_are_each_requests_defaults(loaded):
     """`verispec serve --k 3 --tree 2x3 --max-ngram 3` (DraftOptions) reach every request; a
     request's own k and tree override them, and a chain-only method gets no tree."""
+    from verispec.core.tree import TreeSettings
     from verispec.options import DraftOptions
     from verispec.server.requests import ChatBody, build_request, parse_body
-    from verispec.tree import TreeSettings
 
     defaults = DraftOptions(k=3, tree=TreeSettings(2, 3), max_ngram=3)
 

@@ -18,17 +18,17 @@ from hypothesis import strategies as st
 
 from tests.serving import LiveServer, wait_until
 from tests.tiny import save_tiny, tiny_tokenizer
+from verispec.core.policies import ConstantK
+from verispec.core.sampling import warp_probs
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import Fate, Proposal, SamplingParams, Step
+from verispec.decoding.engine import RowFailure, Speculation
 from verispec.display import TokenPieces
-from verispec.engine import RowFailure, Speculation
 from verispec.methods import METHODS, TREE_METHODS, build_engine, build_speculation
-from verispec.models import load_model
 from verispec.options import DraftOptions
-from verispec.policies import ConstantK
-from verispec.sampling import warp_probs
 from verispec.server import create_app
-from verispec.stopping import StoppingRules
-from verispec.tree import TreeSettings
-from verispec.types import Fate, Proposal, SamplingParams, Step
+from verispec.target.models import load_model
 
 CHAT = "w10 w11 w12 w10 w11"
 CHAT_URL = "/v1/chat/completions"
@@ -120,7 +120,7 @@ def test_a_failing_request_beside_normal_ones_fails_alone(loaded, monkeypatch):
     """A request whose step raises inside the engine (injected: its rows' verification raises)
     gets a 500, or an error event then [DONE] when streaming; the requests beside it answer what
     they answer alone; a degenerate temperature is greedy."""
-    from verispec import engine as engine_module
+    from verispec.decoding import engine as engine_module
 
     settle = engine_module._Row.settle
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verispec.types import DraftTree, Fate, GenerationStats, Step
+from verispec.core.types import DraftTree, Fate, GenerationStats, Step
 
 
 def step(drafted: int, accepted: int) -> Step:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from tests.tiny import VOCAB, plain_greedy, tiny_tokenizer
+from verispec.core.policies import ConstantK
+from verispec.core.stopping import StoppingRules
+from verispec.core.types import Fate
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.model import ModelDrafter
-from verispec.engine import SpeculativeEngine
-from verispec.policies import ConstantK
-from verispec.stopping import StoppingRules
-from verispec.types import Fate
 
 PROMPT = [1, 17, 42, 9, 33]
 

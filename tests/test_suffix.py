@@ -9,16 +9,16 @@ import torch
 from tests.pair_distribution import empirical_pairs, exact_pairs
 from tests.test_rejection_distribution import tv, tv_bound
 from tests.tiny import plain_greedy, tiny_llama
+from verispec.core.errors import VerispecError
+from verispec.core.policies import ConstantK
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.suffix import SuffixDrafter, SuffixIndex, SuffixSettings, frequency_tree, shared_cache
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
 from verispec.methods import build_engine
-from verispec.models import LoadedModel
 from verispec.options import DraftOptions
-from verispec.policies import ConstantK
-from verispec.stopping import StoppingRules
-from verispec.tree import TreeSettings
-from verispec.types import SamplingParams
+from verispec.target.models import LoadedModel
 
 NEW = 48
 PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5, 9, 33, 17, 42], [1, 60, 7]]
@@ -106,7 +106,7 @@ def test_suffix_samples_the_target_distribution():
 def test_generate_over_prompts_twice_shares_earlier_outputs(tiny_dir):
     """Through the registry: `suffix` in a batch of prompts, then the same prompts again: the same
     tokens as ar, and the second pass drafts from the first pass's outputs (higher tau)."""
-    from verispec.models import load
+    from verispec.target.models import load
     target = load(str(tiny_dir))
     assert isinstance(target, LoadedModel)
     shared_cache(target.model, SuffixSettings.cache_tokens).clear()

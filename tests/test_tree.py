@@ -9,13 +9,13 @@ import torch
 
 from tests.drafters import RandomDrafter, TreeOracleDrafter
 from tests.tiny import VOCAB, plain_greedy
-from verispec.cached_model import CachedModel
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
-from verispec.policies import ConstantK
-from verispec.stopping import StoppingRules
-from verispec.tree import attention_mask, chain_parents, check_parents, is_chain, position_ids
-from verispec.types import Proposal
+from verispec.core.errors import VerispecError
+from verispec.core.policies import ConstantK
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import attention_mask, chain_parents, check_parents, is_chain, position_ids
+from verispec.core.types import Proposal
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.target.cached_model import CachedModel
 from verispec.verifiers import greedy_accept
 from verispec.verifiers.tree import greedy_tree_accept
 

@@ -6,9 +6,9 @@ import random
 
 import torch
 
+from verispec.core.tree import TreeSettings, check_parents, depths, grow_tree
 from verispec.drafters.medusa import static_tree
 from verispec.drafters.ngram import find_continuations, trie
-from verispec.tree import TreeSettings, check_parents, depths, grow_tree
 
 VOCAB = 12
 

@@ -22,7 +22,7 @@ import torch
 
 import verispec.verifiers.tree as tree_verifier
 from tests.test_rejection_distribution import normalize, tv, tv_bound
-from verispec.sampling import sample
+from verispec.core.sampling import sample
 from verispec.verifiers.tree import tree_rejection_sample
 
 V = 6

@@ -7,11 +7,11 @@ import torch
 
 from tests.drafters import TreeOracleDrafter
 from tests.tiny import VOCAB, plain_greedy
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
-from verispec.policies import ConstantK
-from verispec.stopping import StoppingRules
-from verispec.types import SamplingParams
+from verispec.core.errors import VerispecError
+from verispec.core.policies import ConstantK
+from verispec.core.stopping import StoppingRules
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.verifiers import verifier_for
 from verispec.verifiers.typical import typical_tree_accept
 

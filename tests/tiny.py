@@ -43,7 +43,7 @@ def sharpened(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def tiny_qwen3(seed: int = 0, layers: int = 3) -> Qwen3ForCausalLM:
-    """A random float32 Qwen3: its per-head q/k norms keep it off verispec.lean, so it runs
+    """A random float32 Qwen3: its per-head q/k norms keep it off verispec.target.lean, so it runs
     through its own Hugging Face forward (the path every other architecture takes)."""
     torch.manual_seed(seed)
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, head_dim=8,
@@ -82,7 +82,7 @@ def plain_greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int
 
 def tiny_bpe_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer over the text 'w' and digits, which a grammar engine
-    (verispec.grammar) can read: the five special tokens, then 'w', '0'..'9', then merges
+    (verispec.core.grammar) can read: the five special tokens, then 'w', '0'..'9', then merges
     'w1'..'w9' and 'w10', 'w11', ... up to the vocabulary's size. Any text of 'w's and digits
     tokenizes; e.g. 'w10w3' -> ['w10', 'w3'].
     """

@@ -13,18 +13,18 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from verispec.beam import BeamDecoder, BeamResult, BeamSettings, check_drafter
+from verispec.core.errors import VerispecError
+from verispec.core.grammar import Constraint, Grammar
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import GenerationResult, SamplingParams, Step
+from verispec.decoding.beam import BeamDecoder, BeamResult, BeamSettings, check_drafter
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.display import TokenPieces
 from verispec.drafters.prediction import PredictionDrafter
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
-from verispec.grammar import Constraint, Grammar
 from verispec.methods import HF_SELECTORS, PLAIN, build_engine
-from verispec.models import LoadedModel, load
 from verispec.options import DraftOptions
-from verispec.stopping import StoppingRules
-from verispec.tree import TreeSettings
-from verispec.types import GenerationResult, SamplingParams, Step
+from verispec.target.models import LoadedModel, load
 
 ModelLike = str | LoadedModel | PreTrainedModel
 
@@ -365,7 +365,7 @@ def generate(model: ModelLike, inputs: Prompts, *, streamer=None,
     and acceptance="typical" (Medusa's typical acceptance: LOSSY
     under sampling, the output no longer follows the target's distribution; default "exact").
     num_beams=B (> 1: beam search, exactly plain beam search's sequences and scores, with
-    speculation: verispec.beam; methods drafting chains by prompt lookup or a model drafter),
+    speculation: verispec.decoding.beam; methods drafting chains by prompt lookup or a model drafter),
     length_penalty and early_stopping (True, False or "never") as Hugging Face defines them;
     it returns BeamResults (token ids, text, score), num_return_sequences <= B per prompt.
     A Hugging Face-style `streamer` (put/end) receives the prompt, then each committed block of
@@ -378,7 +378,7 @@ def generate(model: ModelLike, inputs: Prompts, *, streamer=None,
 
 
 def run_beams(job: Job, streamer=None) -> BeamResult | list[BeamResult]:
-    """Speculative beam search (verispec.beam): the same sequences and scores as plain beam
+    """Speculative beam search (verispec.decoding.beam): the same sequences and scores as plain beam
     search of the target, several search steps per target pass where the drafts allow."""
     if streamer is not None:
         raise VerispecError("a streamer takes one sequence; beam search returns whole sequences")

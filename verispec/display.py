@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from verispec.tree import children
-from verispec.types import DraftTree, Fate, GenerationStats, Step
+from verispec.core.tree import children
+from verispec.core.types import DraftTree, Fate, GenerationStats, Step
 
 GREEN, RED_STRIKE, BLUE, CYAN, MAGENTA, RESET = ("\033[32m", "\033[31;9m", "\033[34m", "\033[36m",
                                                 "\033[35m", "\033[0m")

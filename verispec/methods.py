@@ -12,6 +12,11 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
+from verispec.core.errors import VerispecError
+from verispec.core.policies import SCHEDULES
+from verispec.core.tree import TreeSettings
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import Speculation, SpeculativeEngine
 from verispec.drafters.base import Drafter
 from verispec.drafters.distilled import DraftStudent, distilled_drafter
 from verispec.drafters.eagle import EagleDrafter
@@ -29,14 +34,9 @@ from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings, shared_cache
 from verispec.drafters.trained_exit import ExitAdapter, trained_exit_drafter
-from verispec.engine import Speculation, SpeculativeEngine
-from verispec.errors import VerispecError
-from verispec.lowbit import FORMATS
-from verispec.models import LoadedModel, load
 from verispec.options import DEFAULT_TREE, DraftOptions
-from verispec.policies import SCHEDULES
-from verispec.tree import TreeSettings
-from verispec.types import SamplingParams
+from verispec.target.lowbit import FORMATS
+from verispec.target.models import LoadedModel, load
 from verispec.verifiers import verifier_for
 
 

@@ -11,12 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from verispec.core.errors import VerispecError
+from verispec.core.policies import SCHEDULES
+from verispec.core.tree import TreeSettings
 from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.suffix import SuffixSettings
-from verispec.errors import VerispecError
-from verispec.models import LoadedModel
-from verispec.policies import SCHEDULES
-from verispec.tree import TreeSettings
+from verispec.target.models import LoadedModel
 from verispec.verifiers import check_acceptance
 
 DEFAULT_TREE = "default"  # DraftOptions.tree: the method's own measured default tree

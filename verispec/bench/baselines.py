@@ -12,9 +12,9 @@ import torch
 
 from verispec.bench.contender import BenchConfig, Contender, Outcome, exit_layer
 from verispec.bench.llamacpp import LOOKUP_TOKENS, llamacpp_generator
-from verispec.errors import VerispecError
-from verispec.models import LoadedModel
-from verispec.types import SamplingParams
+from verispec.core.errors import VerispecError
+from verispec.core.types import SamplingParams
+from verispec.target.models import LoadedModel
 
 PLD_TOKENS = 10  # what hf-pld drafts per step (Hugging Face's prompt_lookup_num_tokens)
 

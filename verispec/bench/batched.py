@@ -23,14 +23,14 @@ from verispec.bench.machine import machine_info
 from verispec.bench.plots import plot_batched_throughput
 from verispec.bench.questions import load_questions
 from verispec.bench.records import AR, HF, write_json
-from verispec.errors import VerispecError
-from verispec.hf_generate import hf_generate_batch
+from verispec.core.errors import VerispecError
+from verispec.core.policies import LoadCap
+from verispec.core.stopping import StoppingRules
+from verispec.core.types import SamplingParams
 from verispec.methods import METHODS, build_engine
-from verispec.models import LoadedModel, load_model
 from verispec.options import DraftOptions
-from verispec.policies import LoadCap
-from verispec.stopping import StoppingRules
-from verispec.types import SamplingParams
+from verispec.target.hf_generate import hf_generate_batch
+from verispec.target.models import LoadedModel, load_model
 
 BASELINES = (HF, AR)
 

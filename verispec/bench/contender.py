@@ -7,14 +7,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verispec.beam import BeamSettings
+from verispec.core.errors import VerispecError
+from verispec.core.tree import TreeSettings
+from verispec.core.types import GenerationStats
+from verispec.decoding.beam import BeamSettings
 from verispec.drafters.early_exit import default_exit_layer
 from verispec.drafters.learned import drafter_config, is_drafter_dir
-from verispec.errors import VerispecError
-from verispec.models import LoadedModel
 from verispec.options import DraftOptions
-from verispec.tree import TreeSettings
-from verispec.types import GenerationStats
+from verispec.target.models import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from verispec.errors import VerispecError
+from verispec.core.errors import VerispecError
 
 INSTALL_HINT = ("llama.cpp baselines need the optional extra: pip install 'verispec[llamacpp]' "
                 "(llama-cpp-python builds llama.cpp from source: about 5 minutes on 2 cores)")

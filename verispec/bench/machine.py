@@ -14,9 +14,9 @@ import torch
 import transformers
 
 from verispec.bench.records import ForwardTimings
-from verispec.cached_model import CachedModel
-from verispec.models import LoadedModel
-from verispec.packed import packed_view
+from verispec.target.cached_model import CachedModel
+from verispec.target.models import LoadedModel
+from verispec.target.packed import packed_view
 
 
 def measure_forward(target: LoadedModel, context: list[int], sizes=(1, 2, 4, 8, 16),

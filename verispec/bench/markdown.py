@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from verispec.beam import BeamSettings
 from verispec.bench.records import (
     AR,
     HF,
@@ -28,6 +27,7 @@ from verispec.bench.summary import (
     tree_sweep,
     verdict,
 )
+from verispec.decoding.beam import BeamSettings
 
 DISAGREEMENT = 0.20  # theory vs measurement flagged beyond this relative difference
 
@@ -130,7 +130,7 @@ def _beam_table(summaries: list[MethodSummary], beams: BeamSettings) -> list[str
     intro = (f"Every contender runs beam search with B = {b} beams and returns its best sequence: `hf` is "
              f"Hugging Face `generate(num_beams={b})`, `ar` verispec's plain beam search, the others "
              "verispec's speculative beam search (each beam drafts; one target pass scores every "
-             "beam's draft; verispec.beam). Task and overall columns: speedup vs `hf`, the ratio of "
+             "beam's draft; verispec.decoding.beam). Task and overall columns: speedup vs `hf`, the ratio of "
              "summed wall-clock seconds over the questions both ran. `vs ar`: the same against "
              "verispec's plain beam search. steps/pass: search steps per target forward (1 for plain "
              "beam search). tok/s: tokens of the best sequence per second. `= hf`: questions whose "
@@ -170,8 +170,8 @@ def _verify_cost_note(results: Results) -> list[str]:
     unpacked = {int(n): t for n, t in (forward.unpacked_by_tokens or {}).items()}
     if unpacked.get(1):
         costs = ", ".join(f"{n}: {t / unpacked[1]:.2f}×" for n, t in sorted(unpacked.items()) if n > 1)
-        how = ("through verispec.lean (fused prepacked weights, a preallocated KV cache)"
-               if forward.lean else "with prepacked linear weights (verispec.packed)")
+        how = ("through verispec.target.lean (fused prepacked weights, a preallocated KV cache)"
+               if forward.lean else "with prepacked linear weights (verispec.target.packed)")
         lines += ["", f"The engine runs the target {how}. "
                   f"Through the model's own linear layers, as Hugging Face generate() runs it, one "
                   f"token takes {unpacked[1] * 1000:.1f} ms (prepacked: {one * 1000:.1f} ms) and n "

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from verispec.errors import VerispecError
+from verispec.core.errors import VerispecError
 
 BUILTIN_QUESTIONS = Path(__file__).with_name("prompts.jsonl")
 # Spec-Bench groups its categories into six tasks.

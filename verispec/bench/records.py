@@ -10,8 +10,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from verispec.beam import BeamSettings
 from verispec.bench.questions import TASKS
+from verispec.decoding.beam import BeamSettings
 from verispec.methods import PLAIN
 
 HF = "hf"  # Hugging Face generate(): the baseline speedups are given against
@@ -147,7 +147,7 @@ class ForwardTimings:
 
     by_tokens: dict[str, float]
     unpacked_by_tokens: dict[str, float] | None = None  # None: the engine runs the same layers
-    lean: bool = False  # the engine's packed path is verispec.lean (else verispec.packed)
+    lean: bool = False  # the engine's packed path is verispec.target.lean (else verispec.target.packed)
     context_tokens: int | None = None
 
     @property

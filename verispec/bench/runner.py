@@ -21,26 +21,26 @@ from tqdm import tqdm
 
 from verispec import methods as registry
 from verispec.api import encode_prompt
-from verispec.beam import BeamDecoder, check_drafter
 from verispec.bench.baselines import BASELINES
 from verispec.bench.contender import BenchConfig, Contender, Outcome, exit_layer, trained_drafters
 from verispec.bench.machine import PeakResident, machine_info, measure_forward
 from verispec.bench.questions import Question, load_questions
 from verispec.bench.records import AR, HF, FirstDifference, Results, Run
 from verispec.bench.report import write_results
-from verispec.cached_model import CachedModel
+from verispec.core.errors import VerispecError
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import SamplingParams
+from verispec.decoding.beam import BeamDecoder, check_drafter
+from verispec.decoding.engine import SpeculativeEngine, context_length
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import forget_outputs
-from verispec.engine import SpeculativeEngine, context_length
-from verispec.errors import VerispecError
 from verispec.methods import Method, Needs, build_engine, resolve_tree
-from verispec.models import LoadedModel, load_model
 from verispec.options import DEFAULT_TREE
-from verispec.stopping import StoppingRules
-from verispec.tree import TreeSettings
-from verispec.types import SamplingParams
+from verispec.target.cached_model import CachedModel
+from verispec.target.models import LoadedModel, load_model
 
 
 def can_run(target: LoadedModel, config: BenchConfig) -> Callable[[Method], bool]:
@@ -110,7 +110,7 @@ def build_method(method: str, k: int | None, target: LoadedModel, draft: LoadedM
 
 
 def beam_refusal(engine: SpeculativeEngine) -> str | None:
-    """Why the engine's drafter cannot draft for beam search (verispec.beam.check_drafter, as
+    """Why the engine's drafter cannot draft for beam search (verispec.decoding.beam.check_drafter, as
     verispec.generate(num_beams=B) checks it); None: it can."""
     try:
         check_drafter(engine.drafter)
@@ -123,7 +123,7 @@ def verispec_contender(engine: SpeculativeEngine, method: str, k: int | None, la
                        config: BenchConfig, sampling: SamplingParams, stopping: StoppingRules,
                        tree: TreeSettings | None = None) -> Contender:
     """A method as the bench times it: the engine's decoding, or with --num-beams its beam
-    search (verispec.beam.BeamDecoder, as verispec.generate(num_beams=B) runs it), timed on the
+    search (verispec.decoding.beam.BeamDecoder, as verispec.generate(num_beams=B) runs it), timed on the
     best sequence."""
     describe = getattr(engine.drafter, "describe", None)
     nbytes = getattr(engine.drafter, "nbytes", None)

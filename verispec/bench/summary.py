@@ -22,7 +22,7 @@ from verispec.bench.records import (
     labels_in_order,
     tasks_in_order,
 )
-from verispec.types import GenerationStats
+from verispec.core.types import GenerationStats
 
 MAX_BEST_K = 32  # best_k is searched over 1..MAX_BEST_K
 TIE_ABSOLUTE = 0.01  # |logit gap| up to this looks like a numerical tie (float32)

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from verispec.cli import bench, demo, export, generate, serve, train
-from verispec.errors import VerispecError
+from verispec.core.errors import VerispecError
 
 COMMANDS = (generate, demo, bench, serve, train, export)
 

@@ -7,10 +7,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from verispec.beam import BeamSettings
 from verispec.bench.baselines import BASELINES
 from verispec.cli.options import add_draft_options, add_model_arguments, comma_list, draft_options, list_of
-from verispec.errors import VerispecError
+from verispec.core.errors import VerispecError
+from verispec.decoding.beam import BeamSettings
 from verispec.methods import BATCH_BENCH
 
 

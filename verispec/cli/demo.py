@@ -7,10 +7,10 @@ import argparse
 from verispec.api import make_job, run
 from verispec.cli.generate import use_colour
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
+from verispec.core.types import GenerationStats
 from verispec.display import LEGEND, render_steps, stats_table
 from verispec.methods import PLAIN, fastest_method
-from verispec.models import load_model
-from verispec.types import GenerationStats
+from verispec.target.models import load_model
 
 # Prompts whose answers reuse the prompt's words: where prompt lookup, the best drafter that needs
 # no training, pays off.

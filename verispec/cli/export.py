@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from verispec.cli.options import add_model_arguments
+from verispec.core.errors import VerispecError
 from verispec.drafters.eagle3 import Eagle3Drafter
-from verispec.errors import VerispecError
 from verispec.methods import METHODS
-from verispec.models import load_model
+from verispec.target.models import load_model
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

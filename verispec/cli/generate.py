@@ -10,8 +10,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from verispec.api import make_job, run
-from verispec.beam import BeamResult
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
+from verispec.core.errors import VerispecError
+from verispec.core.types import SamplingParams
+from verispec.decoding.beam import BeamResult
 from verispec.display import (
     FORCED_LEGEND,
     LEGEND,
@@ -20,10 +22,8 @@ from verispec.display import (
     render_tree,
     stats_table,
 )
-from verispec.errors import VerispecError
 from verispec.methods import PLAIN, fastest_method
-from verispec.models import load_model
-from verispec.types import SamplingParams
+from verispec.target.models import load_model
 
 
 def use_colour(choice: str) -> bool:

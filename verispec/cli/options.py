@@ -7,10 +7,10 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from verispec.errors import VerispecError
+from verispec.core.errors import VerispecError
 from verispec.methods import FALLBACK, FASTEST, FASTEST_4BIT, METHODS
-from verispec.models import ALIASES, BUILTIN_MODELS, DEFAULT_MODEL, PRECISIONS
 from verispec.options import DraftOptions, option_flags
+from verispec.target.models import ALIASES, BUILTIN_MODELS, DEFAULT_MODEL, PRECISIONS
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

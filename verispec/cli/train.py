@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from verispec.errors import VerispecError
-from verispec.models import DEFAULT_MODEL, PRECISIONS, load_model
+from verispec.core.errors import VerispecError
+from verispec.target.models import DEFAULT_MODEL, PRECISIONS, load_model
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from verispec.types import Proposal, SamplingParams
+from verispec.core.types import Proposal, SamplingParams
 
 
 @dataclass(frozen=True)

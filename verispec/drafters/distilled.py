@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from verispec.core.tree import TreeSettings
 from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import load_drafter
 from verispec.drafters.model import ModelDrafter
-from verispec.tree import TreeSettings
 
 
 class DraftStudent(nn.Module):

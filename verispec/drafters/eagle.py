@@ -15,14 +15,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from verispec.core.errors import VerispecError
+from verispec.core.sampling import sample, warp_probs
+from verispec.core.tree import TreeSettings, grow_tree
+from verispec.core.types import Proposal
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.learned import ReducedHead, load_net
 from verispec.drafters.nn import DecoderLayer, KVCache, RMSNorm
-from verispec.errors import VerispecError
-from verispec.packed import packed_view
-from verispec.sampling import sample, warp_probs
-from verispec.tree import TreeSettings, grow_tree
-from verispec.types import Proposal
+from verispec.target.packed import packed_view
 
 
 class EagleNet(nn.Module):
@@ -71,7 +71,7 @@ def eagle_settings(target: PreTrainedModel) -> dict:
 
 class EagleDrafter:
     """Drafts a chain from predicted features (stopping early below `confidence_threshold`), or,
-    with `tree` settings, an EAGLE-2 dynamic tree of depth k (see verispec.tree.grow_tree)."""
+    with `tree` settings, an EAGLE-2 dynamic tree of depth k (see verispec.core.tree.grow_tree)."""
 
     needs_hidden = True
     kind = "eagle"  # the trained drafter kind `load` reads

@@ -30,11 +30,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from verispec.core.errors import VerispecError
+from verispec.core.tree import TreeSettings
 from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.learned import load_net
 from verispec.drafters.nn import KVCache, RMSNorm, rotary
-from verispec.errors import VerispecError
-from verispec.tree import TreeSettings
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:

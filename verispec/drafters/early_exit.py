@@ -11,9 +11,9 @@ import copy
 import torch
 from transformers import PreTrainedModel
 
+from verispec.core.errors import VerispecError
+from verispec.core.tree import TreeSettings
 from verispec.drafters.model import ModelDrafter
-from verispec.errors import VerispecError
-from verispec.tree import TreeSettings
 
 
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:

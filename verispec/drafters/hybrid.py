@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.types import Proposal
 
 
 class LookupThenModel:

@@ -9,7 +9,7 @@ target's frozen LM head, restricted to a frequency-ranked vocabulary (ReducedHea
 projection starts by picking h_t alone, so an untrained Hydra drafts as an untrained Medusa.
 
 Heads draft a chain one after another (each reading the token the one before chose or sampled),
-or an EAGLE-2 style dynamic tree (verispec.tree.grow_tree) where every node's children come from
+or an EAGLE-2 style dynamic tree (verispec.core.tree.grow_tree) where every node's children come from
 the next head reading that node's own path. Stateless between steps: nothing to rewind.
 """
 
@@ -21,14 +21,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from verispec.core.errors import VerispecError
+from verispec.core.sampling import sample, warp_probs
+from verispec.core.tree import TreeSettings, grow_tree
+from verispec.core.types import Proposal
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.learned import ReducedHead, load_net
 from verispec.drafters.nn import ResBlock
-from verispec.errors import VerispecError
-from verispec.packed import packed_view
-from verispec.sampling import sample, warp_probs
-from verispec.tree import TreeSettings, grow_tree
-from verispec.types import Proposal
+from verispec.target.packed import packed_view
 
 
 class HydraNet(nn.Module):

@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save
 from torch import nn
 from transformers import PreTrainedModel
 
-from verispec.errors import VerispecError
-from verispec.packed import can_pack, pack_weight, packed_linear
+from verispec.core.errors import VerispecError
+from verispec.target.packed import can_pack, pack_weight, packed_linear
 
 CONFIG_FILE = "drafter.json"
 WEIGHTS_FILE = "weights.safetensors"

@@ -1,7 +1,7 @@
 """Lookahead decoding (Fu et al. 2024): Jacobi iteration fills an n-gram pool, the target verifies.
 
 Training-free and model-free: the target itself, in the same forward that verifies the draft,
-runs a side branch (verispec.types.SideBranch) that advances a window of guesses for the next W
+runs a side branch (verispec.core.types.SideBranch) that advances a window of guesses for the next W
 positions by one Jacobi iteration. The window keeps its last N - 1 iterations (levels); each
 column of levels is a run of N - 1 consecutive guesses, which with the newest prediction makes an
 n-gram for the pool. Each step drafts the (up to G) pooled n-grams that start with the last
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from verispec.core.errors import VerispecError
+from verispec.core.types import Proposal, SideBranch
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.ngram import trie
-from verispec.errors import VerispecError
-from verispec.types import Proposal, SideBranch
 
 
 def lookahead_branch(levels: int, window: int, num_draft: int,

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from verispec.core.errors import VerispecError
+from verispec.core.sampling import sample, warp_probs
+from verispec.core.tree import TreeSettings
+from verispec.core.types import Proposal
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.learned import ReducedHead, load_net
-from verispec.errors import VerispecError
-from verispec.sampling import sample, warp_probs
-from verispec.tree import TreeSettings
-from verispec.types import Proposal
 
 
 class MedusaNet(nn.Module):

@@ -20,13 +20,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from verispec.core.errors import VerispecError
+from verispec.core.tree import TreeSettings
 from verispec.drafters.learned import ReducedHead
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.nn import DecoderLayer, RMSNorm
-from verispec.errors import VerispecError
-from verispec.kv_cache import KVCache
-from verispec.packed import packed_view
-from verispec.tree import TreeSettings
+from verispec.target.kv_cache import KVCache
+from verispec.target.packed import packed_view
 
 
 class MTPNet(nn.Module):

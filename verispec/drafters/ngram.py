@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from verispec.core.errors import VerispecError
+from verispec.core.tree import TreeSettings
+from verispec.core.types import Proposal
 from verispec.drafters.base import DraftRequest
-from verispec.errors import VerispecError
-from verispec.tree import TreeSettings
-from verispec.types import Proposal
 
 
 def find_continuations(tokens: torch.Tensor, k: int, max_ngram: int, min_ngram: int,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from verispec.core.errors import VerispecError
+from verispec.core.types import Proposal
 from verispec.drafters.base import DraftRequest
-from verispec.errors import VerispecError
-from verispec.types import Proposal
 
 PREDICTION_K = 16  # most prediction tokens drafted per step
 

@@ -2,7 +2,7 @@
 draft for the float target (QSpec 2024, ML-SpecQD 2025). No training, any model the lean path
 runs (Llama-shaped decoders on CPU).
 
-The drafter is a second lean decoder (verispec.lean) over a low-precision copy of every linear
+The drafter is a second lean decoder (verispec.target.lean) over a low-precision copy of every linear
 weight, the LM head included; it shares the target's embedding, norms and rotary tables (small,
 read-only) and keeps its own KV cache. It may skip decoder layers (Draft & Verify). For a GGUF
 target stored in Q4_0 / Q4_1, the int4 copy is the file's own blocks, checked at load against
@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from verispec.cached_model import CachedModel
+from verispec.core.errors import VerispecError
+from verispec.core.tree import TreeSettings
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.errors import VerispecError
-from verispec.lean import LeanDecoder, LeanWeights, Product, fused_rms_norm, lean_supported
-from verispec.lowbit import (
+from verispec.target.cached_model import CachedModel
+from verispec.target.lean import LeanDecoder, LeanWeights, Product, fused_rms_norm, lean_supported
+from verispec.target.lowbit import (
     FORMATS,
     INT4_GROUPS,
     Int4Groups,
@@ -35,9 +36,8 @@ from verispec.lowbit import (
     gguf_int4,
     quantize,
 )
-from verispec.models import LoadedModel
-from verispec.packed import per_model
-from verispec.tree import TreeSettings
+from verispec.target.models import LoadedModel
+from verispec.target.packed import per_model
 
 
 @dataclass(frozen=True)

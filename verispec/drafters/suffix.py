@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.core.errors import VerispecError
+from verispec.core.tree import TreeSettings
+from verispec.core.types import Proposal
 from verispec.drafters.base import DraftRequest
-from verispec.errors import VerispecError
-from verispec.tree import TreeSettings
-from verispec.types import Proposal
 
 ANCHOR = 2  # tokens a match must share at least (the index key)
 MAX_OCCURRENCES = 64  # most recent occurrences of the anchor examined per source and step

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from verispec.core.tree import TreeSettings
 from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import load_drafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.nn import ResBlock, RMSNorm
-from verispec.tree import TreeSettings
 
 
 class ExitAdapter(nn.Module):

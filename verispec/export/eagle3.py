@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from verispec.core.errors import VerispecError
 from verispec.drafters.eagle3 import Eagle3Drafter, default_aux_layers
 from verispec.drafters.learned import load_drafter, write_safetensors
-from verispec.errors import VerispecError
-from verispec.models import LoadedModel
+from verispec.target.models import LoadedModel
 
 FORMATS = ("vllm", "sglang")
 WEIGHTS_FILE = "model.safetensors"

@@ -30,9 +30,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from verispec.errors import VerispecError
+from verispec.core.errors import VerispecError
+from verispec.core.types import GenerationStats, TokenLogprob
 from verispec.methods import METHODS, PLAIN, fastest_method
-from verispec.models import LoadedModel
 from verispec.options import DraftOptions
 from verispec.server.metrics import Metrics
 from verispec.server.requests import BadRequest, ChatBody, Common, CompletionBody, build_request, parse_body
@@ -48,7 +48,7 @@ from verispec.server.scheduler import (
     Ticket,
 )
 from verispec.server.text import TextStream
-from verispec.types import GenerationStats, TokenLogprob
+from verispec.target.models import LoadedModel
 
 log = logging.getLogger("verispec.server")
 STATIC = Path(__file__).parent / "static"

@@ -19,7 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from verispec.types import GenerationStats, Step
+from verispec.core.types import GenerationStats, Step
 
 disable_created_metrics()  # no *_created series (process-wide, as vLLM does)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

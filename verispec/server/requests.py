@@ -15,16 +15,16 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from verispec.api import encode_chat, encode_predictions, encode_prompt
-from verispec.engine import context_length
-from verispec.errors import VerispecError
-from verispec.grammar import Constraint, Grammar
+from verispec.core.errors import VerispecError
+from verispec.core.grammar import Constraint, Grammar
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import context_length
 from verispec.methods import resolve_tree
-from verispec.models import LoadedModel
 from verispec.options import DraftOptions, parse_tree
 from verispec.server.scheduler import GenerationRequest, server_tree
-from verispec.stopping import StoppingRules
-from verispec.tree import TreeSettings
-from verispec.types import SamplingParams
+from verispec.target.models import LoadedModel
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (clipped to the room left in the context)
 MAX_K = 64  # longer drafts only cost: every method's measured best is under 16

@@ -17,17 +17,17 @@ from dataclasses import dataclass, field, replace
 
 import psutil
 
+from verispec.core.errors import VerispecError
+from verispec.core.grammar import Constraint
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
+from verispec.core.types import SamplingParams, Step
+from verispec.decoding.engine import RowFailure, Speculation, context_length
 from verispec.drafters.prediction import PredictionDrafter
-from verispec.engine import RowFailure, Speculation, context_length
-from verispec.errors import VerispecError
-from verispec.grammar import Constraint
 from verispec.methods import METHODS, PLAIN, build_engine, build_speculation, resolve_tree
-from verispec.models import LoadedModel
 from verispec.options import DraftOptions
 from verispec.server.metrics import Metrics
-from verispec.stopping import StoppingRules
-from verispec.tree import TreeSettings
-from verispec.types import SamplingParams, Step
+from verispec.target.models import LoadedModel
 
 log = logging.getLogger("verispec.server")
 # Ways of speculating (method, k, tree) one server holds at most: each keeps a pool of drafters, so

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from verispec.core.types import Step
 from verispec.display import TokenPieces
-from verispec.types import Step
 
 
 class TextStream(TokenPieces):

@@ -23,13 +23,13 @@ import torch
 from tqdm import tqdm
 
 from verispec.api import encode_prompt
+from verispec.core.errors import VerispecError
+from verispec.core.stopping import StoppingRules
 from verispec.drafters.early_exit import decoder_layers, default_exit_layer
-from verispec.errors import VerispecError
-from verispec.hf_generate import hf_generate_batch
-from verispec.lean import lean_supported
 from verispec.methods import PLAIN, build_engine
-from verispec.models import LoadedModel
-from verispec.stopping import StoppingRules
+from verispec.target.hf_generate import hf_generate_batch
+from verispec.target.lean import lean_supported
+from verispec.target.models import LoadedModel
 from verispec.training.prompts import make_prompts
 
 COMPLETE = "complete"  # marker file written after the last shard

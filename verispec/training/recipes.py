@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from verispec.core.errors import VerispecError
 from verispec.drafters.distilled import DraftStudent, draft_settings
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
@@ -34,8 +35,7 @@ from verispec.drafters.medusa import MedusaDrafter, MedusaNet, medusa_settings
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings, unembedding_norm
 from verispec.drafters.nn import RMSNorm
 from verispec.drafters.trained_exit import ExitAdapter, exit_settings, new_adapter
-from verispec.errors import VerispecError
-from verispec.models import LoadedModel
+from verispec.target.models import LoadedModel
 from verispec.training.data import Sequence, load_dataset
 from verispec.training.losses import agreement, distill_loss, feature_loss, multi_head_backward
 from verispec.training.trainer import TrainConfig, bf16_is_fast, train

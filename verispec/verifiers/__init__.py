@@ -6,8 +6,8 @@ from typing import Protocol
 
 import torch
 
-from verispec.errors import VerispecError
-from verispec.types import Proposal, SamplingParams, Verdict
+from verispec.core.errors import VerispecError
+from verispec.core.types import Proposal, SamplingParams, Verdict
 from verispec.verifiers.distance import DistanceVerifier, tv_threshold
 from verispec.verifiers.greedy import GreedyVerifier, greedy_accept
 from verispec.verifiers.rejection import RejectionVerifier, rejection_sample

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from verispec.errors import VerispecError
-from verispec.sampling import warp_probs
-from verispec.tree import is_chain
-from verispec.types import Proposal, SamplingParams, Verdict
+from verispec.core.errors import VerispecError
+from verispec.core.sampling import warp_probs
+from verispec.core.tree import is_chain
+from verispec.core.types import Proposal, SamplingParams, Verdict
 from verispec.verifiers.rejection import RejectionVerifier, rejection_sample
 
 PREFIX = "tv:"

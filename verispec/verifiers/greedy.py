@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from verispec.tree import is_chain
-from verispec.types import Proposal, SamplingParams, Verdict
+from verispec.core.tree import is_chain
+from verispec.core.types import Proposal, SamplingParams, Verdict
 from verispec.verifiers.tree import greedy_tree_accept
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from verispec.sampling import sample, warp_probs
-from verispec.tree import is_chain
-from verispec.types import Proposal, SamplingParams, Verdict
+from verispec.core.sampling import sample, warp_probs
+from verispec.core.tree import is_chain
+from verispec.core.types import Proposal, SamplingParams, Verdict
 from verispec.verifiers.tree import tree_rejection_sample
 
 

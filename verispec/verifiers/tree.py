@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from verispec.sampling import sample
-from verispec.tree import children
+from verispec.core.sampling import sample
+from verispec.core.tree import children
 
 
 def greedy_tree_accept(draft_tokens: torch.Tensor, parents: torch.Tensor,

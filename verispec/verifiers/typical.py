@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from verispec.sampling import sample, warp_probs
-from verispec.tree import children
-from verispec.types import Proposal, SamplingParams, Verdict
+from verispec.core.sampling import sample, warp_probs
+from verispec.core.tree import children
+from verispec.core.types import Proposal, SamplingParams, Verdict
 
 DEFAULT_THRESHOLD = 0.09
 DEFAULT_ALPHA = 0.3

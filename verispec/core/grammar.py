@@ -29,8 +29,8 @@ import llguidance
 import llguidance.hf
 import torch
 
-from verispec.errors import VerispecError
-from verispec.types import Proposal
+from verispec.core.errors import VerispecError
+from verispec.core.types import Proposal
 
 # JSON as people and models write it (json.dumps' separators), not whitespace-flexible: with one
 # way to write the punctuation, llguidance can force it (free draft tokens).

@@ -11,12 +11,12 @@ import copy
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from verispec.lean import FIXED_ROWS, Block, LeanDecoder, lean_supported
-from verispec.lean import forward_rows as lean_forward_rows
-from verispec.lowbit import QuantLinear, weight_format
-from verispec.packed import packed_view
-from verispec.tree import attention_mask, chain_parents, is_chain, position_ids, side_block
-from verispec.types import GenerationStats, SideBranch
+from verispec.core.tree import attention_mask, chain_parents, is_chain, position_ids, side_block
+from verispec.core.types import GenerationStats, SideBranch
+from verispec.target.lean import FIXED_ROWS, Block, LeanDecoder, lean_supported
+from verispec.target.lean import forward_rows as lean_forward_rows
+from verispec.target.lowbit import QuantLinear, weight_format
+from verispec.target.packed import packed_view
 
 # Classes whose logits are exactly lm_head(last hidden state): no soft-capping or logit scaling.
 PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -30,8 +30,8 @@ class CachedModel:
                  pack: bool = True, lean: LeanDecoder | None = None) -> None:
         """pad_to_multiple: feed multi-token blocks padded to a multiple of this many tokens.
         pack: run on CPU with prepacked weights where the model allows: Llama-shaped decoders
-        through verispec.lean (fused products, a preallocated cache), others through their own
-        forward with prepacked linear layers (verispec.packed).
+        through verispec.target.lean (fused products, a preallocated cache), others through their own
+        forward with prepacked linear layers (verispec.target.packed).
         lean: run this lean decoder instead of one over `model`'s own weights (a low-precision
         copy of them, say: verispec.drafters.self_spec).
 
@@ -138,7 +138,7 @@ class CachedModel:
         residual states after the first L layers for each L in `layers` (increasing; Hugging
         Face's hidden_states[L]): [n, hidden * (1 + len(layers))].
 
-        parents: [n - 1], the tree of tokens[1:] under tokens[0] (see verispec.tree); None or a
+        parents: [n - 1], the tree of tokens[1:] under tokens[0] (see verispec.core.tree); None or a
         chain is plain causal attention. A tree goes through the model's own attention as a 4D
         mask with position ids = context + depth; `keep` then compacts the cache.
         side: tokens[n - m:] are a side branch of m tokens after the tree (tree.side_block).
@@ -242,7 +242,7 @@ def forward_rows(models: list[CachedModel], blocks: list[torch.Tensor],
     takes blocks[i] [n_i] under tree parents[i] (and side branch sides[i]); returns (logits
     [n_i, vocab], hidden [n_i, hidden * (1 + len(layers))]) per sequence.
 
-    Lean decoders run as one pass (verispec.lean.forward_rows: one read of the weights for all
+    Lean decoders run as one pass (verispec.target.lean.forward_rows: one read of the weights for all
     rows, the LM head included); models off the lean path run one sequence after another.
     """
     sides = sides or [None] * len(models)

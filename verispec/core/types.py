@@ -16,8 +16,8 @@ from enum import Enum
 
 import torch
 
-from verispec.errors import VerispecError
-from verispec.tree import chain_parents, depths
+from verispec.core.errors import VerispecError
+from verispec.core.tree import chain_parents, depths
 
 # Temperatures below this mean greedy decoding (vLLM's floor too): logits divided by less can
 # overflow float32 to inf (1e-40 is a subnormal float32, 1e-50 rounds to 0), and softmax of inf
@@ -60,7 +60,7 @@ class SideBranch:
 
     They follow the draft in the block [root, draft nodes, side tokens] with their own attention
     pattern and positions; the engine hands their logits to the drafter's `observe_side` and drops
-    them from the target's cache (lookahead decoding's Jacobi window; see verispec.tree.side_block).
+    them from the target's cache (lookahead decoding's Jacobi window; see verispec.core.tree.side_block).
     Draft rows never see side rows, so the draft's logits are what they would be without them.
     """
 
@@ -71,7 +71,7 @@ class SideBranch:
 
 @dataclass(frozen=True)
 class Proposal:
-    """Draft tokens for one step: a chain, or a token tree (see verispec.tree).
+    """Draft tokens for one step: a chain, or a token tree (see verispec.core.tree).
 
     A deterministic drafter leaves draft_probs None (one-hot q). In a tree, draft_probs[i] is the
     distribution node i was drawn from, given its parent and the siblings drawn before it. `side`:
@@ -118,7 +118,7 @@ class Verdict:
 
 @dataclass(frozen=True)
 class DraftTree:
-    """A verified token tree as plain lists (see verispec.tree)."""
+    """A verified token tree as plain lists (see verispec.core.tree)."""
 
     tokens: list[int]
     parents: list[int]  # -1 = child of the root
@@ -161,7 +161,7 @@ class Step:
     tree: DraftTree | None = None
     from_prediction: bool = False  # the draft came from the caller's predicted output
     logprobs: list[TokenLogprob] | None = None  # one per emitted token, when asked for
-    forced: bool = False  # the draft was the grammar's forced tokens (verispec.grammar)
+    forced: bool = False  # the draft was the grammar's forced tokens (verispec.core.grammar)
 
     @property
     def draft_depth(self) -> int:
@@ -192,7 +192,7 @@ class GenerationStats:
     # usage.completion_tokens_details names).
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
-    forced_tokens: int = 0  # tokens the grammar forced, drafted for free (verispec.grammar)
+    forced_tokens: int = 0  # tokens the grammar forced, drafted for free (verispec.core.grammar)
     invariance: str = ""  # the target's batch-invariance mode (CachedModel.invariance); "" unknown
     dtype: str = ""  # what the target's weights are in (CachedModel.precision): float32 ... int4
     kernel: str = ""  # how its products run (CachedModel.kernel)

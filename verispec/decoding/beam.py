@@ -10,7 +10,7 @@ True or "never") ends the search. Ties fall as torch.topk orders them, as in Hug
 
 `BeamDecoder` runs it speculatively. Every running beam drafts a continuation of its own (prompt
 lookup, or a model drafter such as the target's own weights in int4, each beam with its own
-drafter state); one target pass (verispec.cached_model.forward_rows) scores every beam's block
+drafter state); one target pass (verispec.target.cached_model.forward_rows) scores every beam's block
 [last token, draft...] of every prompt. The search then advances step after step on those logits
 for as long as each beam it keeps follows its origin's draft: a beam whose tokens since the block
 began are a prefix of the draft its origin beam made has its next log-probs in the scored block.
@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from verispec.cached_model import CachedModel, forward_rows
+from verispec.core.errors import VerispecError
+from verispec.core.stopping import StoppingRules
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.engine import SpeculativeEngine
-from verispec.errors import VerispecError
-from verispec.stopping import StoppingRules
-from verispec.types import SamplingParams
+from verispec.target.cached_model import CachedModel, forward_rows
 
 NEG = -1.0e9  # Hugging Face's "impossible" score offset
 

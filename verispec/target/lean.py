@@ -13,7 +13,7 @@ glue: keys and values are written into place, q/k/v and gate/up are one product 
 
 It applies to decoders of the plain Llama shape (Llama, Mistral and Qwen2 without sliding
 windows) whose linear layers can be prepacked (`packed.can_pack`); every other model runs
-through its own forward (verispec.cached_model). On a GPU the products are plain fused F.linear
+through its own forward (verispec.target.cached_model). On a GPU the products are plain fused F.linear
 calls (`DenseLinear`), at a fixed row count when invariant (`FIXED_ROWS`: cuBLAS picks its kernel
 by row count; docs/invariance.md, CUDA).
 """
@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from verispec.kv_cache import KVCache
-from verispec.lowbit import DenseKernel, QuantLinear
-from verispec.packed import can_pack, cpu_packs, pack_weight, packed_linear, per_model
+from verispec.target.kv_cache import KVCache
+from verispec.target.lowbit import DenseKernel, QuantLinear
+from verispec.target.packed import can_pack, cpu_packs, pack_weight, packed_linear, per_model
 
 LEAN_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 

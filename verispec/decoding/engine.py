@@ -8,7 +8,7 @@ together with the draft, so one forward of 1 + k tokens scores all k drafts and 
 after them.
 
 A batch steps every sequence together: each drafts on its own (its own drafter, k and state), one
-target pass verifies every sequence's block (verispec.cached_model.forward_rows: the weights are
+target pass verifies every sequence's block (verispec.target.cached_model.forward_rows: the weights are
 read once for all rows), and each accepts its own number of tokens and rewinds its own cache.
 Sequences join (`add`) and leave (finished, or `cancel`) between steps: continuous batching.
 """
@@ -23,14 +23,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from verispec.cached_model import CachedModel, forward_rows
-from verispec.drafters.base import Drafter, DraftRequest
-from verispec.errors import VerispecError
-from verispec.grammar import Constraint, apply_masks
-from verispec.policies import ConstantK, DraftLengthPolicy, LoadCap
-from verispec.stopping import StoppingRules
-from verispec.tree import check_parents
-from verispec.types import (
+from verispec.core.errors import VerispecError
+from verispec.core.grammar import Constraint, apply_masks
+from verispec.core.policies import ConstantK, DraftLengthPolicy, LoadCap
+from verispec.core.stopping import StoppingRules
+from verispec.core.tree import check_parents
+from verispec.core.types import (
     DraftTree,
     Fate,
     GenerationResult,
@@ -39,6 +37,8 @@ from verispec.types import (
     Step,
     TokenLogprob,
 )
+from verispec.drafters.base import Drafter, DraftRequest
+from verispec.target.cached_model import CachedModel, forward_rows
 from verispec.verifiers import verifier_for
 
 
@@ -178,7 +178,7 @@ class _Row:
     def take(self, proposal: Proposal | None, seconds: float, vocab_size: int,
              from_prediction: bool = False, forced: bool = False) -> None:
         """This step's draft (None: none), and the seconds it took; under a grammar, cut where
-        it leaves it (verispec.grammar.Constraint.cut)."""
+        it leaves it (verispec.core.grammar.Constraint.cut)."""
         proposal = Proposal(self.buffer[:0]) if proposal is None else proposal
         if proposal.parents is not None:  # a drafter's tree must be well formed
             check_parents(proposal.parents)
@@ -409,7 +409,7 @@ class SpeculativeEngine:
         """Run generation, yielding each step's emitted tokens as soon as they are committed.
         prediction: a drafter for this sequence alone, asked before the engine's own each step
         (verispec.drafters.prediction: the caller's predicted output); its steps are counted as
-        prediction tokens. constraint: a grammar the output must match (verispec.grammar; the
+        prediction tokens. constraint: a grammar the output must match (verispec.core.grammar; the
         sequence's own, advanced as it goes)."""
         self.check_prompt(prompt_ids, stopping.max_new_tokens)
         row = self._open(prompt_ids, stopping, sampling, seed, prediction=prediction,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.types import SamplingParams
+from verispec.core.types import SamplingParams
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

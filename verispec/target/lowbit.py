@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from verispec.errors import VerispecError
-from verispec.packed import cpu_packs, pack_weight, packed_linear
+from verispec.core.errors import VerispecError
+from verispec.target.packed import cpu_packs, pack_weight, packed_linear
 
 FORMATS = ("int4", "int8", "bf16")
 INT4_GROUPS = (32, 64, 128)
