@@ -10,10 +10,10 @@ from __future__ import annotations
 import collections
 import time
 
-from verispec.api import encode_prompt
 from verispec.core.stopping import StoppingRules
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.suffix import forget_outputs
+from verispec.request import encode_prompt
 from verispec.target.models import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.training.prompts import make_prompts
 

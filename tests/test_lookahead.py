@@ -199,7 +199,8 @@ def test_seeded_sampling_repeats(target):
 
 def test_builtin_model_lookahead_is_exact():
     smollm = verispec.load("smollm2-135m-instruct")
-    prompt = verispec.api.encode_prompt(smollm, "Repeat after me: one two three, one two three.", chat=True)
+    prompt = verispec.request.encode_prompt(smollm, "Repeat after me: one two three, one two three.",
+                                            chat=True)
     reference = verispec.generate(smollm, prompt, max_new_tokens=24).token_ids
     for options in (DraftOptions(), DraftOptions(k=2, lookahead_window=3, lookahead_pool_context=True)):
         result = build_engine(smollm, "lookahead", options).generate(

@@ -247,7 +247,7 @@ TREE_METHODS = tuple(name for name, method in METHODS.items() if method.trees)
 # cannot run it (off the lean CPU path) get instead.
 FASTEST = "self-int4-pld"
 FALLBACK = "pld"
-# On a 4-bit target an int4 self drafter costs what the target does (c = 0.59 measured): the
+# On a 4-bit target an int4 self drafter costs about what the target does: the
 # fastest on held-out prompts there was suffix decoding (docs/int4.md).
 FASTEST_4BIT = "suffix"
 PLAIN = "ar"  # no speculation
@@ -297,31 +297,49 @@ def fastest_method(target: LoadedModel) -> str:
     return FASTEST
 
 
-def build_speculation(target: LoadedModel, method: str = "ar",
-                      options: DraftOptions = DraftOptions()) -> Speculation:
-    """How sequences speculate with `method` on `target` (a drafter, a way to make more, the
-    draft-length policy, the acceptance rule); validates every option."""
+def resolve(method: str, options: DraftOptions = DraftOptions()) -> DraftOptions:
+    """Check a method name and its options once (the request path's only check); the options
+    with the tree resolved (verispec.request.Request.options)."""
     if method not in METHODS:
-        raise VerispecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    spec = METHODS[method]
-    k = spec.default_k if options.k is None else options.k
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise VerispecError(f"draft length k must be an integer >= 0 (0: no drafting), got {k!r}")
+        raise VerispecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}", field="method")
+    k = options.k
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise VerispecError(f"draft length k must be an integer >= 0 (0: no drafting), got {k!r}", field="k")
     if options.schedule not in SCHEDULES:
         raise VerispecError(
             f"unknown draft-length schedule {options.schedule!r}; choose from {', '.join(SCHEDULES)}")
     verifier_for(SamplingParams(), options.acceptance)
-    options = replace(options, tree=resolve_tree(method, options.tree))
+    try:
+        return replace(options, tree=resolve_tree(method, options.tree))
+    except VerispecError as error:
+        error.field = error.field or "tree"
+        raise
+
+
+def speculation_for(target: LoadedModel, method: str, options: DraftOptions) -> Speculation:
+    """How sequences speculate with `method` on `target`, for options `resolve` has checked (a
+    drafter, a way to make more, the draft-length policy, the acceptance rule)."""
+    spec = METHODS[method]
+    k = spec.default_k if options.k is None else options.k
     if spec.build is None or k == 0:
         return Speculation(acceptance=options.acceptance)
     return Speculation(spec.build(target, options), SCHEDULES[options.schedule](k), options.acceptance,
                        lambda: spec.build(target, options))
 
 
-def build_engine(target: LoadedModel, method: str = "ar",
-                 options: DraftOptions = DraftOptions()) -> SpeculativeEngine:
-    """An engine for `target` speculating with `method`; validates every option."""
-    how = build_speculation(target, method, options)
+def engine_for(target: LoadedModel, method: str, options: DraftOptions) -> SpeculativeEngine:
+    """An engine for `target` speculating with `method`, for options `resolve` has checked."""
+    how = speculation_for(target, method, options)
     return SpeculativeEngine(target.model, how.drafter, how.policy, how.acceptance, how.spawn)
 
 
+def build_speculation(target: LoadedModel, method: str = "ar",
+                      options: DraftOptions = DraftOptions()) -> Speculation:
+    """How sequences speculate with `method` on `target`; validates every option."""
+    return speculation_for(target, method, resolve(method, options))
+
+
+def build_engine(target: LoadedModel, method: str = "ar",
+                 options: DraftOptions = DraftOptions()) -> SpeculativeEngine:
+    """An engine for `target` speculating with `method`; validates every option."""
+    return engine_for(target, method, resolve(method, options))

@@ -36,6 +36,27 @@ PRECISIONS = (*DTYPES, "int4")
 ALIASES = {"q4": "int4"}
 
 
+def context_length(model: PreTrainedModel) -> int:
+    """The longest sequence the model's positions allow."""
+    config = model.config.get_text_config(decoder=True)
+    return int(getattr(config, "max_position_embeddings", None) or 2**31)
+
+
+def check_prompt(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int) -> None:
+    """A prompt `model` can take, with room for max_new_tokens after it; else a clear error."""
+    if not prompt_ids:
+        raise VerispecError("the prompt is empty: give at least one token", field="prompt")
+    vocab_size = model.get_input_embeddings().num_embeddings
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise VerispecError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})",
+                            field="prompt")
+    context = context_length(model)
+    if len(prompt_ids) + max_new_tokens > context:
+        raise VerispecError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+                            f"exceeds the model's context of {context} tokens", field="max_new_tokens")
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     """A causal LM ready for generation, with its tokenizer and where it came from."""
@@ -50,6 +71,11 @@ class LoadedModel:
     def vocab_size(self) -> int:
         """Width of the model's logits."""
         return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model's positions allow."""
+        return context_length(self.model)
 
     @property
     def eos_token_ids(self) -> set[int]:
