@@ -142,7 +142,8 @@ class Needs(Enum):
     """What a method needs beyond the target."""
 
     NOTHING = "nothing"
-    SELF = "a Llama-shaped model on CPU"  # the target's own weights, stored again in low precision
+    # the target's own weights, stored again in low precision (verispec.target.lean.FAMILIES)
+    SELF = "a Llama, Mistral, Qwen2/2.5, Qwen3 or Gemma 3 model on CPU"
     TRAINED = "a trained drafter"  # of the method's trained_kind, given (--draft) or shipped
     DRAFT_MODEL = "a draft model (`--draft`) or a distilled student"
 
@@ -173,8 +174,8 @@ class Method:
 
 
 def _self_methods() -> list[Method]:
-    advice = {"int4": "any Llama-shaped model, no training; agrees with the float32 target ~99% "
-                      "of the time",
+    advice = {"int4": "any model of a lean family, no training; agrees with the float32 target "
+                      "~99% of the time on the built-in model",
               "int8": "for comparison: slower drafts than int4 on the CPUs measured",
               "bf16": "for comparison: slower drafts than int4 on the CPUs measured"}
     single = [Method(f"self-{fmt}", f"the target's own weights in {fmt}, its own KV cache", 8,

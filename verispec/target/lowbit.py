@@ -125,12 +125,13 @@ def quantize(weight: torch.Tensor, fmt: str, group: int = 32) -> Quantized:
 
 
 def fuse(parts: Sequence[Quantized]) -> Quantized:
-    """Weights over the same input stacked by rows, in their common format."""
-    if isinstance(parts[0], Int4Groups):
-        return Int4Groups.cat(parts)
+    """Weights over the same input stacked by rows, in their common format (a format with its
+    own `cat`, such as Int4Groups or gguf_blocks.Blocks, stacks its own)."""
     if isinstance(parts[0], Int8Channels):
         return Int8Channels(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
-    return torch.cat(list(parts))
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(list(parts))
+    return type(parts[0]).cat(parts)
 
 
 def dequantize(weight: Quantized) -> torch.Tensor:
@@ -254,9 +255,8 @@ class QuantLinear(nn.Module):
 
     @staticmethod
     def fused(layers: Sequence[QuantLinear]) -> Kernel:
-        """One kernel over several layers' stored weights (outputs concatenated); no biases."""
-        if any(layer.bias is not None for layer in layers):
-            raise VerispecError("fused low-precision products take layers without biases")
+        """One kernel over several layers' stored weights (outputs concatenated), without their
+        biases (the caller adds them: verispec.target.lean.with_bias)."""
         return layers[0].build(fuse([layer.stored for layer in layers]))
 
 
