@@ -256,7 +256,9 @@ class QuantLinear(nn.Module):
     @staticmethod
     def fused(layers: Sequence[QuantLinear]) -> Kernel:
         """One kernel over several layers' stored weights (outputs concatenated), without their
-        biases (the caller adds them: verispec.target.lean.with_bias)."""
+        biases (the caller adds them: verispec.target.lean.with_bias). One layer: its own kernel."""
+        if len(layers) == 1:
+            return layers[0].kernel
         return layers[0].build(fuse([layer.stored for layer in layers]))
 
 
@@ -302,10 +304,13 @@ def int4_target(model: nn.Module, gguf: Path | None) -> str:
 
 
 def weight_format(model: nn.Module) -> str:
-    """What a target's layers run in: "int4" for a 4-bit target, else its parameters' dtype."""
-    if any(isinstance(module, QuantLinear) and isinstance(module.stored, Int4Groups)
-           for module in model.modules()):
+    """What a target's layers run in: "int4" for a 4-bit target, "gguf" for a GGUF file's own
+    blocks (verispec.target.gguf_blocks), else its parameters' dtype."""
+    stored = [module.stored for module in model.modules() if isinstance(module, QuantLinear)]
+    if any(isinstance(weight, Int4Groups) for weight in stored):
         return "int4"
+    if any(hasattr(weight, "qtype") for weight in stored):
+        return "gguf"
     return _dtype(next(model.parameters()).dtype)
 
 

