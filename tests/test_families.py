@@ -14,6 +14,7 @@ import torch
 from tests import test_invariance as invariance
 from tests.distribution import assert_follows, exact_marginals, sample_runs
 from tests.tiny import FAMILY_NAMES, WINDOW, tiny_family, tiny_foreign
+from verispec.api import encode_prompt
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
@@ -22,9 +23,10 @@ from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.methods import FALLBACK, FASTEST, build_engine, fastest_method
 from verispec.target.cached_model import CachedModel
+from verispec.target.gguf_blocks import stored_types
 from verispec.target.lean import LeanDecoder, LeanWeights, family_of, lean_supported, windows
 from verispec.target.lowbit import int4_target
-from verispec.target.models import LoadedModel
+from verispec.target.models import BUILTIN_MODELS, LoadedModel, load_model
 
 DTYPES = ("float32", "bfloat16", "int4")
 
@@ -158,3 +160,30 @@ def test_sampling_on_gemma3_follows_the_targets_law():
     sampled = sample_runs(engine, PROMPT, 3, sampling, 3000)
     sampled.check_drafting(positions=2)
     assert_follows(sampled, exact_marginals(model, PROMPT, 3, sampling), "gemma3")
+
+
+# ---- the built-in Gemma 3 270M (the `gemma` extra; slow) -------------------------------------
+
+GEMMA = "gemma3-270m"
+GEMMA_PROMPTS = ["The history of the printing press begins", "Question: Why is the sky blue?\nAnswer:"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "gguf"])
+def test_builtin_gemma3_runs_lean_and_every_method_is_exact(dtype):
+    """Gemma 3 270M runs lean (as stored: each tensor in its file's type, Q5_0 81, Q4_K 27,
+    Q8_0 10 with the head, Q6_K 9), and greedy pld, suffix, lookahead and self-int4 give `ar`'s
+    tokens on it."""
+    pytest.importorskip(BUILTIN_MODELS[GEMMA].package, reason="the gemma extra is not installed")
+    target = load_model(GEMMA, dtype)
+    stats = CachedModel(target.model).stats()
+    assert stats.path == "lean (gemma3)" and stats.invariance == "row-attention"
+    if dtype == "gguf":
+        assert stored_types(target.model) == {"Q5_0": 81, "Q4_K": 27, "Q8_0": 10, "Q6_K": 9}
+        assert stats.dtype == "gguf" and "Q4_K: its values in float32" in stats.kernel
+    prompts = [encode_prompt(target, text) for text in GEMMA_PROMPTS]
+    plain = build_engine(target, "ar")
+    references = [plain.generate(p, StoppingRules.build(24)).token_ids for p in prompts]
+    for method in METHODS:
+        engine = build_engine(target, method)
+        assert [engine.generate(p, StoppingRules.build(24)).token_ids for p in prompts] == references, method

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from verispec.core.errors import VerispecError
+from verispec.target.gguf_file import gguf_tensors
 from verispec.target.packed import cpu_packs, pack_weight, packed_linear
 
 FORMATS = ("int4", "int8", "bf16")
@@ -418,22 +419,19 @@ def gguf_int4(path: Path, config) -> dict[str, Int4Groups]:
     """The Q4_0 / Q4_1 linear weights of a Llama GGUF file, by Hugging Face parameter name
     (model.layers.N.self_attn.q_proj.weight ...), rows in Hugging Face's order. Weights stored in
     any other type are left out (they are quantized from the loaded weights instead)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    architecture = reader.fields.get("general.architecture")
-    if architecture is None or bytes(architecture.parts[-1]).decode() != "llama":
+    architecture, tensors = gguf_tensors(path)
+    if architecture != "llama":
         return {}
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     found: dict[str, Int4Groups] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors.values():
         parts = tensor.name.split(".")  # blk.N.attn_q.weight
         if (len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LINEARS
-                or tensor.tensor_type.name not in ("Q4_0", "Q4_1")):
+                or tensor.qtype not in ("Q4_0", "Q4_1")):
             continue
-        columns, rows = (int(n) for n in tensor.shape)
-        weight = q4_blocks(tensor.data, tensor.tensor_type.name, rows, columns)
+        columns, rows = tensor.shape[:2]
+        weight = q4_blocks(tensor.data, tensor.qtype, rows, columns)
         if parts[2] in ("attn_q", "attn_k"):
             weight = weight.rows(llama_q_k_rows(rows, heads if parts[2] == "attn_q" else kv_heads))
         found[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}.weight"] = weight
