@@ -21,7 +21,7 @@ from verispec.core.types import SamplingParams
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
-from verispec.methods import FALLBACK, FASTEST, build_engine, fastest_method
+from verispec.methods import FALLBACK, FASTEST, MODEL_DEFAULTS, build_engine, fastest_method
 from verispec.target.cached_model import CachedModel
 from verispec.target.gguf_blocks import stored_types
 from verispec.target.lean import LeanDecoder, LeanWeights, family_of, lean_supported, windows
@@ -181,6 +181,7 @@ def test_builtin_gemma3_runs_lean_and_every_method_is_exact(dtype):
     if dtype == "gguf":
         assert stored_types(target.model) == {"Q5_0": 81, "Q4_K": 27, "Q8_0": 10, "Q6_K": 9}
         assert stats.dtype == "gguf" and "Q4_K: its values in float32" in stats.kernel
+    assert fastest_method(target) == MODEL_DEFAULTS[GEMMA]  # measured: scripts/choose_default.py
     prompts = [encode_prompt(target, text) for text in GEMMA_PROMPTS]
     plain = build_engine(target, "ar")
     references = [plain.generate(p, StoppingRules.build(24)).token_ids for p in prompts]
