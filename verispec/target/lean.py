@@ -444,8 +444,10 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
         return f(torch.cat([h, h], dim=1))[:, :1] if widen and role in w.paired else f(h)
 
     def heads(t: torch.Tensor, n: int, count: int, norm: Product | None) -> torch.Tensor:
-        # [1, n, count * head_dim] -> [1, count, n, head_dim], each head normed where the family says
-        return run(norm, t.view(1, n, count, w.head_dim)).transpose(1, 2)
+        # [1, n, count * head_dim] -> [1, count, n, head_dim], each head normed where the family
+        # says (as n * count rows, so that a fixed-row forward chunks rows, not heads)
+        rows = run(norm, t.reshape(1, n * count, w.head_dim))
+        return rows.view(1, n, count, w.head_dim).transpose(1, 2)
 
     captured = []
     for index, layer in enumerate(stack):
