@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import Q4_K, dequantize
 from torch import nn
 
 from verispec.core.errors import VerispecError
@@ -103,10 +105,7 @@ def _nibbles(raw: np.ndarray, chunk: int) -> np.ndarray:
 def decode_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Blocks of one type, [n, type_size] uint8 -> codes [n, block] int8, scales and mins
     [n, block // group] float32."""
-    from gguf.quants import Q4_K
-
     n = raw.shape[0]
-    zeros = None
     if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         d = _f16(raw[:, :2])
         header = 4 if qtype in ("Q4_1", "Q5_1") else 2
@@ -130,8 +129,7 @@ def decode_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, 
             q = _nibbles(rest[:, 32:], 32) | ((high & 1).reshape(n, 256) << 4)
         else:
             q = _nibbles(rest, 32)
-        zeros = -(dmin * m.astype(np.float32))
-        return q.astype(np.int8), d * sc.astype(np.float32), zeros
+        return q.astype(np.int8), d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
     if qtype == "Q6_K":
         low = _nibbles(raw[:, :128], 64)
         shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
@@ -145,9 +143,7 @@ def decode_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, 
 def read_blocks(raw: np.ndarray, qtype: str, rows: int, columns: int) -> Blocks:
     """A GGUF tensor's data (uint8, [rows, bytes per row]) -> Blocks [rows, columns]."""
     group, bits = QTYPES[qtype]
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
     codes, scales, mins = decode_blocks(np.asarray(raw, dtype=np.uint8).reshape(-1, size), qtype)
     groups = columns // group
     return Blocks(torch.from_numpy(codes.reshape(rows, columns).copy()),
@@ -202,9 +198,6 @@ def stored_weight(tensor: TensorInfo, weight: torch.Tensor, heads: int) -> Block
     or llama.cpp's interleaved rotary halves of q / k undone, as transformers loads Llama files),
     checked: equal to gguf-py's dequantization and to `weight`, bit for bit. None for a float
     tensor (its loaded weight is its value)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     if tensor.qtype in FLOAT_TYPES:
         return None
     if tensor.qtype not in QTYPES:

@@ -4,10 +4,13 @@ verispec.target.gguf_blocks)."""
 
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from verispec.core.errors import VerispecError
 
@@ -32,11 +35,6 @@ def gguf_tensors(path: Path) -> tuple[str, dict[str, TensorInfo]]:
     gguf-py's GGUFReader parses every metadata value into numpy views, which for Gemma 3's
     262,144-token vocabulary took 42 s here; this skips the values it does not need (the format:
     github.com/ggml-org/ggml/blob/master/docs/gguf.md)."""
-    import mmap
-    import struct
-
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     with path.open("rb") as file:
         view = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     if view[:4] != b"GGUF":
