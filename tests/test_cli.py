@@ -22,8 +22,9 @@ def test_generate_json_has_every_field(tiny_dir, capsys):
                                  "acceptance_by_position", "draft_seconds", "verify_seconds",
                                  "tokens_per_second", "accepted_prediction_tokens",
                                  "rejected_prediction_tokens", "forced_tokens", "invariance", "dtype",
-                                 "kernel"}
+                                 "kernel", "path"}
     stats = out["stats"]
+    assert stats["path"] == "lean (llama)" and stats["invariance"] == "row-attention"
     assert stats["new_tokens"] == len(out["token_ids"]) <= 12
     assert stats["mean_accepted_tokens"] == pytest.approx(stats["new_tokens"] / stats["target_forwards"])
 

@@ -96,9 +96,19 @@ class CachedModel:
         packed = "oneDNN prepacked, " if self.runner is not self.model else ""
         return f"{dtype} ({packed}Hugging Face forward)"
 
+    @property
+    def path(self) -> str:
+        """Which forward runs the target: "lean (FAMILY)" (verispec.target.lean: batch-invariant by
+        construction) or "Hugging Face forward (CLASS)" (a model of no lean family, or one that
+        cannot run lean here)."""
+        if self.lean is not None:
+            return f"lean ({self.lean.weights.family.name})"
+        return f"Hugging Face forward ({type(self.model).__name__})"
+
     def stats(self) -> GenerationStats:
-        """Empty statistics naming this target's dtype, kernel and invariance mode."""
-        return GenerationStats(invariance=self.invariance, dtype=self.precision, kernel=self.kernel)
+        """Empty statistics naming this target's path, dtype, kernel and invariance mode."""
+        return GenerationStats(invariance=self.invariance, dtype=self.precision, kernel=self.kernel,
+                               path=self.path)
 
     def reset(self) -> None:
         if self.lean is not None:

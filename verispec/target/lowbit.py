@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from verispec.core.errors import VerispecError
+from verispec.target.gguf_file import gguf_tensors
 from verispec.target.packed import cpu_packs, pack_weight, packed_linear
 
 FORMATS = ("int4", "int8", "bf16")
@@ -125,12 +126,13 @@ def quantize(weight: torch.Tensor, fmt: str, group: int = 32) -> Quantized:
 
 
 def fuse(parts: Sequence[Quantized]) -> Quantized:
-    """Weights over the same input stacked by rows, in their common format."""
-    if isinstance(parts[0], Int4Groups):
-        return Int4Groups.cat(parts)
+    """Weights over the same input stacked by rows, in their common format (a format with its
+    own `cat`, such as Int4Groups or gguf_blocks.Blocks, stacks its own)."""
     if isinstance(parts[0], Int8Channels):
         return Int8Channels(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
-    return torch.cat(list(parts))
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(list(parts))
+    return type(parts[0]).cat(parts)
 
 
 def dequantize(weight: Quantized) -> torch.Tensor:
@@ -254,9 +256,10 @@ class QuantLinear(nn.Module):
 
     @staticmethod
     def fused(layers: Sequence[QuantLinear]) -> Kernel:
-        """One kernel over several layers' stored weights (outputs concatenated); no biases."""
-        if any(layer.bias is not None for layer in layers):
-            raise VerispecError("fused low-precision products take layers without biases")
+        """One kernel over several layers' stored weights (outputs concatenated), without their
+        biases (the caller adds them: verispec.target.lean.with_bias). One layer: its own kernel."""
+        if len(layers) == 1:
+            return layers[0].kernel
         return layers[0].build(fuse([layer.stored for layer in layers]))
 
 
@@ -302,10 +305,13 @@ def int4_target(model: nn.Module, gguf: Path | None) -> str:
 
 
 def weight_format(model: nn.Module) -> str:
-    """What a target's layers run in: "int4" for a 4-bit target, else its parameters' dtype."""
-    if any(isinstance(module, QuantLinear) and isinstance(module.stored, Int4Groups)
-           for module in model.modules()):
+    """What a target's layers run in: "int4" for a 4-bit target, "gguf" for a GGUF file's own
+    blocks (verispec.target.gguf_blocks), else its parameters' dtype."""
+    stored = [module.stored for module in model.modules() if isinstance(module, QuantLinear)]
+    if any(isinstance(weight, Int4Groups) for weight in stored):
         return "int4"
+    if any(hasattr(weight, "qtype") for weight in stored):
+        return "gguf"
     return _dtype(next(model.parameters()).dtype)
 
 
@@ -413,22 +419,19 @@ def gguf_int4(path: Path, config) -> dict[str, Int4Groups]:
     """The Q4_0 / Q4_1 linear weights of a Llama GGUF file, by Hugging Face parameter name
     (model.layers.N.self_attn.q_proj.weight ...), rows in Hugging Face's order. Weights stored in
     any other type are left out (they are quantized from the loaded weights instead)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    architecture = reader.fields.get("general.architecture")
-    if architecture is None or bytes(architecture.parts[-1]).decode() != "llama":
+    architecture, tensors = gguf_tensors(path)
+    if architecture != "llama":
         return {}
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     found: dict[str, Int4Groups] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors.values():
         parts = tensor.name.split(".")  # blk.N.attn_q.weight
         if (len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LINEARS
-                or tensor.tensor_type.name not in ("Q4_0", "Q4_1")):
+                or tensor.qtype not in ("Q4_0", "Q4_1")):
             continue
-        columns, rows = (int(n) for n in tensor.shape)
-        weight = q4_blocks(tensor.data, tensor.tensor_type.name, rows, columns)
+        columns, rows = tensor.shape[:2]
+        weight = q4_blocks(tensor.data, tensor.qtype, rows, columns)
         if parts[2] in ("attn_q", "attn_k"):
             weight = weight.rows(llama_q_k_rows(rows, heads if parts[2] == "attn_q" else kv_heads))
         found[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}.weight"] = weight
