@@ -14,7 +14,6 @@ import torch
 from tests import test_invariance as invariance
 from tests.distribution import assert_follows, exact_marginals, sample_runs
 from tests.tiny import FAMILY_NAMES, WINDOW, tiny_family, tiny_foreign
-from verispec.api import encode_prompt
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
@@ -22,6 +21,7 @@ from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.methods import FALLBACK, FASTEST, MODEL_DEFAULTS, build_engine, fastest_method
+from verispec.request import encode_prompt
 from verispec.target.cached_model import CachedModel
 from verispec.target.gguf_blocks import stored_types
 from verispec.target.lean import LeanDecoder, LeanWeights, family_of, lean_supported, windows
