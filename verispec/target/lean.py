@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from verispec.target.kernels import rows
 from verispec.target.kv_cache import KVCache
 from verispec.target.lowbit import DenseKernel, QuantLinear
 from verispec.target.packed import can_pack, cpu_packs, pack_weight, packed_linear, per_model
@@ -91,6 +92,8 @@ class Linear:
                               for b, layer in zip(biases, layers)])
         if weight.device.type != "cpu":
             return DenseLinear(weight, bias)
+        if weight.dtype == torch.bfloat16 and bias is None and rows.available() and rows.fits(*weight.shape):
+            return rows.DenseProduct(weight)  # a bfloat16 target: the row kernel
         return cls(pack_weight(weight), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,6 +172,10 @@ class LeanWeights:
                                and not isinstance(body.layers[0].mlp.down_proj, QuantLinear))
         # Off the CPU every product and norm of an invariant forward runs at FIXED_ROWS rows.
         self.fixed_rows = not on_cpu
+        # Rows attend through the row kernel's attention where it runs (kernels/rows.py): one
+        # call for a block's rows, the same arithmetic for a row whatever came with it.
+        self.row_kernel_attention = (on_cpu and rows.available() and self.head_dim in rows.HEAD_DIMS
+                                     and self.embed.weight.dtype in (torch.float32, torch.bfloat16))
         def stack(product: Callable[[list[nn.Linear]], Product]) -> list[Layer]:
             return [Layer(
                 norm(layer.input_layernorm),
@@ -278,8 +285,12 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = rotate(q.view(1, n, w.heads, w.head_dim).transpose(1, 2), cos, sin)
             k = rotate(k.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2), cos, sin)
-            keys, values = decoder.caches[index].append(
-                k, v.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2))
+            cache = decoder.caches[index]
+            keys, values = cache.append(k, v.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2))
+            if invariant and not causal and w.row_kernel_attention:
+                attended.append(rows.attention(q, cache.keys, cache.values, cache.length, block.mask,
+                                               w.scaling))
+                continue
             if invariant and n > 1 and not causal:  # a chain slices its keys; a tree gathers them
                 attended.append(row_attention(q, keys, values, block.mask, w.scaling,
                                               w.kv_heads != w.heads))

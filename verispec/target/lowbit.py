@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from verispec.core.errors import VerispecError
+from verispec.target.kernels import rows
 from verispec.target.packed import cpu_packs, pack_weight, packed_linear
 
 FORMATS = ("int4", "int8", "bf16")
@@ -173,6 +174,34 @@ class Int4Kernel(Kernel):
                                                           self.scales_zeros)
 
 
+class RowsInt4Kernel(Kernel):
+    """verispec's own row kernel (kernels/rows.cpp, AVX512-BF16): each weight tile unpacked once
+    for every row, each row's arithmetic independent of the others (row-invariant from one row
+    on); activations rounded to bfloat16, scales and minimums in float32, float32 out."""
+
+    def __init__(self, weight: Int4Groups) -> None:
+        self.group = weight.group
+        self.product = rows.CodesProduct(weight.codes, weight.scales, weight.mins)
+        self.nbytes = self.product.nbytes
+        self.name = f"int4 g{self.group} ({rows.NAME}, bfloat16 activations)"
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+
+class RowsDenseKernel(Kernel):
+    """A bfloat16 weight through verispec's row kernel (kernels/rows.cpp): float32 accumulation,
+    out in the activations' dtype (a 4-bit target's float32 logits are not rounded to bfloat16)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.product = rows.DenseProduct(weight)
+        self.nbytes = self.product.nbytes
+        self.name = self.product.name
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+
 class Int8Kernel(Kernel):
     """torch's CPU int8 weight-only product (per-channel scales in the activation dtype)."""
 
@@ -282,7 +311,11 @@ def int4_target(model: nn.Module, gguf: Path | None) -> str:
         raise VerispecError("a 4-bit target needs every layer's output width to be a multiple of 16")
     blocks = gguf_int4(gguf, model.config) if gguf is not None else {}
     shapes = tuple(sorted({(m.out_features, m.in_features) for _, m in linears}))
-    build = candidates("int4", torch.device("cpu"))[choose_kernel("int4", shapes, Q4_BLOCK, only="int4")]
+    # The row kernel where it runs: a target's kernel is its arithmetic, so it is not left to a
+    # timing that may differ from one process to the next; else the fastest of torch's.
+    found = candidates("int4", torch.device("cpu"))
+    build = found["int4-rows"] if "int4-rows" in found else found[choose_kernel("int4", shapes, Q4_BLOCK,
+                                                                               only="int4")]
     for name, module in linears:
         stored = blocks.get(f"model.layers.{name}.weight")
         if stored is None or not torch.equal(stored.dequantize(), module.weight.detach().float()):
@@ -292,13 +325,21 @@ def int4_target(model: nn.Module, gguf: Path | None) -> str:
         setattr(layers.get_submodule(parent), child, quantized)
     described = f"layers {quantized.kernel.name}"
     head = model.get_output_embeddings()
-    if isinstance(head, nn.Linear) and cpu_packs(torch.bfloat16):
+    if isinstance(head, nn.Linear) and (cpu_packs(torch.bfloat16) or rows.available()):
         model.set_output_embeddings(QuantLinear(
-            head.weight.detach().to(torch.bfloat16), lambda w: DenseKernel(w, torch.bfloat16, True),
+            head.weight.detach().to(torch.bfloat16), bfloat16_kernel,
             None if head.bias is None else head.bias.detach()))
         model.config.tie_word_embeddings = False  # the head no longer shares the embedding's tensor
         described += f", head {model.get_output_embeddings().kernel.name}"
     return described
+
+
+def bfloat16_kernel(weight: torch.Tensor) -> Kernel:
+    """The fastest product over a bfloat16 weight [out, in] here: the row kernel where it runs and
+    fits the shape, else oneDNN prepacked."""
+    if rows.available() and rows.fits(*weight.shape):
+        return RowsDenseKernel(weight)
+    return DenseKernel(weight, torch.bfloat16, True)
 
 
 def weight_format(model: nn.Module) -> str:
@@ -324,6 +365,9 @@ def candidates(fmt: str, device: torch.device) -> dict[str, Callable[[Quantized]
     bf16 = torch.bfloat16
     found: dict[str, Callable[[Quantized], Kernel]] = {}
     if fmt == "int4":
+        if rows.available():
+            found["int4-rows"] = lambda w: (RowsInt4Kernel(w) if rows.fits(*w.codes.shape)
+                                            else Int4Kernel(w, bf16))
         found["int4-bf16"] = lambda w: Int4Kernel(w, bf16)
         found["int4-f32"] = lambda w: Int4Kernel(w, torch.float32)
     elif fmt == "int8":
