@@ -381,11 +381,17 @@ void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   const T* vp = reinterpret_cast<const T*>(values.data_ptr());
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t padded = (length + 15) / 16 * 16;
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Few rows (a one-token step): a task per query head, so that every thread has work; else a
+  // task per kv head, its keys loaded once for a block of its heads. A head's arithmetic is the
+  // same either way.
+  const int64_t per_task = n * kv_heads < 2 * at::get_num_threads() ? 1 : group;
+  const int64_t tasks_per_row = heads / per_task;
+  at::parallel_for(0, n * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> index(padded);
     std::vector<float> scores(BLOCK * padded);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / kv_heads, h = task % kv_heads;
+      const int64_t i = task / tasks_per_row, first = task % tasks_per_row * per_task;
+      const int64_t h = first / group;
       int64_t count = 0;
       if (causal) {
         count = length - n + i + 1;
@@ -396,12 +402,12 @@ void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
       }
       check(count > 0, "a row that sees no key");
       for (int64_t j = count; j < padded; ++j) index[j] = index[count - 1];
-      for (int64_t g0 = 0; g0 < group; g0 += BLOCK) {
+      for (int64_t g0 = 0; g0 < per_task; g0 += BLOCK) {
         const T* qs[BLOCK];
         T* os[BLOCK];
-        const int64_t block = std::min<int64_t>(BLOCK, group - g0);
+        const int64_t block = std::min<int64_t>(BLOCK, per_task - g0);
         for (int64_t b = 0; b < block; ++b) {
-          const int64_t head = h * group + g0 + b;
+          const int64_t head = first + g0 + b;
           qs[b] = qp + head * q.stride(0) + i * q.stride(1);
           os[b] = op + i * heads * D + head * D;
         }
