@@ -41,7 +41,6 @@
 #include <immintrin.h>
 #define VERISPEC_X86 1
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
-#define AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
 #else
 #define VERISPEC_X86 0
 #endif
@@ -55,17 +54,6 @@ constexpr int64_t TILE = 16;
 // How far ahead (bytes) the products prefetch the weights they stream: the hardware prefetcher
 // alone left a 16-row product over weights from memory at a fifth of its in-cache speed.
 constexpr int64_t PREFETCH = 4096;
-
-bool avx512_vnni() {
-#if VERISPEC_X86
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
 
 bool avx512_bf16() {
 #if VERISPEC_X86
@@ -220,122 +208,6 @@ template <int G, bool NIBBLES>
 CodesKernel pick_codes(bool half, bool mins) {
   if (half) return mins ? codes_tiles<G, NIBBLES, true, true> : codes_tiles<G, NIBBLES, true, false>;
   return mins ? codes_tiles<G, NIBBLES, false, true> : codes_tiles<G, NIBBLES, false, false>;
-}
-
-// ---- 8-bit activations (AVX512-VNNI) ------------------------------------------------------
-//
-// The same weights against activations quantized per row and group to 8 bits (llama.cpp's Q8_1
-// for its Q4 blocks): q = round(x * 127 / max|x|), d = max|x| / 127, so a row's group sum is an
-// exact integer sum of code * q (vpdpbusd: 4 unsigned codes by 4 signed q per lane), and
-// y += float(sum) * d * scale + d * sum(q) * min. Integer sums are exact, so the only roundings
-// are the per-row quantization and the float32 steps after it, all the row's own.
-// Codes layout (made by rows.py): per tile and group, G / 4 registers of 16 lanes x 4 codes;
-// nibbles: register 2 z takes the low nibbles of bytes [64 z, 64 z + 64), register 2 z + 1 the
-// high ones, byte 64 z + 4 j + t holding output j's codes at inputs 8 z + t and 8 z + 4 + t
-// (bytes: register r is bytes [64 r, 64 r + 64), byte 64 r + 4 j + t = code(j, 4 r + t) + 128).
-
-// x [M, K] -> q [M, K] int8, d [M, K / G], sum(q) [M, K / G] (int32 as float-free counts).
-template <int G>
-AVX512_VNNI void quantize_rows(const at::Tensor& x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* qsum) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const float* xf = bf16 ? nullptr : x.data_ptr<float>();
-  const uint16_t* xh = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
-  constexpr __mmask16 LANES = G >= 16 ? 0xffff : 0;
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t g = 0; g < K / G; ++g) {
-      __m512 v[G / 16];
-      for (int i = 0; i < G / 16; ++i) {
-        const int64_t at = r * K + g * G + 16 * i;
-        v[i] = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xh + at))), 16))
-                    : _mm512_maskz_loadu_ps(LANES, xf + at);
-      }
-      __m512 top = _mm512_abs_ps(v[0]);
-      for (int i = 1; i < G / 16; ++i) top = _mm512_max_ps(top, _mm512_abs_ps(v[i]));
-      const float amax = _mm512_reduce_max_ps(top);
-      const float scale = amax / 127.0f;
-      const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-      __m512i total = _mm512_setzero_si512();
-      for (int i = 0; i < G / 16; ++i) {
-        __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inverse));  // round to nearest even
-        qi = _mm512_max_epi32(_mm512_min_epi32(qi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-        total = _mm512_add_epi32(total, qi);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * K + g * G + 16 * i), _mm512_cvtepi32_epi8(qi));
-      }
-      d[r * (K / G) + g] = scale;
-      qsum[r * (K / G) + g] = _mm512_reduce_add_epi32(total);
-    }
-  }
-}
-
-// NIBBLES: 4-bit codes 0..15 (else bytes, stored + 128); HALF: float16 scales; MINS: minimums.
-template <int G, bool NIBBLES, bool HALF, bool MINS>
-AVX512_VNNI void codes_tiles_q8(const int8_t* xq, const float* xd, const int32_t* xqsum, int64_t M,
-                                int64_t K, const uint8_t* codes, const void* scales, const void* mins,
-                                float* out, int64_t N, int64_t t0, int64_t t1) {
-  constexpr int R = G / 4;  // registers of 16 lanes x 4 codes per tile-group
-  constexpr int64_t BYTES = NIBBLES ? TILE * G / 2 : TILE * G;
-  const int64_t groups = K / G;
-  const __m512i low = _mm512_set1_epi8(0x0f);
-  alignas(64) float acc[ROW_CHUNK * TILE];
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
-      const int64_t rows = std::min(ROW_CHUNK, M - r0);
-      for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(acc + r * TILE, _mm512_setzero_ps());
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t tg = t * groups + g;
-        const uint8_t* c = codes + tg * BYTES;
-        for (int64_t line = 0; line < BYTES; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(c + PREFETCH + line), _MM_HINT_T0);
-        _mm_prefetch(static_cast<const char*>(scales) + (tg * TILE) * (HALF ? 2 : 4) + PREFETCH / 4, _MM_HINT_T0);
-        if constexpr (MINS)
-          _mm_prefetch(static_cast<const char*>(mins) + (tg * TILE) * (HALF ? 2 : 4) + PREFETCH / 4, _MM_HINT_T0);
-        __m512i w[R];
-        if constexpr (NIBBLES) {
-#pragma GCC unroll 8
-          for (int z = 0; z < R / 2; ++z) {
-            const __m512i v = _mm512_loadu_si512(c + 64 * z);
-            w[2 * z] = _mm512_and_si512(v, low);
-            w[2 * z + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          }
-        } else {
-#pragma GCC unroll 8
-          for (int z = 0; z < R; ++z) w[z] = _mm512_loadu_si512(c + 64 * z);
-        }
-        const __m512 s = load_scales<HALF>(scales, tg * TILE);
-        __m512 m = _mm512_setzero_ps();
-        if constexpr (MINS) m = load_scales<HALF>(mins, tg * TILE);
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t rg = (r0 + r) * groups + g;
-          const int32_t* x = reinterpret_cast<const int32_t*>(xq + (r0 + r) * K + g * G);
-          __m512i c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
-#pragma GCC unroll 8
-          for (int z = 0; z < R; z += 2) {
-            c0 = _mm512_dpbusd_epi32(c0, w[z], _mm512_set1_epi32(x[z]));
-            c1 = _mm512_dpbusd_epi32(c1, w[z + 1], _mm512_set1_epi32(x[z + 1]));
-          }
-          __m512i sum = _mm512_add_epi32(c0, c1);
-          if constexpr (!NIBBLES) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * xqsum[rg]));
-          const __m512 scaled = _mm512_mul_ps(s, _mm512_set1_ps(xd[rg]));
-          __m512 a = _mm512_load_ps(acc + r * TILE);
-          a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scaled, a);
-          if constexpr (MINS) a = _mm512_fmadd_ps(_mm512_set1_ps(xd[rg] * static_cast<float>(xqsum[rg])), m, a);
-          _mm512_store_ps(acc + r * TILE, a);
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r)
-        _mm512_storeu_ps(out + (r0 + r) * N + t * TILE, _mm512_load_ps(acc + r * TILE));
-    }
-  }
-}
-
-using CodesKernelQ8 = void (*)(const int8_t*, const float*, const int32_t*, int64_t, int64_t,
-                               const uint8_t*, const void*, const void*, float*, int64_t, int64_t, int64_t);
-
-template <int G, bool NIBBLES>
-CodesKernelQ8 pick_codes_q8(bool half, bool mins) {
-  if (half) return mins ? codes_tiles_q8<G, NIBBLES, true, true> : codes_tiles_q8<G, NIBBLES, true, false>;
-  return mins ? codes_tiles_q8<G, NIBBLES, false, true> : codes_tiles_q8<G, NIBBLES, false, false>;
 }
 
 template <bool BF16_OUT>
@@ -578,7 +450,6 @@ int64_t tiles_per_task(int64_t rows) { return std::max<int64_t>(1, 8 / std::max<
 std::vector<std::string> features() {
   std::vector<std::string> found;
   if (avx512_bf16()) found.push_back("avx512_bf16");
-  if (avx512_vnni()) found.push_back("avx512_vnni");
   return found;
 }
 
@@ -618,45 +489,6 @@ at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& codes, const at::
   at::parallel_for(0, tiles, tiles_per_task(M), [&](int64_t t0, int64_t t1) {
     kernel(xbp, sp, M, K, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(), mp,
            out.data_ptr<float>(), N, t0, t1);
-  });
-  return out;
-#else
-  check(false, "x86-64 only");
-  return x;
-#endif
-}
-
-// linear_codes with the activations quantized per row and group to 8 bits (AVX512-VNNI), the
-// codes in the layout codes_tiles_q8 reads.
-at::Tensor linear_codes_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                           const c10::optional<at::Tensor>& mins, int64_t group, bool nibbles, int64_t N) {
-#if VERISPEC_X86
-  check(avx512_vnni(), "this CPU lacks AVX512-VNNI");
-  check(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] matrix");
-  check(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  const int64_t M = x.size(0), K = x.size(1);
-  check(group == 16 || group == 32, "groups of 16 or 32 inputs");
-  check(K % 32 == 0 && N % TILE == 0, "in % 32 == 0 and out % 16 == 0");
-  const bool has_mins = mins.has_value() && mins->defined();
-  const bool half = scales.scalar_type() == at::kHalf;
-  check(half || scales.scalar_type() == at::kFloat, "float32 or float16 scales");
-  check(codes.is_contiguous() && scales.is_contiguous() && codes.numel() == N * K / (nibbles ? 2 : 1) &&
-            scales.numel() == N * K / group, "codes and scales of this shape");
-  check(!has_mins || (mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
-                      mins->numel() == scales.numel()), "minimums like the scales");
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor xd = at::empty({M, K / group}, x.options().dtype(at::kFloat));
-  at::Tensor xs = at::empty({M, K / group}, x.options().dtype(at::kInt));
-  if (group == 32) quantize_rows<32>(x, M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>());
-  else quantize_rows<16>(x, M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>());
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const int64_t tiles = N / TILE;
-  CodesKernelQ8 kernel = group == 32 ? (nibbles ? pick_codes_q8<32, true>(half, has_mins) : pick_codes_q8<32, false>(half, has_mins))
-                                     : (nibbles ? pick_codes_q8<16, true>(half, has_mins) : pick_codes_q8<16, false>(half, has_mins));
-  const void* mp = has_mins ? mins->data_ptr() : nullptr;
-  at::parallel_for(0, tiles, tiles_per_task(M), [&](int64_t t0, int64_t t1) {
-    kernel(xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>(), M, K,
-           static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(), mp, out.data_ptr<float>(), N, t0, t1);
   });
   return out;
 #else
@@ -725,7 +557,6 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("features", &features, "instruction sets this CPU offers the kernels");
   module.def("linear_codes", &linear_codes, "x @ w.T for group-coded weights");
-  module.def("linear_codes_q8", &linear_codes_q8, "x @ w.T for group-coded weights, 8-bit activations");
   module.def("linear_dense", &linear_dense, "x @ w.T for packed bfloat16 weights");
   module.def("attention", &attention, "row attention over a cache");
 }

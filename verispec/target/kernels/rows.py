@@ -24,20 +24,11 @@ TILE = 16  # output columns per 512-bit lane set
 GROUPS = (16, 32)
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # what `attention` takes
 NAME = "verispec rows, AVX512-BF16"  # how stats name these kernels
-NAME_INT8 = "verispec rows, AVX512-VNNI"
-# What the activations are rounded to before a product by codes: bfloat16 (vdpbf16ps), or 8 bits
-# per row and group with a float scale (vpdpbusd, llama.cpp's arithmetic for its Q4 and Q8 blocks).
-ACTIVATIONS = ("bfloat16", "int8")
 
 
 def available() -> bool:
     """Whether the row kernels run on this machine (built, and the CPU has AVX512-BF16)."""
     return library() is not None
-
-
-def int8_activations() -> bool:
-    """Whether products by codes can take 8-bit activations here (AVX512-VNNI)."""
-    return available() and "avx512_vnni" in library().features()
 
 
 def unavailable_reason() -> str:
@@ -50,19 +41,11 @@ def fits(out_features: int, in_features: int) -> bool:
     return out_features % TILE == 0 and in_features % 32 == 0
 
 
-def pack_codes(codes: torch.Tensor, group: int, nibbles: bool, activations: str) -> torch.Tensor:
+def pack_codes(codes: torch.Tensor, group: int, nibbles: bool) -> torch.Tensor:
     """codes [out, in] (uint8 0..15 if `nibbles`, else int8) -> the kernel's tile layout (rows.cpp):
-    per 16 outputs and group, for bfloat16 activations pair registers of (input 2p, 2p + 1) for
-    each output, for 8-bit activations registers of 4 consecutive inputs per output."""
+    per 16 outputs and group, pair registers of (input 2p, 2p + 1) for each output."""
     out_features, in_features = codes.shape
     tiles, groups = out_features // TILE, in_features // group
-    if activations == "int8" and nibbles:
-        c = codes.to(torch.uint8).reshape(tiles, TILE, groups, group // 8, 2, 4)  # [t, j, g, z, h, i]
-        c = c.permute(0, 2, 3, 1, 5, 4)  # [t, g, z, j, i, h]
-        return (c[..., 0] | (c[..., 1] << 4)).contiguous().reshape(-1)
-    if activations == "int8":  # unsigned bytes: code + 128
-        c = (codes.to(torch.int16) + 128).to(torch.uint8).reshape(tiles, TILE, groups, group // 4, 4)
-        return c.permute(0, 2, 3, 1, 4).contiguous().reshape(-1)  # [t, g, r, j, i]
     if nibbles:
         c = codes.to(torch.uint8).reshape(tiles, TILE, groups, group // 4, 2, 2)  # [t, j, g, q, h, e]
         c = c.permute(0, 2, 3, 1, 5, 4)  # [t, g, q, j, e, h]
@@ -84,10 +67,8 @@ class CodesProduct:
     exactly (a GGUF block's own), else float32."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                 bits: int = 4, activations: str = "bfloat16") -> None:
+                 bits: int = 4) -> None:
         # codes: [out, in] integers (0..15 for 4 bits, else -128..127); scales, mins: [out, in // group]
-        if activations not in ACTIVATIONS:
-            raise ValueError(f"activations {activations!r}: one of {', '.join(ACTIVATIONS)}")
         self.out_features, self.in_features = codes.shape
         group = self.in_features // scales.shape[1]
         if group > 32:
@@ -97,8 +78,8 @@ class CodesProduct:
         if group not in GROUPS or not fits(self.out_features, self.in_features):
             raise ValueError(f"row kernels take groups of 16 or 32 over in % 32 == 0, out % 16 == 0 "
                              f"(got group {group}, shape {tuple(codes.shape)})")
-        self.group, self.nibbles, self.activations = group, bits <= 4, activations
-        self.codes = pack_codes(codes, group, self.nibbles, activations)
+        self.group, self.nibbles = group, bits <= 4
+        self.codes = pack_codes(codes, group, self.nibbles)
         exact = [t.float() for t in (scales, mins) if t is not None]
         half = all(torch.equal(t.half().float(), t) for t in exact)
         dtype = torch.float16 if half else torch.float32
@@ -107,12 +88,12 @@ class CodesProduct:
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins)
                           if t is not None)
         self.name = (f"{bits}-bit codes g{group}, {'float16' if half else 'float32'} scales "
-                     f"({NAME if activations == 'bfloat16' else NAME_INT8}, {activations} activations)")
+                     f"({NAME}, bfloat16 activations)")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        run = library().linear_codes if self.activations == "bfloat16" else library().linear_codes_q8
-        out = run(flat, self.codes, self.scales, self.mins, self.group, self.nibbles, self.out_features)
+        out = library().linear_codes(flat, self.codes, self.scales, self.mins, self.group, self.nibbles,
+                                     self.out_features)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
