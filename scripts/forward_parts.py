@@ -41,6 +41,7 @@ def timed(f: Callable, spent: collections.Counter, part: str) -> Callable:
 def profile(dtype: str, context: int, repeats: int) -> dict[int, dict[str, float]]:
     """Best-of-`repeats` milliseconds per part, by tokens scored."""
     target = CachedModel(load_model(DEFAULT_MODEL, dtype).model)
+    print(f"{dtype}: {target.kernel} (VERISPEC_KERNELS={os.environ.get('VERISPEC_KERNELS', 'on')})")
     weights = target.lean.weights
     spent: collections.Counter = collections.Counter()
     for layer in weights.layers:  # frozen dataclasses: their products are wrapped in place
@@ -75,7 +76,6 @@ def profile(dtype: str, context: int, repeats: int) -> dict[int, dict[str, float
                     best[n] = parts
     finally:
         lean.rows.attention, lean.row_attention, nn.functional.scaled_dot_product_attention = saved
-    print(f"{dtype}: {target.kernel} (VERISPEC_KERNELS={os.environ.get('VERISPEC_KERNELS', 'on')})")
     return best
 
 
