@@ -30,8 +30,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
+from verispec.target.kernels import rows
 from verispec.target.kv_cache import KVCache
-from verispec.target.lowbit import DenseKernel, Int4Groups, QuantLinear
+from verispec.target.lowbit import DenseKernel, Int4Groups, QuantLinear, RowsInt4Kernel
 from verispec.target.packed import can_pack, cpu_packs, pack_weight, packed_linear, per_model
 
 
@@ -161,6 +162,8 @@ class Linear:
                               for b, layer in zip(biases, layers)])
         if weight.device.type != "cpu":
             return DenseLinear(weight, bias)
+        if weight.dtype == torch.bfloat16 and rows.available() and rows.fits(*weight.shape):
+            return with_bias(rows.DenseProduct(weight), layers)  # a bfloat16 target: the row kernel
         return cls(pack_weight(weight), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,6 +258,10 @@ class LeanWeights:
         on_cpu = model.get_output_embeddings().weight.device.type == "cpu"
         # Off the CPU every product and norm of an invariant forward runs at FIXED_ROWS rows.
         self.fixed_rows = not on_cpu
+        # Rows attend through the row kernel's attention where it runs (kernels/rows.py): one
+        # call for a block's rows, the same arithmetic for a row whatever came with it.
+        self.row_kernel_attention = (on_cpu and rows.available() and self.head_dim in rows.HEAD_DIMS
+                                     and self.embed.weight.dtype in (torch.float32, torch.bfloat16))
 
         def stack(product: Callable[[list[nn.Linear]], Product]) -> list[Layer]:
             def one(i: int) -> Layer:
@@ -296,9 +303,11 @@ class LeanWeights:
         # A 4-bit target's prompts go through bfloat16 copies of its layers: the int4 kernel is a
         # matrix-vector kernel, slow on many rows (a 300-token prefill: 277 ms against 151 ms in
         # bfloat16, docs/int4.md). Plain and speculative decoding both prefill that way, so the
-        # guarantee holds; it costs 2 bytes a weight.
+        # guarantee holds; it costs 2 bytes a weight. The row kernel (lowbit.RowsInt4Kernel) takes
+        # a prompt's rows as fast as those copies (300 tokens: 310 against 299 ms), so it needs none.
         self.prompt_layers: list[Layer] | None = None
-        if linear == Linear.fuse and four_bit and cpu_packs(torch.bfloat16):
+        if (linear == Linear.fuse and four_bit and cpu_packs(torch.bfloat16)
+                and not isinstance(body.layers[0].mlp.down_proj.kernel, RowsInt4Kernel)):
             self.prompt_layers = stack(bfloat16_copy)
 
     @classmethod
@@ -460,7 +469,12 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = rotate(heads(q, n, w.heads, layer.q_norm), cos, sin)
             k = rotate(heads(k, n, w.kv_heads, layer.k_norm), cos, sin)
-            keys, values = decoder.caches[index].append(k, heads(v, n, w.kv_heads, None))
+            cache = decoder.caches[index]
+            keys, values = cache.append(k, heads(v, n, w.kv_heads, None))
+            if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:
+                attended.append(rows.attention(q, cache.keys, cache.values, cache.length, seen.rows,
+                                               w.scaling))
+                continue
             if n == 1 and seen.mask is None and layer.window is not None:  # one row: the last keys
                 keys, values = keys[:, :, -layer.window:], values[:, :, -layer.window:]
             if invariant and n > 1 and not seen.whole:  # a chain slices its keys; a tree gathers them
