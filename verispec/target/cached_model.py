@@ -37,12 +37,11 @@ class CachedModel:
         copy of them, say: verispec.drafters.self_spec).
 
         On CPU through F.linear, matrix products over 2, 3, 7 or 11 rows take up to twice as long
-        as over 4, 8 or 12 (measured here: the LM head takes 15 ms for 2 rows, 12.5 ms for 4), so
-        by default a block of n > 1 tokens on CPU is padded to a multiple of 4 and the padding is
-        dropped from the cache and the logits. Padding comes after the real tokens, which cannot
-        attend to it. Prepacked, the row count hardly matters (2, 3 and 4 tokens within 1% of each
-        other here), and the padding costs as little. The lean path is not padded: there 2 and 3
-        tokens cost less than 4 (51, 54 and 57 ms for SmolLM2-135M here).
+        as over 4, 8 or 12, so by default a block of n > 1 tokens on CPU is padded to a multiple of
+        4 and the padding is dropped from the cache and the logits. Padding comes after the real
+        tokens, which cannot attend to it. Prepacked, the row count hardly matters and the padding
+        costs as little; the lean path is not padded (there 2 and 3 tokens cost less than 4).
+        Figures: docs/performance.md, "Figures behind the target's design".
         """
         self.model = model
         if lean is None and pack and lean_supported(model):

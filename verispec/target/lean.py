@@ -4,12 +4,12 @@ preallocated KV cache instead of Hugging Face's forward.
 For a small model on a 2-core CPU, what surrounds the matrix products is a large share of a step:
 Hugging Face's forward builds position ids, masks and cache objects per call, runs q, k, v and
 gate, up as separate products, repeats keys and values for grouped-query attention, and its
-DynamicCache appends by concatenation, copying every cached key and value at every step.
-Measured on this project's 2-core AMD machine (SmolLM2-135M, float32, 300 cached tokens): the
-linear layers alone take 43 ms for one token and 50 ms for four, the whole forward 55 and 78 ms.
-This module runs the same weights with the same arithmetic (RMSNorm in float32, rotary
-embeddings from the model's own rotary module, scaled dot-product attention) and none of that
-glue: keys and values are written into place, q/k/v and gate/up are one product each.
+DynamicCache appends by concatenation, copying every cached key and value at every step (on
+SmolLM2-135M that glue was a fifth of a one-token forward and a third of a four-token one:
+docs/performance.md, "Figures behind the target's design"). This module runs the same weights
+with the same arithmetic (RMSNorm in float32, rotary embeddings from the model's own rotary
+module, scaled dot-product attention) and none of that glue: keys and values are written into
+place, q/k/v and gate/up are one product each.
 
 It runs the decoder families in `FAMILIES` (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3), each
 described as data (`Family`: its norms, activation, biases, attention windows, embedding scale,

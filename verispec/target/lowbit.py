@@ -341,8 +341,8 @@ def int4_target(model: nn.Module, gguf: Path | None) -> str:
     Every decoder layer's nn.Linear becomes a QuantLinear over the file's Q4_0 / Q4_1 blocks where
     they are exactly the loaded weights, else over the weights quantized to groups of 32, through
     the fastest 4-bit kernel on this machine (`choose_kernel`). The LM head (a GGUF's Q8_0 or
-    float head; llama.cpp keeps it above 4 bits too) runs in bfloat16 where the CPU packs it: on
-    SmolLM2 that is 1.2 ms a token against 2.8 ms in float32 (49152 x 576; measured here)."""
+    float head; llama.cpp keeps it above 4 bits too) runs in bfloat16 where the CPU packs it, less
+    than half float32's time (docs/performance.md, "Figures behind the target's design")."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise VerispecError(f"a 4-bit target needs a decoder with model.layers; "
