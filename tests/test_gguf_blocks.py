@@ -2,7 +2,8 @@
 minimums whose values are exactly gguf-py's dequantization; each type runs on the row kernels
 (where they run) multiplying by exactly those values, row-invariant; a model loaded from a file
 runs each tensor in its own type, exactly, batch-invariant, and every method that needs no
-training gives plain decoding's tokens on it. The files are written here (gguf-py's GGUFWriter; its
+training gives plain decoding's tokens on it; the built-in SmolLM2 file as stored is its 4-bit
+target (`--dtype int4`), bit for bit. The files are written here (gguf-py's GGUFWriter; its
 quantize for the legacy types, random blocks with sane scales for the K-quants, which it cannot
 quantize)."""
 
@@ -21,7 +22,8 @@ from tests.test_row_kernels import rows_differing
 from tests.tiny import tiny_llama
 from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
-from verispec.methods import build_engine
+from verispec.methods import FASTEST_4BIT, build_engine, fastest_method
+from verispec.request import encode_prompt
 from verispec.target import gguf_blocks
 from verispec.target.cached_model import CachedModel
 from verispec.target.gguf_blocks import (
@@ -35,13 +37,14 @@ from verispec.target.gguf_blocks import (
     gguf_target,
     gguf_tensors,
     kernel_weights,
+    own_int4,
     read_blocks,
     stored_types,
 )
 from verispec.target.kernels import rows
 from verispec.target.lean import LeanWeights
 from verispec.target.lowbit import GGUF_LINEARS, QuantLinear, llama_q_k_rows, weight_format
-from verispec.target.models import LoadedModel, load_model
+from verispec.target.models import DEFAULT_MODEL, LoadedModel, load_model
 
 ROWS_RUN = pytest.mark.skipif(not rows.available(), reason=f"row kernels: {rows.unavailable_reason()}")
 
@@ -200,6 +203,21 @@ def test_without_the_row_kernels_each_type_runs_on_its_values_in_float32(every_t
     assert_exact(kernel, blocks)
 
 
+def test_4bit_types_give_drafters_their_own_codes(every_type):
+    """Q4_0, Q4_1 and Q4_K blocks are 4-bit groups of 32 with the same values (Q4_0's q - 8 as q
+    with minimum -8 d, exactly), so a self drafter takes a GGUF target's own codes; wider types
+    are not."""
+    for qtype in QTYPES:
+        blocks = type_blocks(every_type, qtype)
+        module = QuantLinear(blocks, DequantizedKernel, None)
+        groups = own_int4(module)
+        if qtype in ("Q4_0", "Q4_1", "Q4_K"):
+            assert groups is not None and int(groups.codes.max()) == 15 and int(groups.codes.min()) == 0
+            assert torch.equal(groups.dequantize(), blocks.dequantize())
+        else:
+            assert groups is None
+
+
 # ---- a model loaded from a file --------------------------------------------------------------
 
 # Each layer's tensors in other types (a K-quant file mixes them); the head in Q8_0.
@@ -297,6 +315,30 @@ def test_methods_are_exact_on_the_stored_target(target):
         assert sum(step.draft_depth for r in results for step in r.steps) > 0, method
         accepted += sum(step.num_accepted for r in results for step in r.steps)
     assert accepted > 0
+
+
+@ROWS_RUN
+def test_the_builtin_file_as_stored_is_the_4bit_target():
+    """`--dtype gguf` on the built-in SmolLM2 file (its 210 Q4_1 layers and its Q8_0 head on the
+    row kernels) is the 4-bit target docs/int4.md describes (`--dtype int4`: the file's Q4 blocks,
+    its Q8_0 head recovered from the loaded weights) bit for bit: a prompt, a block and a step give
+    the same logits, and a self-int4 drafter takes the same codes from either."""
+    stored, published = load_model(DEFAULT_MODEL, "gguf"), load_model(DEFAULT_MODEL, "int4")
+    assert weight_format(stored.model) == "gguf" and stored_types(stored.model) == {"Q4_1": 210, "Q8_0": 1}
+    assert fastest_method(stored) == fastest_method(published) == FASTEST_4BIT
+    ours, theirs = CachedModel(stored.model), CachedModel(published.model)
+    for text in ("Name three rivers.", "Repeat this list twice: apples, pears, plums, cherries."):
+        ids = encode_prompt(stored, text, chat=True)
+        for block in (ids, [5, 6, 7], [8]):
+            assert torch.equal(ours.forward(torch.tensor(block)), theirs.forward(torch.tensor(block)))
+        ours.reset()
+        theirs.reset()
+    layers = dict(published.model.model.layers.named_modules())
+    for name, module in stored.model.model.layers.named_modules():
+        if isinstance(module, QuantLinear):  # what a self-int4 drafter takes from each target
+            mine, its = own_int4(module), own_int4(layers[name])
+            for field in ("codes", "scales", "mins"):
+                assert torch.equal(getattr(mine, field), getattr(its, field))
 
 
 def test_dtype_gguf_needs_a_gguf_file(tiny_dir):

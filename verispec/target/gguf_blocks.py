@@ -43,7 +43,7 @@ from torch import nn
 from verispec.core.errors import VerispecError
 from verispec.target.gguf_file import TensorInfo, gguf_tensors
 from verispec.target.kernels import rows
-from verispec.target.lowbit import GGUF_LINEARS, DenseKernel, Kernel, QuantLinear, llama_q_k_rows
+from verispec.target.lowbit import GGUF_LINEARS, DenseKernel, Int4Groups, Kernel, QuantLinear, llama_q_k_rows
 from verispec.target.packed import cpu_packs
 
 # type -> (weights per group, bits per code)
@@ -86,6 +86,16 @@ class Blocks:
             return Fused(tuple(parts))
         return Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "mins")),
                       parts[0].bits, parts[0].qtype)
+
+    def int4(self) -> Int4Groups | None:
+        """The same values as 4-bit groups (codes 0..15, a scale and a minimum per group of 32:
+        Q4_0's q - 8 as q with minimum -8 d, exactly), for drafters that take a target's own
+        4-bit codes; None for wider codes or groups of another size."""
+        if self.bits != 4 or self.group != 32:
+            return None
+        offset = ROW_CODES[self.qtype][0]
+        codes = (self.codes + offset).to(torch.uint8)
+        return Int4Groups(codes, self.scales, self.mins - offset * self.scales)
 
     def rows(self, index: torch.Tensor) -> Blocks:
         """The output rows `index` [m] (a row permutation, say)."""
@@ -376,3 +386,12 @@ def stored_types(model: nn.Module) -> dict[str, int]:
             found[module.stored.qtype] = found.get(module.stored.qtype, 0) + 1
     return found
 
+
+def own_int4(module: nn.Module) -> Int4Groups | None:
+    """A quantized layer's own 4-bit groups: a 4-bit target's codes, or a GGUF tensor stored in
+    4 bits (Q4_0, Q4_1, Q4_K) as the same values, for a drafter that takes the target's own
+    codes; None for anything else."""
+    stored = getattr(module, "stored", None)
+    if isinstance(stored, Int4Groups):
+        return stored
+    return stored.int4() if isinstance(stored, Blocks) else None
