@@ -1,8 +1,11 @@
 """GGUF files as stored (`--dtype gguf`): every block type is read into codes, float32 scales and
-minimums whose values are exactly gguf-py's dequantization; a model loaded from a file runs each
-tensor in its own type, exactly, batch-invariant, and every method that needs no training gives
-plain decoding's tokens on it. The files are written here (gguf-py's GGUFWriter; its quantize for
-the legacy types, random blocks with sane scales for the K-quants, which it cannot quantize)."""
+minimums whose values are exactly gguf-py's dequantization; each type runs on the row kernels
+(where they run) multiplying by exactly those values, row-invariant; a model loaded from a file
+runs each tensor in its own type, exactly, batch-invariant, and every method that needs no
+training gives plain decoding's tokens on it; the built-in SmolLM2 file as stored is its 4-bit
+target (`--dtype int4`), bit for bit. The files are written here (gguf-py's GGUFWriter; its
+quantize for the legacy types, random blocks with sane scales for the K-quants, which it cannot
+quantize)."""
 
 from __future__ import annotations
 
@@ -15,15 +18,35 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from tests import test_invariance as invariance
+from tests.test_row_kernels import rows_differing
 from tests.tiny import tiny_llama
 from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
-from verispec.methods import build_engine
+from verispec.methods import FASTEST_4BIT, build_engine, fastest_method
+from verispec.request import encode_prompt
+from verispec.target import gguf_blocks
 from verispec.target.cached_model import CachedModel
-from verispec.target.gguf_blocks import QTYPES, Blocks, gguf_target, gguf_tensors, read_blocks, stored_types
+from verispec.target.gguf_blocks import (
+    QTYPES,
+    ROW_CODES,
+    Blocks,
+    DequantizedKernel,
+    Fused,
+    RowsBlocksKernel,
+    exact_kernel,
+    gguf_target,
+    gguf_tensors,
+    kernel_weights,
+    own_int4,
+    read_blocks,
+    stored_types,
+)
+from verispec.target.kernels import rows
 from verispec.target.lean import LeanWeights
 from verispec.target.lowbit import GGUF_LINEARS, QuantLinear, llama_q_k_rows, weight_format
-from verispec.target.models import LoadedModel, load_model
+from verispec.target.models import DEFAULT_MODEL, LoadedModel, load_model
+
+ROWS_RUN = pytest.mark.skipif(not rows.available(), reason=f"row kernels: {rows.unavailable_reason()}")
 
 # code range per type: (lowest, highest), as the files here use them (a Q8_0 quantizer stays in +-127)
 CODES = {"Q4_0": (-8, 7), "Q4_1": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31), "Q8_0": (-127, 127),
@@ -102,6 +125,99 @@ def test_q4_k_scales_are_not_held_by_bfloat16(every_type):
     assert not torch.equal(blocks.scales.to(torch.bfloat16).float(), blocks.scales)
 
 
+# ---- each type's kernel ----------------------------------------------------------------------
+
+
+def type_blocks(every_type, qtype: str) -> Blocks:
+    path, _ = every_type
+    return read_blocks(gguf_tensors(path)[1][f"t.{qtype}"].data, qtype, 48, 512)
+
+
+def assert_exact(kernel, stored: Blocks | Fused) -> None:
+    """Products with every unit vector give the blocks' values, bit for bit."""
+    width = stored.dequantize().shape[1]
+    assert torch.equal(kernel_weights(kernel, torch.arange(width), width), stored.dequantize())
+
+
+@ROWS_RUN
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_each_type_runs_on_the_row_kernels_exactly_and_row_invariant(every_type, qtype):
+    """Each type's kernel is the row kernel over the file's own codes (4-bit ones as nibbles,
+    wider ones as bytes; minimums only where the type has them): its products with unit vectors
+    are the blocks' values, bit for bit; every block of 1..17 rows gives each row the bits it has
+    among all 17 (float32 and bfloat16 activations); and it computes the product it stands for."""
+    blocks = type_blocks(every_type, qtype)
+    kernel = exact_kernel(blocks)
+    assert isinstance(kernel, RowsBlocksKernel)
+    assert kernel.name.startswith(f"{qtype}: {blocks.bits}-bit codes")
+    (product,) = kernel.products
+    assert product.nibbles == (blocks.bits == 4) and product.group == blocks.group
+    assert (product.mins is None) == (not ROW_CODES[qtype][1])
+    assert_exact(kernel, blocks)
+    x = torch.randn(17, 512, generator=torch.Generator().manual_seed(3))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert rows_differing(kernel, x.to(dtype)) == []
+    expected = x.to(torch.bfloat16).double() @ blocks.dequantize().double().T
+    assert (kernel(x).double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@ROWS_RUN
+def test_a_product_fused_over_types_runs_each_in_its_own_form(every_type):
+    """q/k/v stored in several types: parts the kernel takes alike (Q5_0 and Q8_0: bytes, groups
+    of 32, no minimums) stack into one product; others (Q4_K nibbles with minimums, Q6_K's groups
+    of 16) run as their own, outputs concatenated; exact and row-invariant either way."""
+    parts = [type_blocks(every_type, qtype) for qtype in ("Q5_0", "Q8_0", "Q4_K", "Q6_K", "Q4_0")]
+    fused = Blocks.cat(parts)
+    assert isinstance(fused, Fused) and fused.types == "Q5_0+Q8_0+Q4_K+Q6_K+Q4_0"
+    kernel = exact_kernel(fused)
+    assert [(p.out_features, p.nibbles, p.group) for p in kernel.products] == [
+        (96, False, 32), (48, True, 32), (48, False, 16), (48, True, 32)]
+    assert_exact(kernel, fused)
+    assert rows_differing(kernel, torch.randn(17, 512, generator=torch.Generator().manual_seed(4))) == []
+
+
+@ROWS_RUN
+@pytest.mark.parametrize(("qtype", "broken"), [("Q4_0", (7, True)), ("Q6_K", (32, False)),
+                                                ("Q4_1", (0, False)), ("Q8_0", (0, True))])
+def test_a_wrong_mapping_onto_the_row_kernel_is_refused(every_type, monkeypatch, qtype, broken):
+    """The check at build time catches a type mapped wrongly onto the kernel (an offset off by one,
+    Q6_K's codes taken without their offset, Q4_1's minimums dropped; Q8_0 given minimums is
+    harmless, zero, and passes): the check compares with the blocks' values, not the mapping."""
+    blocks = type_blocks(every_type, qtype)
+    monkeypatch.setitem(ROW_CODES, qtype, broken)
+    if qtype == "Q8_0":
+        assert_exact(exact_kernel(blocks), blocks)
+        return
+    with pytest.raises(VerispecError, match="does not multiply by its blocks' values exactly"):
+        exact_kernel(blocks)
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_without_the_row_kernels_each_type_runs_on_its_values_in_float32(every_type, monkeypatch, qtype):
+    """Where the row kernels do not run (no AVX512-BF16, no compiler), each type runs on its
+    values in float32 (oneDNN), exact, and says so."""
+    monkeypatch.setattr(gguf_blocks.rows, "available", lambda: False)
+    blocks = type_blocks(every_type, qtype)
+    kernel = exact_kernel(blocks)
+    assert isinstance(kernel, DequantizedKernel) and kernel.name.startswith(f"{qtype}: its values in float32")
+    assert_exact(kernel, blocks)
+
+
+def test_4bit_types_give_drafters_their_own_codes(every_type):
+    """Q4_0, Q4_1 and Q4_K blocks are 4-bit groups of 32 with the same values (Q4_0's q - 8 as q
+    with minimum -8 d, exactly), so a self drafter takes a GGUF target's own codes; wider types
+    are not."""
+    for qtype in QTYPES:
+        blocks = type_blocks(every_type, qtype)
+        module = QuantLinear(blocks, DequantizedKernel, None)
+        groups = own_int4(module)
+        if qtype in ("Q4_0", "Q4_1", "Q4_K"):
+            assert groups is not None and int(groups.codes.max()) == 15 and int(groups.codes.min()) == 0
+            assert torch.equal(groups.dequantize(), blocks.dequantize())
+        else:
+            assert groups is None
+
+
 # ---- a model loaded from a file --------------------------------------------------------------
 
 # Each layer's tensors in other types (a K-quant file mixes them); the head in Q8_0.
@@ -155,11 +271,13 @@ def test_every_tensor_runs_in_its_own_type(target):
     assert weight_format(target.model) == "gguf"
     stats = CachedModel(target.model).stats()
     assert stats.dtype == "gguf" and stats.invariance == "row-attention"
-    for qtype in QTYPES:  # the stats name the kernel of each type
-        assert f"{qtype}: its values in float32" in stats.kernel
+    for qtype, (_, bits) in QTYPES.items():  # the stats name the kernel of each type
+        runs = f"{bits}-bit codes" if rows.available() else "its values in float32"
+        assert f"{qtype}: {runs}" in stats.kernel
     for module in target.model.modules():
         if isinstance(module, QuantLinear):
             assert isinstance(module.stored, Blocks)
+            assert isinstance(module.kernel, RowsBlocksKernel if rows.available() else DequantizedKernel)
             x = torch.randn(3, module.in_features)
             assert torch.equal(module(x), module.kernel(x))
 
@@ -175,6 +293,8 @@ def test_a_weight_that_is_not_the_files_is_refused(stored, tmp_path):
 @torch.no_grad()
 def test_the_stored_target_is_batch_invariant(target):
     weights = LeanWeights.of(target.model)
+    if rows.available():  # layer 0's q/k/v: Q5_0 | Q4_K | Q8_0, gate/up: Q5_K | Q4_0, each its own form
+        assert [len(p.products) for p in (weights.layers[0].qkv, weights.layers[0].gate_up)] == [3, 2]
     tokens = torch.randint(3, 64, (invariance.PREFIX + 17,), generator=torch.Generator().manual_seed(0))
     assert invariance.blocks_differing(weights, tokens, invariant=True) == []
     invariance.test_tree_nodes_match_their_paths(weights, tokens)
@@ -195,6 +315,30 @@ def test_methods_are_exact_on_the_stored_target(target):
         assert sum(step.draft_depth for r in results for step in r.steps) > 0, method
         accepted += sum(step.num_accepted for r in results for step in r.steps)
     assert accepted > 0
+
+
+@ROWS_RUN
+def test_the_builtin_file_as_stored_is_the_4bit_target():
+    """`--dtype gguf` on the built-in SmolLM2 file (its 210 Q4_1 layers and its Q8_0 head on the
+    row kernels) is the 4-bit target docs/int4.md describes (`--dtype int4`: the file's Q4 blocks,
+    its Q8_0 head recovered from the loaded weights) bit for bit: a prompt, a block and a step give
+    the same logits, and a self-int4 drafter takes the same codes from either."""
+    stored, published = load_model(DEFAULT_MODEL, "gguf"), load_model(DEFAULT_MODEL, "int4")
+    assert weight_format(stored.model) == "gguf" and stored_types(stored.model) == {"Q4_1": 210, "Q8_0": 1}
+    assert fastest_method(stored) == fastest_method(published) == FASTEST_4BIT
+    ours, theirs = CachedModel(stored.model), CachedModel(published.model)
+    for text in ("Name three rivers.", "Repeat this list twice: apples, pears, plums, cherries."):
+        ids = encode_prompt(stored, text, chat=True)
+        for block in (ids, [5, 6, 7], [8]):
+            assert torch.equal(ours.forward(torch.tensor(block)), theirs.forward(torch.tensor(block)))
+        ours.reset()
+        theirs.reset()
+    layers = dict(published.model.model.layers.named_modules())
+    for name, module in stored.model.model.layers.named_modules():
+        if isinstance(module, QuantLinear):  # what a self-int4 drafter takes from each target
+            mine, its = own_int4(module), own_int4(layers[name])
+            for field in ("codes", "scales", "mins"):
+                assert torch.equal(getattr(mine, field), getattr(its, field))
 
 
 def test_dtype_gguf_needs_a_gguf_file(tiny_dir):

@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from tests.tiny import tiny_llama
 from verispec.target.cached_model import CachedModel
+from verispec.target.gguf_blocks import RowsBlocksKernel
 from verispec.target.kernels import rows
 from verispec.target.lean import LeanWeights
 from verispec.target.lowbit import Int4Groups, Int8Groups, RowsInt4Kernel, RowsInt8Kernel, int4_target
@@ -139,16 +140,20 @@ def test_attention_rows_match_one_query_each(dtype, head_dim):
     assert (tree.double() - reference).abs().max() < tolerance
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int4", "gguf"])
 def test_the_lean_targets_run_on_the_row_kernels(dtype):
-    """The built-in model's 4-bit and bfloat16 targets multiply and attend through the row
-    kernels (so tests/test_invariance.py's blocks, trees and batches test them), and say so."""
+    """The built-in model's 4-bit, as-stored and bfloat16 targets multiply and attend through the
+    row kernels (so tests/test_invariance.py's blocks, trees and batches test them), and say so."""
     model = load_model(DEFAULT_MODEL, dtype).model
     weights = LeanWeights.of(model)
     assert weights.row_kernel_attention
     if dtype == "int4":
         assert isinstance(weights.layers[0].qkv, RowsInt4Kernel)
         assert isinstance(weights.head, RowsInt8Kernel)  # the GGUF's Q8_0 head, its own blocks
+    elif dtype == "gguf":  # the file's Q4_1 layers and Q8_0 head, their own blocks
+        qkv, head = weights.layers[0].qkv, weights.head
+        assert isinstance(qkv, RowsBlocksKernel) and qkv.name.startswith("Q4_1: 4-bit codes")
+        assert isinstance(head, RowsBlocksKernel) and head.name.startswith("Q8_0: 8-bit codes")
     else:
         assert isinstance(weights.layers[0].qkv, rows.DenseProduct)
     kernel = CachedModel(model).kernel

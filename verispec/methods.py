@@ -293,9 +293,10 @@ def resolve_tree(method: str, tree: TreeSettings | str | None) -> TreeSettings |
 
 
 def fastest_method(target: LoadedModel) -> str:
-    """The default method for `target`: FASTEST_4BIT on a 4-bit target; a built-in model's
-    measured default (MODEL_DEFAULTS); else FASTEST where it can run it, else FALLBACK."""
-    if weight_format(target.model) == "int4":
+    """The default method for `target`: FASTEST_4BIT on a 4-bit target (or a GGUF file as
+    stored); a built-in model's measured default (MODEL_DEFAULTS); else FASTEST where it can run
+    it, else FALLBACK."""
+    if weight_format(target.model) in ("int4", "gguf"):
         return FASTEST_4BIT
     if target.name in MODEL_DEFAULTS:
         return MODEL_DEFAULTS[target.name]

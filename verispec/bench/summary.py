@@ -27,8 +27,9 @@ from verispec.core.types import GenerationStats
 MAX_BEST_K = 32  # best_k is searched over 1..MAX_BEST_K
 TIE_ABSOLUTE = 0.01  # |logit gap| up to this looks like a numerical tie (float32)
 TIE_ULPS = 2  # ... or up to this many units in the last place of the logit, in the run's dtype
+# spacing at 1.0 (4-bit and GGUF targets' products take bfloat16 activations)
 EPSILON = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10,
-           "int4": 2.0 ** -7}  # spacing at 1.0 (a 4-bit target's products take bfloat16 activations)
+           "int4": 2.0 ** -7, "gguf": 2.0 ** -7}
 
 
 def by_label(runs: Iterable[Run]) -> dict[str, list[Run]]:

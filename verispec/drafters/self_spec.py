@@ -23,6 +23,7 @@ from verispec.core.tree import TreeSettings
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.target.cached_model import CachedModel
+from verispec.target.gguf_blocks import own_int4
 from verispec.target.lean import (
     FAMILIES,
     LeanDecoder,
@@ -35,8 +36,6 @@ from verispec.target.lean import (
 from verispec.target.lowbit import (
     FORMATS,
     INT4_GROUPS,
-    Int4Groups,
-    QuantLinear,
     RescoredHead,
     candidates,
     choose_kernel,
@@ -99,10 +98,10 @@ class SelfWeights:
             stored = []
             for module in modules:
                 name = f"{names[id(module)]}.weight"
-                if (isinstance(module, QuantLinear) and isinstance(module.stored, Int4Groups)
-                        and formats[part] == "int4" and module.stored.group == settings.group):
-                    # a 4-bit target's own codes
-                    stored.append(module.stored)
+                own = own_int4(module) if formats[part] == "int4" else None
+                if own is not None and own.group == settings.group:
+                    # a 4-bit target's own codes, or a GGUF target's 4-bit blocks
+                    stored.append(own)
                 else:
                     stored.append(blocks[name] if name in self.from_gguf
                                   else quantize(module.weight, formats[part], settings.group))

@@ -19,16 +19,18 @@ the block to, checked with torch.equal at load.
 | Q5_K | 32 | 5 | q | d * sc | -(dmin * m) |
 | Q6_K | 16 | 6 | q - 32 | d * sc | 0 |
 
-The products run through an exact kernel per type (`EXACT_KERNELS`; today the block's values in
-float32, prepacked for oneDNN: exact, and row-invariant with the lean path's lone-row probe); a
-faster exact kernel for a type takes `Blocks` as they are (codes, float32 scales and minimums,
-group, bits) and goes into that table. F32, F16 and BF16 tensors keep the float weights they were
-loaded with (their values exactly).
+The products run through the row kernels (verispec/target/kernels: `rows.CodesProduct`, each
+type mapped onto its codes, scales and minimums by `ROW_CODES`, activations rounded to bfloat16,
+float32 sums) where they run, else through the blocks' values in float32, prepacked for oneDNN
+(float32 activations). Either way a kernel is checked when it is built: its products with unit
+vectors are the blocks' values, bit for bit. F32, F16 and BF16 tensors keep the float weights
+they were loaded with (their values exactly).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +42,8 @@ from torch import nn
 
 from verispec.core.errors import VerispecError
 from verispec.target.gguf_file import TensorInfo, gguf_tensors
-from verispec.target.lowbit import GGUF_LINEARS, DenseKernel, Kernel, QuantLinear, llama_q_k_rows
+from verispec.target.kernels import rows
+from verispec.target.lowbit import GGUF_LINEARS, DenseKernel, Int4Groups, Kernel, QuantLinear, llama_q_k_rows
 from verispec.target.packed import cpu_packs
 
 # type -> (weights per group, bits per code)
@@ -76,17 +79,47 @@ class Blocks:
         return self.codes[:, index].float() * self.scales[:, group] + self.mins[:, group]
 
     @staticmethod
-    def cat(parts: list[Blocks]) -> Blocks | torch.Tensor:
-        """Several tensors over the same input stacked by rows (a fused product): their blocks
-        where they share a type, else their values in float32."""
+    def cat(parts: Sequence[Blocks]) -> Blocks | Fused:
+        """Several tensors over the same input stacked by rows (a fused product): one Blocks
+        where they share a type, else each in its own (Fused)."""
         if len({(p.qtype, p.group) for p in parts}) != 1:
-            return torch.cat([p.dequantize() for p in parts])
+            return Fused(tuple(parts))
         return Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "mins")),
                       parts[0].bits, parts[0].qtype)
+
+    def int4(self) -> Int4Groups | None:
+        """The same values as 4-bit groups (codes 0..15, a scale and a minimum per group of 32:
+        Q4_0's q - 8 as q with minimum -8 d, exactly), for drafters that take a target's own
+        4-bit codes; None for wider codes or groups of another size."""
+        if self.bits != 4 or self.group != 32:
+            return None
+        offset = ROW_CODES[self.qtype][0]
+        codes = (self.codes + offset).to(torch.uint8)
+        return Int4Groups(codes, self.scales, self.mins - offset * self.scales)
 
     def rows(self, index: torch.Tensor) -> Blocks:
         """The output rows `index` [m] (a row permutation, say)."""
         return Blocks(self.codes[index], self.scales[index], self.mins[index], self.bits, self.qtype)
+
+
+@dataclass(frozen=True)
+class Fused:
+    """Tensors of several types over the same input, stacked by rows (a fused product such as
+    q/k/v where v is stored in another type): each part keeps its own blocks."""
+
+    parts: tuple[Blocks, ...]
+
+    @property
+    def types(self) -> str:
+        return "+".join(dict.fromkeys(p.qtype for p in self.parts))
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights the parts stand for, stacked: [out, in] float32."""
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def columns(self, index: torch.Tensor) -> torch.Tensor:
+        """The weights of the input columns `index` [m]: [out, m] float32."""
+        return torch.cat([p.columns(index) for p in self.parts])
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -154,32 +187,109 @@ def read_blocks(raw: np.ndarray, qtype: str, rows: int, columns: int) -> Blocks:
 
 # ---- kernels ---------------------------------------------------------------------------------
 
+# How each type runs on the row kernels (rows.CodesProduct: w = code * scale + min per group,
+# codes of up to 4 bits as nibbles 0..15, wider ones as signed bytes): the offset its codes take
+# there (the minimum becoming min - offset * scale: Q4_0's q - 8 runs as q with minimum -8 d,
+# the same values exactly) and whether it has minimums (without, the kernel skips their term).
+# A type left out of this table runs on its values in float32.
+ROW_CODES: dict[str, tuple[int, bool]] = {
+    "Q4_0": (8, True), "Q4_1": (0, True), "Q5_0": (0, False), "Q5_1": (0, True), "Q8_0": (0, False),
+    "Q4_K": (0, True), "Q5_K": (0, True), "Q6_K": (0, False)}
+CHECK_COLUMNS = 256  # unit vectors per product when a kernel is checked (bounds its memory)
+
+
+@dataclass(frozen=True)
+class RowCodes:
+    """Blocks as rows.CodesProduct takes them (ROW_CODES applied)."""
+
+    codes: torch.Tensor  # [out, in] int8 (0..15 where bits <= 4)
+    scales: torch.Tensor  # [out, in // group] float32
+    mins: torch.Tensor | None  # [out, in // group] float32, or None: no minimums
+    bits: int
+
+    @classmethod
+    def of(cls, blocks: Blocks) -> RowCodes:
+        offset, has_mins = ROW_CODES[blocks.qtype]
+        mins = blocks.mins - offset * blocks.scales if offset else blocks.mins
+        return cls(blocks.codes + offset if offset else blocks.codes, blocks.scales,
+                   mins if has_mins else None, blocks.bits)
+
+    @property
+    def form(self) -> tuple[bool, int, bool]:
+        """What the kernel runs it as: nibbles (else bytes), the group size, minimums or not.
+        Parts alike in form stack into one product (Q5_0 and Q8_0 do)."""
+        return self.bits <= 4, self.codes.shape[1] // self.scales.shape[1], self.mins is not None
+
+    @staticmethod
+    def cat(parts: Sequence[RowCodes]) -> RowCodes:
+        """Parts of one form stacked by rows."""
+        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+        return RowCodes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins,
+                        max(p.bits for p in parts))
+
+    def product(self) -> rows.CodesProduct:
+        return rows.CodesProduct(self.codes, self.scales, self.mins, self.bits)
+
+
+class RowsBlocksKernel(Kernel):
+    """A GGUF tensor's blocks through verispec's row kernels (kernels/rows.cpp, AVX512-BF16): the
+    file's codes, scales and minimums as they are, activations rounded to bfloat16, float32 sums,
+    each row's arithmetic independent of the other rows (row-invariant by construction). A fused
+    product over tensors of several forms (nibbles or bytes, groups of 16 or 32, minimums or not)
+    runs one product per run of parts alike, outputs concatenated."""
+
+    def __init__(self, parts: Sequence[Blocks]) -> None:
+        runs: list[list[RowCodes]] = []
+        for part in map(RowCodes.of, parts):
+            if runs and runs[-1][-1].form == part.form:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        self.products = [RowCodes.cat(run).product() for run in runs]
+        self.nbytes = sum(product.nbytes for product in self.products)
+        types = "+".join(dict.fromkeys(part.qtype for part in parts))
+        self.name = f"{types}: {' + '.join(product.name for product in self.products)}, exact"
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.products) == 1:
+            return self.products[0](x)
+        return torch.cat([product(x) for product in self.products], dim=-1)
+
 
 class DequantizedKernel(Kernel):
     """A tensor's blocks multiplied as their float32 values, prepacked for oneDNN where the CPU
-    packs float32: exact (the weights are the file's values), one float32 copy of them."""
+    packs float32: exact (the weights are the file's values), one float32 copy of them; where the
+    row kernels do not run."""
 
-    def __init__(self, stored: Blocks | torch.Tensor) -> None:
-        weight = stored.dequantize() if isinstance(stored, Blocks) else stored.float()
-        self.dense = DenseKernel(weight, torch.float32, cpu_packs(torch.float32))
+    def __init__(self, stored: Blocks | Fused) -> None:
+        self.dense = DenseKernel(stored.dequantize(), torch.float32, cpu_packs(torch.float32))
         self.nbytes = self.dense.nbytes
-        kind = stored.qtype if isinstance(stored, Blocks) else "mixed"
+        kind = stored.qtype if isinstance(stored, Blocks) else stored.types
         self.name = f"{kind}: its values in float32 ({self.dense.name.split('(')[1].rstrip(')')}), exact"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense.matmul(x.float())
 
 
-# type -> the exact kernel that runs it (a faster exact kernel for a type replaces its entry).
-EXACT_KERNELS: dict[str, Callable[[Blocks], Kernel]] = {qtype: DequantizedKernel for qtype in QTYPES}
-
-
-def exact_kernel(stored: Blocks | torch.Tensor) -> Kernel:
-    """The exact kernel for `stored` (a fused product over tensors of several types: their values
-    in float32)."""
-    if isinstance(stored, Blocks):
-        return EXACT_KERNELS[stored.qtype](stored)
-    return DequantizedKernel(stored)
+def exact_kernel(stored: Blocks | Fused, sample: int | None = None) -> Kernel:
+    """The fastest exact kernel for `stored` here: the row kernels where they run and take every
+    part's type and shape, else its values in float32. Checked before it is returned: its
+    products with unit vectors (every input column, or `sample` of them evenly spaced) are the
+    blocks' values, bit for bit (torch.equal), so a kernel multiplies by exactly the file's values."""
+    parts = stored.parts if isinstance(stored, Fused) else (stored,)
+    if rows.available() and all(p.qtype in ROW_CODES and rows.fits(*p.codes.shape) for p in parts):
+        kernel: Kernel = RowsBlocksKernel(parts)
+    else:
+        kernel = DequantizedKernel(stored)
+    width = parts[0].codes.shape[1]
+    values = stored.dequantize() if sample is None else None
+    columns = torch.arange(width) if sample is None else torch.linspace(0, width - 1, sample).long()
+    for chunk in columns.split(CHECK_COLUMNS):
+        expected = stored.columns(chunk) if values is None else values[:, chunk[0]: chunk[-1] + 1]
+        if not torch.equal(kernel_weights(kernel, chunk, width), expected):
+            raise VerispecError(f"the kernel {kernel.name} does not multiply by its blocks' values "
+                                f"exactly ({sum(p.codes.shape[0] for p in parts)} x {width})")
+    return kernel
 
 
 def kernel_weights(kernel: Kernel, columns: torch.Tensor, width: int) -> torch.Tensor:
@@ -259,14 +369,13 @@ def gguf_target(model: nn.Module, path: Path) -> str:
 
 
 def _checked(stored: Blocks, module: nn.Linear, name: str, sample: int | None = None) -> QuantLinear:
-    """A QuantLinear over `stored`, after checking that its kernel multiplies by exactly the
-    blocks' values (every input column, or `sample` of them, evenly spaced, for the head)."""
-    quantized = QuantLinear(stored, exact_kernel, None if module.bias is None else module.bias.detach())
-    width = module.in_features
-    columns = torch.arange(width) if sample is None else torch.linspace(0, width - 1, sample).long()
-    if not torch.equal(kernel_weights(quantized.kernel, columns, width), stored.columns(columns)):
-        raise VerispecError(f"the {stored.qtype} kernel does not multiply by {name}'s values exactly")
-    return quantized
+    """A QuantLinear over `stored` through its exact kernel, checked (exact_kernel: every input
+    column, or `sample` of them, evenly spaced, for the head)."""
+    build = exact_kernel if sample is None else functools.partial(exact_kernel, sample=sample)
+    try:
+        return QuantLinear(stored, build, None if module.bias is None else module.bias.detach())
+    except VerispecError as error:
+        raise VerispecError(f"{name} ({stored.qtype}): {error}") from error
 
 
 def stored_types(model: nn.Module) -> dict[str, int]:
@@ -276,3 +385,13 @@ def stored_types(model: nn.Module) -> dict[str, int]:
         if isinstance(module, QuantLinear) and isinstance(module.stored, Blocks):
             found[module.stored.qtype] = found.get(module.stored.qtype, 0) + 1
     return found
+
+
+def own_int4(module: nn.Module) -> Int4Groups | None:
+    """A quantized layer's own 4-bit groups: a 4-bit target's codes, or a GGUF tensor stored in
+    4 bits (Q4_0, Q4_1, Q4_K) as the same values, for a drafter that takes the target's own
+    codes; None for anything else."""
+    stored = getattr(module, "stored", None)
+    if isinstance(stored, Int4Groups):
+        return stored
+    return stored.int4() if isinstance(stored, Blocks) else None

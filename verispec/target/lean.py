@@ -225,8 +225,8 @@ class LeanWeights:
     weights prepacked; verispec.drafters.self_spec stores them in low precision). layers: the
     decoder layers kept, in order (default: all; fewer skips the others, Draft & Verify style).
     norm: what runs each RMSNorm module, given the family's weight offset (default: the module
-    itself, as the model computes it; for a 4-bit target, whose arithmetic is verispec's own,
-    torch's fused rms_norm, one op for seven).
+    itself, as the model computes it; for a 4-bit or GGUF target, whose arithmetic is verispec's
+    own, torch's fused rms_norm, one op for seven).
     """
 
     def __init__(self, model: PreTrainedModel, linear: Callable[[list[nn.Linear]], Product] = Linear.fuse,
@@ -238,10 +238,11 @@ class LeanWeights:
             raise VerispecError(f"{type(model).__name__} is of no lean family (lean_supported)")
         self.family = family
         body = model.model
-        four_bit = isinstance(body.layers[0].mlp.down_proj, QuantLinear) and isinstance(
-            body.layers[0].mlp.down_proj.stored, Int4Groups)
+        down = body.layers[0].mlp.down_proj
+        quantized = isinstance(down, QuantLinear)  # a 4-bit or GGUF target: verispec's own arithmetic
+        four_bit = quantized and isinstance(down.stored, Int4Groups)
         if norm is None:
-            norm = fused_rms_norm if four_bit else (lambda module, offset: module)
+            norm = fused_rms_norm if quantized else (lambda module, offset: module)
         attention = body.layers[0].self_attn
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
@@ -307,7 +308,7 @@ class LeanWeights:
         # a prompt's rows as fast as those copies (300 tokens: 310 against 299 ms), so it needs none.
         self.prompt_layers: list[Layer] | None = None
         if (linear == Linear.fuse and four_bit and cpu_packs(torch.bfloat16)
-                and not isinstance(body.layers[0].mlp.down_proj.kernel, RowsInt4Kernel)):
+                and not isinstance(down.kernel, RowsInt4Kernel)):
             self.prompt_layers = stack(bfloat16_copy)
 
     @classmethod
@@ -358,7 +359,8 @@ def with_bias(product: Product, layers: Sequence[nn.Module]) -> Product:
 def fused_rms_norm(module: nn.Module, offset: float = 0.0) -> Product:
     """An RMSNorm as one fused op (torch's rms_norm) instead of the module's seven: about twice
     as fast for one row. It scales by offset + weight (Gemma: 1 + weight). Rounding may differ
-    from the module's, so only drafters and the 4-bit target (verispec's own arithmetic) use it."""
+    from the module's, so only drafters and the 4-bit and GGUF targets (verispec's own arithmetic)
+    use it."""
     weight = module.weight.detach() + offset
     eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
     return lambda x: nn.functional.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
