@@ -301,11 +301,11 @@ class LeanWeights:
             # the head reads the most bytes (Gemma 3's: 671 MB in float32): fewer rows
             self.paired = frozenset(role for role in ROLES if lone_row_differs(
                 products[role], widths[role], dtype, 16 if role == "head" else 64))
-        # A 4-bit target's prompts go through bfloat16 copies of its layers: the int4 kernel is a
-        # matrix-vector kernel, slow on many rows (a 300-token prefill: 277 ms against 151 ms in
-        # bfloat16, docs/int4.md). Plain and speculative decoding both prefill that way, so the
-        # guarantee holds; it costs 2 bytes a weight. The row kernel (lowbit.RowsInt4Kernel) takes
-        # a prompt's rows as fast as those copies (300 tokens: 310 against 299 ms), so it needs none.
+        # A 4-bit target's prompts go through bfloat16 copies of its layers: torch's int4 kernel is
+        # a matrix-vector kernel, slow on many rows. Plain and speculative decoding both prefill
+        # that way, so the guarantee holds; it costs 2 bytes a weight. The row kernel
+        # (lowbit.RowsInt4Kernel) takes a prompt's rows about as fast as those copies, so it needs
+        # none (figures: docs/performance.md, "Figures behind the target's design").
         self.prompt_layers: list[Layer] | None = None
         if (linear == Linear.fuse and four_bit and cpu_packs(torch.bfloat16)
                 and not isinstance(down.kernel, RowsInt4Kernel)):
