@@ -3,11 +3,13 @@
 The target hands over, at every committed position i, its final state h_i and its residual states
 after a few layers (EAGLE-3's aux layers); `fc` and a norm fuse them into one context feature c_i.
 The drafter's block is the newest committed token x_n (whose own state the target has not yet
-given) at position n, then k mask slots (one learned embedding) at positions n+1..n+k. Each of the
-drafter's layers attends from the block's rows to its own key/value projections of c_0..c_{n-1}
-(cached: one new entry per committed position) and to the block's rows up to itself. Slot j,
-read out through a final norm and the target's LM head (restricted to a frequency-ranked
-vocabulary, see ReducedHead), is the draft of x_{n+j}: one pass drafts the whole block.
+given) at position n, then k mask slots (one learned embedding) at positions n+1..n+k; each row
+enters as `fuse` of its embedding and the newest context feature c_{n-1} (the newest token's row
+is then EAGLE's input: the token and the state before it). Each of the drafter's layers attends
+from the block's rows to its own key/value projections of c_0..c_{n-1} (cached: one new entry
+per committed position) and to the block's rows up to itself. Slot j, read out through a final
+norm and the target's LM head (restricted to a frequency-ranked vocabulary, see ReducedHead), is
+the draft of x_{n+j}: one pass drafts the whole block.
 
 No slot sees a drafted token, so slot j's distribution q_j does not depend on the tokens drafted
 before it; it is still the law x_{n+j} is drawn from given everything before it, so sampling
@@ -86,9 +88,10 @@ class BlockLayer(nn.Module):
 
 
 class BlockNet(nn.Module):
-    """fc + norm (the context features), the mask slot's embedding, `layers` BlockLayers and the
-    final norm. `feature_layers`: the target layers whose residual states it reads after the
-    target's final state; `block`: rows of a block (the newest token and block - 1 slots)."""
+    """fc + norm (the context features), the mask slot's embedding, `fuse` (a row's input from
+    its embedding and the newest context feature), `layers` BlockLayers and the final norm.
+    `feature_layers`: the target layers whose residual states it reads after the target's final
+    state; `block`: rows of a block (the newest token and block - 1 slots)."""
 
     def __init__(self, hidden: int, heads: int, intermediate: int, layers: int, block_size: int,
                  feature_layers: list[int]) -> None:
@@ -97,6 +100,7 @@ class BlockNet(nn.Module):
         self.fc = nn.Linear((1 + len(feature_layers)) * hidden, hidden, bias=False)
         self.context_norm = RMSNorm(hidden)
         self.mask = nn.Parameter(0.02 * torch.randn(hidden))
+        self.fuse = nn.Linear(2 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList(BlockLayer(hidden, heads, intermediate) for _ in range(layers))
         self.norm = RMSNorm(hidden)
 
@@ -110,12 +114,18 @@ class BlockNet(nn.Module):
         [..., hidden]."""
         return self.context_norm(self.fc(states))
 
+    def rows(self, embeds: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
+        """The block's rows as the first layer reads them: embeds [..., hidden] (the newest
+        token's, then the mask's) fused with the newest context feature [..., hidden]."""
+        return self.fuse(torch.cat([embeds, newest], dim=-1))
+
     def forward(self, rows: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        """Every layer over rows [batch, T, hidden] (at positions [T] or [batch, T]) and the
-        context features [batch, C, hidden] at positions 0..C-1; mask [T, C + T] or
-        [batch, 1, T, C + T] bool. Returns the normed outputs [batch, T, hidden]. (Drafting runs
-        the same layers with the context's keys and values cached: BlockDrafter._features.)"""
+        """Every layer over rows [batch, T, hidden] (`rows`' output, at positions [T] or
+        [batch, T]) and the context features [batch, C, hidden] at positions 0..C-1; mask
+        [T, C + T] or [batch, 1, T, C + T] bool. Returns the normed outputs [batch, T, hidden].
+        (Drafting runs the same layers with the context's keys and values cached:
+        BlockDrafter._features.)"""
         context_positions = torch.arange(context.shape[1], device=context.device)
         x = rows
         for layer in self.layers:
@@ -156,10 +166,11 @@ class BlockDrafter(MedusaDrafter):
         self.hidden_layers = net.feature_layers  # the engine hands these states over too
         self.caches = [KVCache() for _ in net.layers]
         self.real = 0  # committed positions whose context keys and values are cached
+        self.newest: torch.Tensor | None = None  # [hidden]: the context feature at real - 1
 
     def reset(self) -> None:
         self.caches = [KVCache() for _ in self.caches]
-        self.real = 0
+        self.real, self.newest = 0, None
 
     def _features(self, request: DraftRequest, k: int) -> torch.Tensor:
         """The block's k slots after the newest token, normed: [k, hidden]. The context's keys
@@ -178,12 +189,12 @@ class BlockDrafter(MedusaDrafter):
             positions = torch.arange(self.real, n, device=device)
             for layer, cache in zip(self.net.layers, self.caches):
                 cache.append(*layer.context_kv(context, positions))
-            self.real = n
-        rows = torch.cat([self.embed(request.tokens[n:]),  # the newest token, at position n
-                          self.net.mask.expand(k, size)])[None]  # [1, 1 + k, hidden]
+            self.real, self.newest = n, context[0, -1]
+        embeds = torch.cat([self.embed(request.tokens[n:]),  # the newest token, at position n
+                            self.net.mask.expand(k, size)])  # [1 + k, hidden]
+        x = self.net.rows(embeds, self.newest.expand(1 + k, size))[None]  # [1, 1 + k, hidden]
         positions = torch.arange(n, n + 1 + k, device=device)
         mask = torch.ones(1 + k, n + 1 + k, dtype=torch.bool, device=device).tril(n)
-        x = rows
         for layer, cache in zip(self.net.layers, self.caches):
             queries, keys, values = layer.project(x, positions)
             keys, values = cache.append(keys, values)

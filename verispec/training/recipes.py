@@ -211,23 +211,26 @@ class Recipe:
         net = self.module
         batch, count = anchors.shape
         size, width = net.block, b.tokens.shape[1]
-        rows = torch.cat([self.embed[b.tokens.gather(1, anchors)][:, :, None],
-                          net.mask.expand(batch, count, size - 1, -1)], 2)  # [B, A, block, hidden]
+        embeds = torch.cat([self.embed[b.tokens.gather(1, anchors)][:, :, None],
+                            net.mask.expand(batch, count, size - 1, -1)], 2)  # [B, A, block, hidden]
+        context = net.context(torch.cat([b.hidden, b.aux], -1))  # [B, T, hidden]
+        newest = context.gather(1, (anchors - 1)[..., None].expand(-1, -1, context.shape[-1]))
+        rows = net.rows(embeds, newest[:, :, None].expand_as(embeds))  # [B, A, block, hidden]
         positions = (anchors[:, :, None] + torch.arange(size)).view(batch, -1)  # [B, A * block]
         row_anchor = anchors.repeat_interleave(size, dim=1)  # [B, A * block]
         sees_context = torch.arange(width) < row_anchor[:, :, None]  # [B, A * block, T]
         own_block = torch.block_diag(*[torch.ones(size, size, dtype=torch.bool).tril()] * count)
         mask = torch.cat([sees_context, own_block.expand(batch, -1, -1)], -1)[:, None]
-        context = net.context(torch.cat([b.hidden, b.aux], -1))  # [B, T, hidden]
-        return net(rows.view(batch, count * size, -1), positions, context, mask).view(
+        return net(rows.reshape(batch, count * size, -1), positions, context, mask).view(
             batch, count, size, -1)
 
     def _block(self, b: Batch) -> tuple[torch.Tensor, dict]:
         # Anchors: BLOCK_ANCHORS random answer positions a >= 1 of each sequence (the newest
         # committed token while drafting); a seeded draw while evaluating. Slot j of the block
-        # at a drafts x_{a+j}: its teacher is the target's distribution at a + j - 1. Slot j's
-        # loss weighs exp(-(j - 1) / (block / 2)) (DFlash's decay): a draft is kept only up to
-        # its first miss, so the first slots matter most.
+        # at a drafts x_{a+j}: its teacher is the target's distribution at a + j - 1 (token
+        # loss only: EAGLE's feature regression beside it made no difference in a 100-step
+        # trial, docs/training.md). Slot j's loss weighs exp(-(j - 1) / (block / 2)) (DFlash's
+        # decay): a draft is kept only up to its first miss, so the first slots matter most.
         size = self.module.block
         batch, width = b.tokens.shape
         generator = None if self.module.training else torch.Generator().manual_seed(0)
@@ -406,8 +409,8 @@ def _block_module(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Buil
     settings = block_settings(recipe.target, tuple(meta["aux_layers"]), options.draft_layers,
                               options.block)
     module = BlockNet(**settings)
-    with torch.no_grad():  # a slot starts as the mean token: nothing known about it
-        module.mask.copy_(recipe.embed.mean(0))
+    with torch.no_grad():  # the target's final norm: its LM head reads states at that scale
+        module.norm.weight.copy_(unembedding_norm(recipe.target).weight)
     return settings, module
 
 
