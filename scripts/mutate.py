@@ -89,6 +89,11 @@ MUTANTS = (
            "positions = torch.arange(n + 1, n + 2 + k, device=device)",
            ("tests/test_learned_drafters.py::test_block_drafter_drafts_with_the_slots_training_scores",),
            "the block drafter drafts its block one position later than training placed it"),
+    Mutant("block-drafts-one-slot", "verispec/drafters/block.py",
+           "return self.net.norm(x[0, 1:])", "return self.net.norm(x[0, 1:2])",
+           (f"{LEARNED}[block]",),
+           "the block drafter drafts only its first slot (the sampling test then sees no drafts "
+           "at the second position)"),
     Mutant("draft-model-argmax-reports-q", "verispec/drafters/model.py",
            "return [sample(q, request.generator)], [q]", "return [q.argmax(-1)], [q]",
            (SELF, SHARED_PREFILL),
