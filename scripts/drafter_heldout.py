@@ -5,11 +5,14 @@ templated prompts from verispec.training.prompts with seed 785 (training used se
 --corpus, COUNT prompts over the held-out corpus documents written by scripts/wiki_corpus.py
 (summarise the passage, list its main points, or, for an article, "Tell me about TITLE.").
 Prints tau and acceptance by position for each drafter directory ("shipped": the one shipped for
-the built-in model).
+the built-in model). With --speed, then times each drafter against plain decoding on the
+templated set (held_out.compare: interleaved, 128 new tokens, outputs must equal `ar`'s, so this
+is also the greedy identity check); on a shared machine read the ratios, not the milliseconds.
 
     python scripts/drafter_heldout.py eagle 20 shipped runs/eagle-text --k 3 \
         --corpus runs/corpus/heldout.jsonl
     python scripts/drafter_heldout.py draft 20 runs/draft-fkl runs/draft-rkl runs/draft-tvd
+    python scripts/drafter_heldout.py block 20 shipped --k 2 4 7 --speed
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import argparse
 import json
 import random
 
-from held_out import held_out
+from held_out import compare, held_out
 
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationStats
@@ -47,24 +50,30 @@ def main() -> None:
     parser.add_argument("method", choices=[m.name for m in METHODS.values() if m.trained_kind])
     parser.add_argument("count", type=int, help="prompts per set")
     parser.add_argument("drafters", nargs="+", help='trained drafter directories, or "shipped"')
-    parser.add_argument("--k", type=int, help="draft length (default: the method's)")
+    parser.add_argument("--k", type=int, nargs="+", default=[None],
+                        help="draft lengths, each run in turn (default: the method's)")
     parser.add_argument("--corpus", help="held-out documents (.jsonl) for the second prompt set")
+    parser.add_argument("--speed", action="store_true",
+                        help="then time each drafter against ar on the templated prompts")
     args = parser.parse_args()
     target, templated = held_out(args.count, 785)
     sets = {"templated": templated}
     if args.corpus:
         sets["corpus"] = [encode_prompt(target, p, chat=True)
                           for p in corpus_prompts(args.corpus, args.count)]
-    for path in args.drafters:
-        options = DraftOptions(k=args.k, draft=None if path == "shipped" else path)
-        engine = build_engine(target, args.method, options)
+    engines = {"ar": build_engine(target, "ar")}
+    for path, k in [(path, k) for path in args.drafters for k in args.k]:
+        options = DraftOptions(k=k, draft=None if path == "shipped" else path)
+        engine = engines[f"{args.method} {path} k={k}"] = build_engine(target, args.method, options)
         for name, prompts in sets.items():
             stats = GenerationStats.total([engine.generate(ids, StoppingRules.build(96)).stats
                                            for ids in prompts])
             alpha = [round(a / max(1, r), 3)
                      for a, r in zip(stats.accepted_by_position, stats.reached_by_position)]
-            print(f"{path:28s} {name:10s} tau {stats.new_tokens / stats.target_forwards:.3f} "
+            print(f"{path:28s} k={k} {name:10s} tau {stats.new_tokens / stats.target_forwards:.3f} "
                   f"acceptance by position {alpha}", flush=True)
+    if args.speed:
+        compare(engines, templated)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,12 @@ def compare(engines: dict[str, SpeculativeEngine], prompts: list[list[int]],
             max_new_tokens: int = 128) -> None:
     """Run every engine on every prompt, greedy, the order rotating per prompt so that the
     machine's drifts in speed fall on all alike; print ms per token, tau and the ratio to the
-    first engine (the baseline). Outputs must equal the baseline's: a difference is an error."""
+    first engine (the baseline), and the draft and verification milliseconds per step that
+    drafted. Outputs must equal the baseline's: a difference is an error."""
     names = list(engines)
     seconds, tokens, steps = collections.Counter(), collections.Counter(), collections.Counter()
+    drafting, draft_seconds, verify_seconds = (collections.Counter(), collections.Counter(),
+                                               collections.Counter())
     engines[names[0]].generate(prompts[0], StoppingRules.build(32))  # warm-up
     for i, ids in enumerate(prompts):
         outputs = {}
@@ -43,6 +46,10 @@ def compare(engines: dict[str, SpeculativeEngine], prompts: list[list[int]],
             seconds[name] += time.perf_counter() - started
             tokens[name] += len(result.token_ids)
             steps[name] += len(result.steps)
+            drafted = [step for step in result.steps if step.num_drafted]
+            drafting[name] += len(drafted)
+            draft_seconds[name] += sum(step.draft_seconds for step in drafted)
+            verify_seconds[name] += sum(step.verify_seconds for step in drafted)
             outputs[name] = result.token_ids
         differing = [name for name in names if outputs[name] != outputs[names[0]]]
         if differing:
@@ -50,6 +57,10 @@ def compare(engines: dict[str, SpeculativeEngine], prompts: list[list[int]],
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
     base = names[0]
     for name in names:
+        per_step = ""
+        if drafting[name]:
+            per_step = (f"  draft {1000 * draft_seconds[name] / drafting[name]:.1f} / verify "
+                        f"{1000 * verify_seconds[name] / drafting[name]:.1f} ms a drafting step")
         print(f"{name:40s} {1000 * seconds[name] / tokens[name]:6.1f} ms/token  "
-              f"tau {tokens[name] / steps[name]:.2f}  vs {base} {seconds[base] / seconds[name]:.2f}x",
-              flush=True)
+              f"tau {tokens[name] / steps[name]:.2f}  vs {base} {seconds[base] / seconds[name]:.2f}x"
+              f"{per_step}", flush=True)

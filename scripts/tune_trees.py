@@ -5,7 +5,9 @@ method's) interleaved with plain decoding prompt by prompt, greedy, 128 new toke
 method's default tree (`--tree` without a size) is the fastest tree found here; whether a tree
 beats the chain at all is the other thing it shows.
 
-    python scripts/tune_trees.py [count=8] [seed=779] [configs=the first round's]
+    python scripts/tune_trees.py [count=8] [seed=779] [configs=the first round's] [dtype=float32]
+
+(dtype int4: the 4-bit target, the GGUF's own blocks; every engine runs on that one target.)
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ FIRST_ROUND = ("pld:chain,pld:2x8,pld:2x12,pld:4x16,"
                "eagle-pld:chain,eagle-pld:2x3,eagle-pld:2x4,eagle-pld:4x7")
 
 
-def main(count: int = 8, seed: int = 779, configs: str = FIRST_ROUND) -> None:
-    target, prompts = held_out(count, seed)
+def main(count: int = 8, seed: int = 779, configs: str = FIRST_ROUND, dtype: str = "float32") -> None:
+    target, prompts = held_out(count, seed, dtype)
     engines = {"ar": build_engine(target, "ar")}
     for config in configs.split(","):
         method_k, tree = config.split(":")
@@ -38,4 +40,4 @@ def main(count: int = 8, seed: int = 779, configs: str = FIRST_ROUND) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:3]), *sys.argv[3:4])
+    main(*(int(a) for a in sys.argv[1:3]), *sys.argv[3:5])

@@ -58,6 +58,7 @@ class Sampled:
     counts: torch.Tensor  # [n, vocab] float64
     runs: int
     drafted_by_position: list[int]  # steps that drafted position i (a tree: its depth)
+    kept_by_position: list[int]  # steps whose draft was accepted up to position i
     steps_drafting: int  # steps with a draft
     steps_rejecting: int  # steps where the verifier refused part of the draft
 
@@ -80,6 +81,7 @@ def sample_runs(engine: SpeculativeEngine, prompt: list[int], n: int, sampling: 
     vocab = engine.vocab_size
     counts = torch.zeros(n, vocab, dtype=torch.float64)
     drafted: list[int] = []
+    kept: list[int] = []
     drafting = rejecting = 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -96,11 +98,13 @@ def sample_runs(engine: SpeculativeEngine, prompt: list[int], n: int, sampling: 
         for step in result.steps:
             depth = step.draft_depth
             drafted.extend([0] * (depth - len(drafted)))
+            kept.extend([0] * (depth - len(kept)))
             for i in range(depth):
                 drafted[i] += 1
+                kept[i] += i < step.num_accepted
             drafting += depth > 0
             rejecting += depth > 0 and step.num_accepted < depth
-    return Sampled(counts, runs, drafted, drafting, rejecting)
+    return Sampled(counts, runs, drafted, kept, drafting, rejecting)
 
 
 def distances(sampled: Sampled, exact: torch.Tensor) -> list[tuple[float, float]]:

@@ -57,7 +57,7 @@ def test_cache_respects_xdg_cache_home(monkeypatch, tmp_path):
     assert cache_root() == tmp_path / "verispec" / "models"
 
 
-@pytest.mark.parametrize("method", ["eagle", "medusa", "early-exit", "draft", "hydra", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "medusa", "early-exit", "draft", "hydra", "mtp", "block"])
 def test_shipped_drafters_load_and_are_exact(smollm, prompt_ids, method):
     assert shipped_drafter(smollm.model, method) is not None, f"no {method} drafter ships"
     reference = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW).token_ids
@@ -67,7 +67,7 @@ def test_shipped_drafters_load_and_are_exact(smollm, prompt_ids, method):
     assert result.stats.mean_accepted_tokens > 1.0  # some drafts are accepted
 
 
-@pytest.mark.parametrize("method", ["hydra", "mtp"])
+@pytest.mark.parametrize("method", ["hydra", "mtp", "block"])
 def test_shipped_heads_are_exact_in_trees_and_through_generate(smollm, prompt_ids, method):
     reference = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW).token_ids
     assert verispec.generate(smollm, prompt_ids, max_new_tokens=NEW, method=method).token_ids == reference

@@ -26,6 +26,7 @@ from verispec.core.tree import TreeSettings
 from verispec.core.types import Proposal, SamplingParams
 from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.base import Drafter, DraftRequest
+from verispec.drafters.block import BlockDrafter, BlockNet, block_settings
 from verispec.drafters.distilled import distilled_drafter
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
@@ -186,9 +187,10 @@ def test_trained_drafters_are_written_with_their_run(trained):
     for kind, path in trained.items():
         config = json.loads((path / "drafter.json").read_text())
         assert config["kind"] == kind
-        if kind == "medusa":  # measured on held-out data, for the static tree
+        if kind in ("medusa", "block"):  # measured on held-out data, for the static tree
             accuracy = torch.tensor(config["rank_accuracy"])
-            assert accuracy.shape == (3, 8) and accuracy.min() >= 0 and accuracy.sum(1).max() <= 1
+            heads = {"medusa": 3, "block": OPTIONS.block - 1}[kind]  # block: its slots
+            assert accuracy.shape == (heads, 8) and accuracy.min() >= 0 and accuracy.sum(1).max() <= 1
         assert config["training"]["sequences"] == 12
         final = config["training"]["final_eval"]  # over every position, and the answers' only
         assert any(name.endswith("_answer") for name in final)
@@ -212,7 +214,17 @@ def _drafters(loaded, trained):
     random_eagle3 = Eagle3Net(**eagle3_settings(model, None, len(vocab_ids)))
     for p in random_eagle3.parameters():
         torch.nn.init.normal_(p, std=0.3)
+    random_block = BlockNet(**block_settings(model, (1,), layers=2, block=5))  # final + layer 1
+    for p in random_block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
     return {
+        "block": BlockDrafter.load(trained["block"], model),
+        "block-tree": BlockDrafter.load(trained["block"], model, TreeSettings(3, 10)),
+        "random-block": BlockDrafter(model, random_block, ReducedHead(model, vocab_ids)),
+        "random-block-tree": BlockDrafter(model, random_block, ReducedHead(model, vocab_ids),
+                                          TreeSettings(3, 12), [[0.5, 0.3, 0.1, 0.1]] * 4),
+        "random-block-pld": LookupThenModel(
+            PromptLookupDrafter(2, 1), BlockDrafter(model, random_block, ReducedHead(model, vocab_ids)), 3),
         "eagle3": Eagle3Drafter.load(trained["eagle3"], model),
         "eagle3-tree": Eagle3Drafter.load(trained["eagle3"], model, tree=TreeSettings(3, 10)),
         "random-eagle3": Eagle3Drafter(model, random_eagle3, vocab_ids),
@@ -554,6 +566,26 @@ def test_drafter_layer_cache_feeds_incrementally_as_one_pass():
     torch.testing.assert_close(torch.cat([first, rest], dim=1), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_block_drafter_drafts_with_the_slots_training_scores(loaded, data, trained):
+    """What BlockDrafter drafts from (the context's keys and values cached step by step, the
+    block's dropped after each pass, fewer slots than trained) is what training scores: the
+    recipe's one-pass outputs for a block at the same newest token, slot by slot."""
+    meta, sequences = load_dataset(data)
+    recipe = Recipe("block", loaded, meta, sequences, replace(OPTIONS, init=str(trained["block"])))
+    recipe.module.eval()
+    drafter = BlockDrafter.load(trained["block"], loaded.model)
+    assert drafter.hidden_layers == tuple(meta["aux_layers"]) == (0, 1, 2)
+    s = max(sequences, key=lambda s: len(s.tokens))
+    states = torch.cat([s.hidden, s.aux_hidden], -1).float()  # [T, 32 * 4]: as the engine hands them
+    batch = collate([s], 64)
+    with torch.no_grad():
+        for n, k in ((3, 7), (4, 2), (9, 5), (len(s.tokens) - 1, 7)):  # grows, then jumps ahead
+            request = DraftRequest(s.tokens[: n + 1], k, SamplingParams(), None, states[:n])
+            drafted = drafter._features(request, k)  # [k, hidden]
+            scored = recipe._block_outputs(batch, torch.tensor([[n]]))[0, 0, 1: 1 + k]
+            torch.testing.assert_close(drafted, scored, atol=1e-4, rtol=1e-4)
+
+
 def test_reduced_head_scores_its_tokens_as_the_targets_head_does():
     # Drafting runs the head prepacked on CPU; its logits must be the target's own for those ids.
     model = tiny_llama(seed=3)
@@ -574,13 +606,14 @@ def test_learned_drafters_batch_with_each_rows_own_hidden_states(loaded, trained
     prompts = [*PROMPTS, [1, 33, 34, 35, 36], [1, 9]]
     rules = [StoppingRules.build(n) for n in (NEW, 17, 29, 8)]
     truth = [plain_greedy(loaded.model, p, r.max_new_tokens) for p, r in zip(prompts, rules)]
-    for name in ("eagle", "eagle3", "medusa-tree", "mid-eagle", "random-eagle-pld", "eagle3-tree"):
+    for name in ("eagle", "eagle3", "medusa-tree", "mid-eagle", "random-eagle-pld", "eagle3-tree",
+                 "block", "random-block-tree"):
         def make(name=name):
             return _drafters(loaded, trained)[name]
         engine = SpeculativeEngine(loaded.model, make(), ConstantK(3), spawn=make)
         assert [r.token_ids for r in engine.generate_batch(SequenceSpec.batch(prompts, rules))] == truth, name
     engine = build_engine(loaded, "ar")
-    for methods in (("eagle", "medusa", "eagle3"), ("hydra", "mtp", "hydra")):
+    for methods in (("eagle", "medusa", "eagle3"), ("hydra", "mtp", "block")):
         ways = [build_engine(loaded, m, DraftOptions(k=3, draft=trained[m])).speculation
                 for m in methods] + [None]
         ids = [engine.add(SequenceSpec(p, r), speculation=w)[0] for p, r, w in zip(prompts, rules, ways)]
@@ -600,7 +633,7 @@ def test_no_method_leaks_across_200_generations(loaded, trained):
     """Issue 19's comparison set: after warm-up, 200 more generations with each method (greedy and
     sampled, engine reused as a server would) grow the resident set by less than 8 MiB."""
     engines = [build_engine(loaded, m, DraftOptions(draft=trained[m]))
-               for m in ("medusa", "hydra", "mtp", "eagle")] + [build_engine(loaded, "lookahead")]
+               for m in ("medusa", "hydra", "mtp", "eagle", "block")] + [build_engine(loaded, "lookahead")]
     prompts = [PROMPTS[i % 2] for i in range(200)]
 
     def calls(count: int) -> None:

@@ -2,12 +2,13 @@
 
 A tiny target with a 16-token vocabulary (so the exact law of its first three sampled tokens is
 enumerated: tests/distribution.py), randomly initialised drafters of every kind that samples or
-drafts under sampling (EAGLE, EAGLE-3, Hydra, MTP, lookahead, self-speculation in int4, staged
-self-speculation behind prompt lookup at several temperatures and top-p), many seeded samples of
-one prompt through the batched engine, and the total variation of each emitted position against
-the bound from the sample size. Each test also asserts that drafts were made at the positions it
-checks and that some were accepted and some refused: a drafter that drafts nothing, or a target
-that accepts everything, would pass a distribution test without testing anything.
+drafts under sampling (EAGLE, EAGLE-3, Hydra, MTP, the block drafter, lookahead, self-speculation
+in int4, staged self-speculation behind prompt lookup at several temperatures and top-p), many
+seeded samples of one prompt through the batched engine, and the total variation of each emitted
+position against the bound from the sample size. Each test also asserts that drafts were made at
+the positions it checks and that some were accepted and some refused: a drafter that drafts
+nothing, or a target that accepts everything, would pass a distribution test without testing
+anything.
 
 These catch a drafter that reports a q other than the law it drew from (argmax drafting with its
 softmax reported, q before the temperature / top-p warping, a staged guess kept without its q(x)
@@ -25,6 +26,7 @@ from tests.tiny import tiny_llama
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.types import SamplingParams
 from verispec.decoding.engine import SpeculativeEngine
+from verispec.drafters.block import BlockDrafter, BlockNet, block_settings
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
 from verispec.drafters.hydra import HydraDrafter, HydraNet, hydra_settings
@@ -88,6 +90,9 @@ def drafter_factory(kind: str, target: torch.nn.Module):
     if kind == "mtp":
         net = _randomised(MTPNet(**mtp_settings(target, 3)))
         return lambda: MTPDrafter(target, net, ReducedHead(target, REDUCED))
+    if kind == "block":  # reads the final state and the states after layers 0 and 2
+        net = _randomised(BlockNet(**block_settings(target, (0, 2), layers=2, block=4)))
+        return lambda: BlockDrafter(target, net, ReducedHead(target, REDUCED))
     if kind == "lookahead":
         return lambda: LookaheadDrafter(3, 3, 4, pool_context=True)
     if kind == "draft":  # an independent model: its q is far from p, and warping moves it
@@ -107,11 +112,16 @@ def run(target, kind: str, sampling: SamplingParams, k: int = 3) -> Sampled:
     return sample_runs(engine, PROMPT, NEW, sampling, RUNS)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "hydra", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "hydra", "mtp", "block"])
 def test_learned_drafters_sample_the_targets_distribution(target, exact, kind):
-    """Drafts drawn from each head's warped q, over a reduced vocabulary (q = 0 off it)."""
+    """Drafts drawn from each head's (block: each slot's) warped q, over a reduced vocabulary
+    (q = 0 off it). Drafts made, kept and refused at both checked positions: the second head
+    (slot) is accepted on its own q, not only reached."""
     sampled = run(target, kind, SAMPLING)
     sampled.check_drafting(positions=2)
+    print(f"\n{kind}: drafted {sampled.drafted_by_position}, kept {sampled.kept_by_position}, "
+          f"steps drafting {sampled.steps_drafting}, refusing {sampled.steps_rejecting}")
+    assert min(sampled.kept_by_position[:2]) > 0.05 * RUNS, sampled.kept_by_position
     assert_follows(sampled, exact(SAMPLING), kind)
 
 

@@ -18,6 +18,7 @@ from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
 from verispec.decoding.engine import Speculation, SpeculativeEngine
 from verispec.drafters.base import Drafter
+from verispec.drafters.block import BlockDrafter
 from verispec.drafters.distilled import DraftStudent, distilled_drafter
 from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.eagle3 import Eagle3Drafter
@@ -233,6 +234,12 @@ METHODS: dict[str, Method] = {m.name: m for m in [
                    path, target.model, options.tree)),
            "a model trained with MTP heads, or to train them (`verispec train mtp`)",
            Needs.TRAINED, MTPDrafter.kind, trees=True, bench=False),
+    Method("block", "a trained two-layer decoder that reads the target's states at four layers "
+           "and drafts a whole block of tokens in one pass (DFlash-style mask slots)", 4,
+           _learned(BlockDrafter.kind, lambda path, target, options: BlockDrafter.load(
+               path, target.model, options.tree)),
+           "where a drafter pass must be cheap and a wide verify costs little", Needs.TRAINED,
+           BlockDrafter.kind, trees=True),
     Method("draft", "an independent small model with the target's tokenizer, or a distilled "
            "student", 5, _draft_model, "you have a small model of the same family; slower than "
            "plain decoding on CPU so far", Needs.DRAFT_MODEL, DraftStudent.kind, trees=True,

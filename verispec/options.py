@@ -73,7 +73,7 @@ class DraftOptions:
     # A LoadedModel where the API passes one.
     draft: str | LoadedModel | None = option(None, Flag(
         "for draft: a draft model (name, directory or .gguf) or a distilled student; for a "
-        "trained method (eagle, medusa, hydra, mtp, early-exit, ...): a trained drafter "
+        "trained method (eagle, medusa, hydra, mtp, block, early-exit, ...): a trained drafter "
         "directory from `verispec train` (default: the one shipped for the model)", str,
         metavar="PATH"))
     exit_layer: int | None = option(None, Flag(

@@ -49,7 +49,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--heads", type=int, default=RecipeOptions.heads,
                        help="Medusa, Hydra and MTP heads: tokens drafted past the target's own")
     train.add_argument("--layers", type=int, default=RecipeOptions.draft_layers,
-                       help="distilled draft model: its own decoder layers")
+                       help="distilled draft model and block drafter: their own decoder layers")
+    train.add_argument("--block", type=int, default=RecipeOptions.block,
+                       help="block drafter: rows of a block, the newest token and block - 1 "
+                       "tokens drafted in one pass")
     train.add_argument("--unroll", type=int, default=RecipeOptions.unroll,
                        help="EAGLE: train on its own predictions this many steps deep")
     train.add_argument("--exit-layer", type=int, help="early exit layer (default: half the target's)")
@@ -93,7 +96,8 @@ def run_command(args: argparse.Namespace) -> int:
         read_documents(args.text)  # a bad corpus fails here, before any data is built
     options = RecipeOptions(loss=args.loss, vocab=args.vocab, heads=args.heads,  # checked here too
                             unroll=args.unroll, exit_layer=args.exit_layer,
-                            draft_layers=args.layers, init=args.init, mid_state=args.mid_state)
+                            draft_layers=args.layers, block=args.block, init=args.init,
+                            mid_state=args.mid_state)
     target = load_model(args.target, args.dtype, args.device)
     aux_layers = ()  # EAGLE-3 reads the target's states after the engines' default aux layers
     if recipe.reads_aux:

@@ -111,7 +111,7 @@ class MedusaDrafter(Drafter):
         if hidden.shape[0] == 0:
             return Proposal(request.tokens[:0])
         k = min(request.k, self.net.num_heads)
-        logits = self.head.logits(self._features(hidden, k)).float()  # [k, reduced]
+        logits = self.head.logits(self._features(request, k)).float()  # [k, reduced]
         if self.choices is not None:
             return self._tree(logits)
         if request.sampling.greedy:
@@ -119,10 +119,11 @@ class MedusaDrafter(Drafter):
         q = warp_probs(self.head.full(logits), request.sampling)  # [k, vocab]
         return Proposal(sample(q, request.generator), q)
 
-    def _features(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        """The first k heads' features [k, hidden] for the LM head, from the target's states at
-        every committed position but the last (hidden [n, hidden]); Medusa reads the newest only."""
-        return self.net(hidden[-1])[:k]
+    def _features(self, request: DraftRequest, k: int) -> torch.Tensor:
+        """The first k heads' features [k, hidden] for the LM head, from the request (its
+        target_hidden: the target's states at every committed position but the last); Medusa
+        reads the newest state only."""
+        return self.net(request.target_hidden[-1])[:k]
 
     def _tree(self, logits: torch.Tensor) -> Proposal:
         """The static tree's nodes no deeper than the heads run; logits [heads run, reduced].

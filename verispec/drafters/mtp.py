@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
+from verispec.drafters.base import DraftRequest
 from verispec.drafters.learned import ReducedHead
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.nn import DecoderLayer, RMSNorm
@@ -87,9 +88,11 @@ class MTPDrafter(MedusaDrafter):
     def reset(self) -> None:
         self.caches = [KVCache() for _ in self.caches]
 
-    def _features(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        """Heads 1..k over the positions of hidden [n, hidden] their caches lack (a head left out
-        of a short draft catches up later); their outputs at the newest, normed: [k, hidden]."""
+    def _features(self, request: DraftRequest, k: int) -> torch.Tensor:
+        """Heads 1..k over the positions of the target's states (request.target_hidden [n,
+        hidden]) their caches lack (a head left out of a short draft catches up later); their
+        outputs at the newest, normed: [k, hidden]."""
+        hidden = request.target_hidden
         n = hidden.shape[0]
         out = []
         for layer, cache in zip(self.net.layers[:k], self.caches):

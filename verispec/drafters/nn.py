@@ -35,10 +35,13 @@ class ResBlock(nn.Module):
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding. x: [batch, heads, T, head_dim]; positions: [T] int64."""
+    """Rotary position embedding. x: [batch, heads, T, head_dim]; positions: [T] int64, or
+    [batch, T] where each sequence's rows sit at their own positions (a block drafter's training)."""
     half = x.shape[-1] // 2
     freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32)[:, None] * freqs[None, :]  # [T, half]
+    angles = positions.to(torch.float32)[..., None] * freqs  # [(batch,) T, half]
+    if angles.dim() == 3:
+        angles = angles[:, None]  # [batch, 1, T, half]: the same angles for every head
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)

@@ -9,6 +9,7 @@ Teacher distributions are the target's logits restricted to the drafter's reduce
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -19,6 +20,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
+from verispec.drafters.block import BlockDrafter, BlockNet, block_settings
 from verispec.drafters.distilled import DraftStudent, draft_settings
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
@@ -39,6 +41,9 @@ from verispec.target.models import LoadedModel
 from verispec.training.data import Sequence, load_dataset
 from verispec.training.losses import agreement, distill_loss, feature_loss, multi_head_backward
 from verispec.training.trainer import TrainConfig, bf16_is_fast, train
+
+# Block drafter: blocks trained per sequence per step (random answer positions as the newest token)
+BLOCK_ANCHORS = 32
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,8 @@ class RecipeOptions:
     unroll: int = 2  # EAGLE: also train on its own predicted features, this many steps deep
     feature_weight: float = 1.0  # EAGLE: feature regression weight (token loss weight is 0.1)
     exit_layer: int | None = None  # early exit: default from the data
-    draft_layers: int = 2  # distilled draft model: its own layers
+    draft_layers: int = 2  # distilled draft model and block drafter: their own layers
+    block: int = 8  # block drafter: rows of a block (the newest token, then block - 1 drafted)
     init: str | None = None  # start from this trained drafter's weights (same kind and target)
     mid_state: bool = False  # EAGLE: also read the target's state at the data's exit layer
     # EAGLE-3: train its own lm_head (it starts as the target's rows of the draft vocabulary)
@@ -97,6 +103,8 @@ class RecipeOptions:
     def __post_init__(self) -> None:
         if self.heads < 1:
             raise VerispecError(f"--heads must be >= 1 (draft heads to train), got {self.heads}")
+        if self.block < 2:
+            raise VerispecError(f"--block must be >= 2 (the newest token and a slot), got {self.block}")
 
 
 class Recipe:
@@ -194,6 +202,69 @@ class Recipe:
             features = output[:, :-1]  # o_i, paired next with x_{i+2}
         metrics["loss"] = float(total.detach())
         return total, metrics
+
+    def _block_outputs(self, b: Batch, anchors: torch.Tensor) -> torch.Tensor:
+        """The block drafter's normed outputs for blocks at `anchors` [B, A] (positions of the
+        newest token, each >= 1): [B, A, block, hidden]. The block at anchor a holds x_a then
+        block - 1 mask slots at positions a..a+block-1; it sees the context features at
+        positions < a and its own rows up to itself (causal), as while drafting."""
+        net = self.module
+        batch, count = anchors.shape
+        size, width = net.block, b.tokens.shape[1]
+        embeds = torch.cat([self.embed[b.tokens.gather(1, anchors)][:, :, None],
+                            net.mask.expand(batch, count, size - 1, -1)], 2)  # [B, A, block, hidden]
+        context = net.context(torch.cat([b.hidden, b.aux], -1))  # [B, T, hidden]
+        newest = context.gather(1, (anchors - 1)[..., None].expand(-1, -1, context.shape[-1]))
+        rows = net.rows(embeds, newest[:, :, None].expand_as(embeds))  # [B, A, block, hidden]
+        positions = (anchors[:, :, None] + torch.arange(size)).view(batch, -1)  # [B, A * block]
+        row_anchor = anchors.repeat_interleave(size, dim=1)  # [B, A * block]
+        sees_context = torch.arange(width) < row_anchor[:, :, None]  # [B, A * block, T]
+        own_block = torch.block_diag(*[torch.ones(size, size, dtype=torch.bool).tril()] * count)
+        mask = torch.cat([sees_context, own_block.expand(batch, -1, -1)], -1)[:, None]
+        return net(rows.reshape(batch, count * size, -1), positions, context, mask).view(
+            batch, count, size, -1)
+
+    def _block(self, b: Batch) -> tuple[torch.Tensor, dict]:
+        # Anchors: BLOCK_ANCHORS random answer positions a >= 1 of each sequence (the newest
+        # committed token while drafting); a seeded draw while evaluating. Slot j of the block
+        # at a drafts x_{a+j}: its teacher is the target's distribution at a + j - 1 (token
+        # loss only: EAGLE's feature regression beside it made no difference in a 100-step
+        # trial, docs/training.md). Slot j's loss weighs exp(-(j - 1) / (block / 2)) (DFlash's
+        # decay): a draft is kept only up to its first miss, so the first slots matter most.
+        size = self.module.block
+        batch, width = b.tokens.shape
+        generator = None if self.module.training else torch.Generator().manual_seed(0)
+        candidates = b.answer & b.mask
+        candidates[:, 0] = False
+        scores = torch.rand(batch, width, generator=generator).masked_fill(~candidates, -1.0)
+        anchors = scores.topk(min(BLOCK_ANCHORS, width), dim=1).indices  # [B, A]
+        valid = candidates.gather(1, anchors)  # fewer candidates than anchors: the rest are off
+        anchors = anchors.clamp_min(1)
+        outputs = self._block_outputs(b, anchors)  # [B, A, block, hidden]
+        lengths = b.mask.sum(1, keepdim=True)  # [B, 1]
+        total, weights, metrics = 0.0, 0.0, {}
+        for j in range(1, size):
+            taught = anchors + j - 1  # [B, A]
+            real = valid & (taught < lengths)
+            teacher = self.teacher(b.hidden.gather(1, taught.clamp_max(width - 1)[..., None]
+                                                   .expand(-1, -1, b.hidden.shape[-1])))
+            student = self.teacher(outputs[:, :, j])
+            weight = math.exp(-(j - 1) / (size / 2))
+            total = total + weight * distill_loss(student, teacher, self.options.loss, real)
+            weights += weight
+            metrics.update(agreement(f"top1_slot{j}", student, teacher, real, real))
+        total = total / weights
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+    def _block_features(self, b: Batch) -> torch.Tensor:
+        """The block drafter's slots with the newest token at i + 1, for every position i (the
+        index a head reading the target's state at i has): [B, T, block - 1, hidden]; in chunks
+        of BLOCK_ANCHORS anchors, as training runs them."""
+        batch, width = b.tokens.shape
+        anchors = torch.arange(1, width + 1).clamp_max(width - 1).expand(batch, -1)
+        return torch.cat([self._block_outputs(b, anchors[:, start: start + BLOCK_ANCHORS])[:, :, 1:]
+                          for start in range(0, width, BLOCK_ANCHORS)], 1)
 
     def _head_term(self, k: int, student: torch.Tensor, teacher_all: torch.Tensor,
                    b: Batch) -> tuple[torch.Tensor, dict]:
@@ -315,16 +386,31 @@ def _eagle_module(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Buil
     return settings, EagleNet(**settings)
 
 
-def _eagle3_module(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
+def _require_aux(meta: dict, sequences: list[Sequence], who: str) -> None:
     if "aux_layers" not in meta or any(s.aux_hidden is None for s in sequences):
-        raise VerispecError("EAGLE-3 trains on the target's states after its aux layers: "
-                            "this data has none (`verispec train eagle3` builds data "
-                            "with them; use a new --data directory)")
+        raise VerispecError(f"{who} trains on the target's states after its aux layers: this "
+                            "data has none (`verispec train eagle3` and `verispec train block` "
+                            "build data with them; use a new --data directory)")
+
+
+def _eagle3_module(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
+    _require_aux(meta, sequences, "EAGLE-3")
     settings = eagle3_settings(recipe.target, tuple(meta["aux_layers"]), len(recipe.vocab_ids))
     module = Eagle3Net(**settings)
     with torch.no_grad():  # the target's own head, restricted: a good place to start
         module.lm_head.weight.copy_(recipe.head_t.t())
     module.lm_head.weight.requires_grad_(recipe.options.train_head)
+    return settings, module
+
+
+def _block_module(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
+    _require_aux(meta, sequences, "a block drafter")
+    options = recipe.options
+    settings = block_settings(recipe.target, tuple(meta["aux_layers"]), options.draft_layers,
+                              options.block)
+    module = BlockNet(**settings)
+    with torch.no_grad():  # the target's final norm: its LM head reads states at that scale
+        module.norm.weight.copy_(unembedding_norm(recipe.target).weight)
     return settings, module
 
 
@@ -390,6 +476,8 @@ RECIPES: dict[str, KindRecipe] = {
     Eagle3Drafter.kind: KindRecipe(_eagle3_module, Recipe._eagle3, reads_aux=True, own_head=True),
     HydraDrafter.kind: KindRecipe(_hydra_module, Recipe._hydra),
     MTPDrafter.kind: KindRecipe(_mtp_module, Recipe._mtp, head_features=Recipe._mtp_features),
+    BlockDrafter.kind: KindRecipe(_block_module, Recipe._block, head_features=Recipe._block_features,
+                                  reads_aux=True),
 }
 KINDS = tuple(RECIPES)
 
