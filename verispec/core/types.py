@@ -234,6 +234,7 @@ class GenerationStats:
     invariance: str = ""  # the target's batch-invariance mode (CachedModel.invariance); "" unknown
     dtype: str = ""  # what the target's weights are in (CachedModel.precision): float32 ... int4
     kernel: str = ""  # how its products run (CachedModel.kernel)
+    path: str = ""  # which forward runs it: "lean (FAMILY)" or Hugging Face's (CachedModel.path)
 
     def add(self, step: Step) -> None:
         self.new_tokens += len(step.tokens)
@@ -277,7 +278,7 @@ class GenerationStats:
             total.forced_tokens += s.forced_tokens
             total.foreign_tokens += s.foreign_tokens
             total.boundary_lost += s.boundary_lost
-        for name in ("invariance", "dtype", "kernel"):
+        for name in ("invariance", "dtype", "kernel", "path"):
             setattr(total, name, "/".join(sorted({getattr(s, name) for s in all_stats})))
         return total
 
@@ -330,6 +331,7 @@ class GenerationStats:
             "invariance": self.invariance,
             "dtype": self.dtype,
             "kernel": self.kernel,
+            "path": self.path,
         }
 
 
