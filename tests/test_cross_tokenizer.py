@@ -35,7 +35,7 @@ from tests.tiny import (
 from verispec.bench.runner import BenchConfig, build_contenders, run_bench
 from verispec.cli import main
 from verispec.core.errors import VerispecError
-from verispec.core.policies import ConstantK, LoadCap
+from verispec.core.policies import ConstantK, HeuristicK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
@@ -92,12 +92,12 @@ def wrong_words(words) -> list[int]:
     return slips
 
 
-def oracle_drafter(words, errors=frozenset(), bytewise=True, k_threshold=None) -> CrossDrafter:
+def oracle_drafter(words, errors=frozenset(), bytewise=True, threshold=None) -> CrossDrafter:
     target, crossing, prompt, truth = words
     text = crossing.target.text(prompt + truth)
     start = len(crossing.target.text(prompt))
     oracle = TextOracle(crossing.draft, [text], {start + e for e in errors}, stray=7, bytewise=bytewise)
-    return CrossDrafter(oracle, crossing, target.config.vocab_size, k_threshold)
+    return CrossDrafter(oracle, crossing, target.config.vocab_size, threshold)
 
 
 # -- reading tokens as text -----------------------------------------------------------------------
@@ -262,6 +262,29 @@ def test_hugging_face_keywords_draft_across_tokenizers_exactly(saved, k):
                              num_assistant_tokens=k)
     assert ours.token_ids == plain.token_ids
     assert ours.stats.foreign_tokens > 0 and ours.stats.drafted_by_position
+
+
+def test_the_drafts_own_options_work_across_tokenizers(words):
+    """k counts target tokens; Hugging Face's heuristic schedule grows k after fully kept drafts
+    (a perfect oracle: past k = 6 here); a confidence threshold above the draft model's
+    confidence (the oracle's is e^5 / (e^5 + 7) = 0.955) ends each draft at its first token,
+    whose text is then all lost at the boundary; below it changes nothing. Every output is
+    plain decoding's."""
+    target, _, prompt, truth = words
+
+    def run(drafter: CrossDrafter, policy) -> verispec.GenerationResult:
+        result = SpeculativeEngine(target, drafter, policy).generate(prompt, StoppingRules.build(NEW))
+        assert result.token_ids == truth
+        return result
+
+    assert max(s.num_drafted for s in run(oracle_drafter(words), HeuristicK(2)).steps) > 6
+    plain = run(oracle_drafter(words), ConstantK(4)).stats
+    confident = run(oracle_drafter(words, threshold=0.9), ConstantK(4)).stats
+    assert confident.foreign_tokens == plain.foreign_tokens
+    unsure = run(oracle_drafter(words, threshold=0.96), ConstantK(4)).stats
+    # One draft token a step, the one that would show the target token before it whole: lost.
+    assert unsure.boundary_lost == unsure.foreign_tokens < plain.foreign_tokens
+    assert not unsure.drafted_by_position
 
 
 def test_what_cannot_draft_across_tokenizers_is_refused(saved):
