@@ -174,6 +174,11 @@ MUTANTS = (
            CROSS_TLI,
            "token-level intersection draws from q over the shared tokens, renormalized, but reports "
            "the draft's whole-vocabulary q restricted to them"),
+    Mutant("cross-tli-q-untempered", "verispec/drafters/cross.py",
+           "0, self.shared_target, q_shared)", "0, self.shared_target, shared.softmax(-1))",
+           (f"{CROSS}::test_token_level_intersection_draws_from_the_q_it_reports",),
+           "token-level intersection draws from its warped law (temperature, top-p) but reports "
+           "the untempered one: the end-to-end sampling test misses it at 3000 samples"),
     Mutant("cross-tli-ids-shifted", "verispec/drafters/cross.py",
            "0, self.shared_target, q_shared)", "0, self.shared_target.roll(1), q_shared)",
            CROSS_TLI,

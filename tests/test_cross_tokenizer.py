@@ -24,6 +24,7 @@ import verispec
 from tests.distribution import assert_follows, exact_marginals, sample_runs
 from tests.drafters import TextOracle
 from tests.serving import LiveServer
+from tests.test_rejection_distribution import tv, tv_bound
 from tests.tiny import (
     char_tokenizer,
     piece_tokenizer,
@@ -372,16 +373,8 @@ def test_drafting_across_tokenizers_samples_the_targets_distribution(sampled, sa
     reported over the target's ids; string match proposes the draft's greedy text with a one-hot
     q. Both follow the target's law at each of the first three positions, with drafts made at
     the first two, kept and refused."""
-    target_tokenizer = piece_tokenizer(SAMPLE_WORDS, text=" ab")
-    draft_tokenizer = char_tokenizer(" ab", merges=(" a", " b", "a ", "  "))  # a␠ and ␠␠: draft only
-    target = tiny_llama(seed=2, vocab=len(target_tokenizer))
-    draft = tiny_llama(seed=5, layers=1, vocab=len(draft_tokenizer))
-    with torch.no_grad():  # it drafts text, not its specials, as a trained draft model would
-        draft.lm_head.weight[:3] = 0
-    crossing = bridge(target_tokenizer, draft_tokenizer, len(target_tokenizer), len(draft_tokenizer),
-                      {2}, {2})
+    target_tokenizer, target, draft, crossing, prompt = sample_pair()
     assert len(target_tokenizer) == 16 and len(crossing.shared_target) == 8
-    prompt = target_tokenizer(" ab a ba b")["input_ids"]
 
     def make() -> CrossDrafter:
         return CrossDrafter(draft, crossing, len(target_tokenizer), sampled=sampled)
@@ -390,6 +383,52 @@ def test_drafting_across_tokenizers_samples_the_targets_distribution(sampled, sa
     sampled_runs = sample_runs(engine, prompt, 3, sampling, RUNS)
     sampled_runs.check_drafting(positions=2)
     assert_follows(sampled_runs, exact_marginals(target, prompt, 3, sampling), f"{sampled} {sampling}")
+
+
+def sample_pair() -> tuple:
+    """The sampling tests' pair: a 16-token target of SentencePiece's kind, a byte-level character
+    draft sharing eight tokens with it (▁ a b ▁a ▁b and the three specials by name), whose
+    specials never draft: (target tokenizer, target, draft, bridge, prompt ids)."""
+    target_tokenizer = piece_tokenizer(SAMPLE_WORDS, text=" ab")
+    draft_tokenizer = char_tokenizer(" ab", merges=(" a", " b", "a ", "  "))  # a␠ and ␠␠: draft only
+    target = tiny_llama(seed=2, vocab=len(target_tokenizer))
+    draft = tiny_llama(seed=5, layers=1, vocab=len(draft_tokenizer))
+    with torch.no_grad():  # it drafts text, not its specials, as a trained draft model would
+        draft.lm_head.weight[:3] = 0
+    crossing = bridge(target_tokenizer, draft_tokenizer, len(target_tokenizer), len(draft_tokenizer),
+                      {2}, {2})
+    return target_tokenizer, target, draft, crossing, target_tokenizer(" ab a ba b")["input_ids"]
+
+
+@torch.no_grad()
+def test_token_level_intersection_draws_from_the_q_it_reports():
+    """The standard rule is exact only if each draft token is drawn from the q reported with it.
+    4000 one-token proposals at one context: the same q each time, the draws within the
+    sample-size bound of it, and that bound well under the distance to the draft's untempered
+    law over the shared tokens (a q reported without the temperature and top-p the draw used
+    skews the output too little for the end-to-end test above to see: scripts/mutate.py)."""
+    target_tokenizer, _, draft, crossing, prompt = sample_pair()
+    sampling = SamplingParams(do_sample=True, temperature=0.4, top_p=0.7)
+    drafter = CrossDrafter(draft, crossing, len(target_tokenizer))
+    generator = torch.Generator().manual_seed(0)
+    runs = 4000
+    counts = torch.zeros(len(target_tokenizer), dtype=torch.float64)
+    reported = []
+    for _ in range(runs):
+        proposal = drafter.propose(DraftRequest(torch.tensor(prompt), 1, sampling, generator))
+        counts[proposal.tokens[0]] += 1
+        reported.append(proposal.draft_probs[0])
+    q = reported[0].double()  # [target vocab]
+    assert all(torch.allclose(r, reported[0], atol=1e-6) for r in reported)  # the cache read again
+    support = q > 0
+    bound = tv_bound(runs, int(support.sum()) + 1)
+    empirical = counts / runs
+    assert tv(torch.cat([empirical[support], empirical[~support].sum()[None]]),
+              torch.cat([q[support], torch.zeros(1, dtype=torch.float64)])) <= bound
+    ids = torch.tensor([crossing.draft.ids_for(crossing.target.text(prompt).decode())])
+    untempered = torch.zeros_like(q).index_copy_(
+        0, crossing.shared_target, draft(ids).logits[0, -1, crossing.shared_draft].softmax(-1).double())
+    assert tv(q, untempered) > 2 * bound and support.sum() < len(crossing.shared_target)
 
 
 def test_a_drafter_read_as_another_model_counts_its_own_tokens(saved):
