@@ -60,6 +60,11 @@ MTP_GRADIENTS = "tests/test_hydra_mtp.py::test_mtp_head_by_head_backward_gives_t
 MTP_ORDER = "tests/test_hydra_mtp.py::test_mtp_training_backpropagates_head_by_head"
 EXPORT_IDS = "tests/test_eagle3.py::test_exported_aux_ids_point_the_engine_at_the_layers_the_drafter_reads"
 GREEDY = "tests/test_greedy_equality.py::test_every_drafter_matches_plain_decoding[4]"
+CROSS = "tests/test_cross_tokenizer.py"
+CROSS_GREEDY = f"{CROSS}::test_a_draft_in_another_vocabulary_matches_plain_decoding[3]"
+CROSS_SAMPLING = f"{CROSS}::test_drafting_across_tokenizers_samples_the_targets_distribution"
+CROSS_TLI = (f"{CROSS_SAMPLING}[tli-t1]", f"{CROSS_SAMPLING}[tli-t0.7-p0.9]")
+CROSS_CHAIN_END = f"{CROSS}::test_a_chain_that_ends_inside_a_target_token_proposes_whole_tokens_only"
 
 MUTANTS = (
     Mutant("residual-from-p", "verispec/verifiers/rejection.py",
@@ -174,6 +179,56 @@ MUTANTS = (
            "logits = apply_masks(logits, self.masks.to(logits.device))", "pass",
            ("tests/test_grammar.py::test_constrained_speculation_equals_masked_plain_decoding",),
            "the verifier scores drafts against the target's unmasked logits"),
+    Mutant("cross-tli-q-not-renormalized", "verispec/drafters/cross.py",
+           "0, self.shared_target, q_shared)",
+           "0, self.shared_target, warp_probs(logits, request.sampling)[self.shared_draft])",
+           CROSS_TLI,
+           "token-level intersection draws from q over the shared tokens, renormalized, but reports "
+           "the draft's whole-vocabulary q restricted to them"),
+    Mutant("cross-tli-q-untempered", "verispec/drafters/cross.py",
+           "0, self.shared_target, q_shared)", "0, self.shared_target, shared.softmax(-1))",
+           (f"{CROSS}::test_token_level_intersection_draws_from_the_q_it_reports",),
+           "token-level intersection draws from its warped law (temperature, top-p) but reports "
+           "the untempered one: the end-to-end sampling test misses it at 3000 samples"),
+    Mutant("cross-tli-ids-shifted", "verispec/drafters/cross.py",
+           "0, self.shared_target, q_shared)", "0, self.shared_target.roll(1), q_shared)",
+           CROSS_TLI,
+           "the q reported over the target's ids is put on the wrong ids (a broken mapping)"),
+    Mutant("cross-string-reports-uniform-q", "verispec/drafters/cross.py",
+           "foreign_tokens=len(draft.tokens), boundary_lost=lost)",
+           "torch.full((len(tokens), self.vocab_size), 1 / self.vocab_size), "
+           "foreign_tokens=len(draft.tokens), boundary_lost=lost)",
+           (f"{CROSS_SAMPLING}[string-t0.8]",),
+           "string match under sampling reports a q other than one-hot on its (deterministic) guess"),
+    Mutant("cross-merge-across-boundary", "verispec/drafters/cross.py",
+           "if found is not None and found[0][: len(window)] == window:", "if found is not None:",
+           (f"{CROSS}::test_a_merge_across_the_committed_boundary_is_not_proposed",),
+           "the draft's text tokenized with the committed tokens is taken even where it merges "
+           "with them: tokens are skipped or repeated"),
+    Mutant("cross-proposes-unfinished-token", "verispec/drafters/cross.py",
+           "limit = len(draft.text) if final else", "limit = len(draft.text) if True else",
+           (CROSS_GREEDY, CROSS_CHAIN_END),
+           "the target token under the draft's last token is proposed though it may still grow"),
+    Mutant("cross-partial-character-dropped", "verispec/drafters/cross.py",
+           "self._held = spelled[whole:]", "self._held = b\"\"",
+           (f"{CROSS}::test_a_character_cut_inside_by_the_committed_tokens_is_spelled_on",),
+           "a committed character cut inside is forgotten: the draft spells it twice"),
+    Mutant("cross-draft-cache-not-rewound", "verispec/drafters/cross.py",
+           "        self.lm.rewind(same)\n", "",
+           (CROSS_GREEDY,),
+           "the draft model's cache keeps the refused draft tokens"),
+    Mutant("vocab-metaspace-unread", "verispec/drafters/vocab.py",
+           'else token.replace(SPACE, " ").encode())', "else token.encode())",
+           (f"{CROSS}::test_the_bridge_meets_on_text_and_maps_specials_by_name", CROSS_GREEDY),
+           "SentencePiece's ▁ is read as itself, not a space: the vocabularies no longer meet"),
+    Mutant("vocab-byte-level-unread", "verispec/drafters/vocab.py",
+           "bytes(alphabet[c] for c in token) if", "token.encode() if",
+           (f"{CROSS}::test_the_bridge_meets_on_text_and_maps_specials_by_name", CROSS_GREEDY),
+           "GPT-2's byte-level alphabet is read as text (Ġ, not a space)"),
+    Mutant("vocab-draft-end-unmapped", "verispec/drafters/vocab.py",
+           "ends = {i: min(target_eos) for i in draft_eos} if target_eos else {}", "ends = {}",
+           (CROSS_CHAIN_END,),
+           "the draft's end of text is not the target's"),
     Mutant("grammar-mask-one-row-late", "verispec/core/grammar.py",
            "self._fill(bitmask, i + 1)", "self._fill(bitmask, i)",
            ("tests/test_grammar.py::test_constrained_speculation_equals_masked_plain_decoding",),

@@ -6,6 +6,8 @@ import torch
 
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
+from verispec.drafters.vocab import TokenText
+from verispec.target.cached_model import CachedModel
 
 
 class RandomDrafter(Drafter):
@@ -95,3 +97,59 @@ class TreeOracleDrafter(Drafter):
 
     def commit(self, num_accepted: int) -> None:
         pass
+
+
+class TextOracle(CachedModel):
+    """A draft model that knows the text to come, for a drafter with another tokenizer than the
+    target's (verispec.drafters.cross): its logits favour the token whose text is the longest
+    that continues the truth its context is in (one of `truths`, bytes: several for a batch).
+    At the byte offsets in `errors` it slips: the byte token `stray` (another where `stray` is
+    right) in place of the truth's byte, after which it goes on with the truth as if it had
+    been right. Off every truth, `stray`. With single bytes among its pieces it can cut a word
+    or a character anywhere (`bytewise`: it drafts byte by byte). It stands in for the draft
+    model's CachedModel (its ids, rewound by the drafter)."""
+
+    def __init__(self, text: TokenText, truths: list[bytes], errors: set[int], stray: int,
+                 bytewise: bool = False) -> None:
+        self.lean, self.model = None, None
+        self.text, self.truths, self.errors, self.stray = text, truths, errors, stray
+        self.choices = sorted(((piece, i) for i, piece in enumerate(text.pieces)
+                               if piece and (len(piece) == 1 or not bytewise)),
+                              key=lambda choice: -len(choice[0]))
+        self.width = len(text.pieces)
+        self.ids: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def reset(self) -> None:
+        self.ids = []
+
+    def rewind(self, length: int) -> None:
+        self.ids = self.ids[:length]
+
+    def forward_tail(self, tokens: torch.Tensor, count: int) -> torch.Tensor:
+        self.ids += tokens.tolist()
+        return torch.stack([self._logits(self.ids[: len(self.ids) - count + 1 + j]) for j in range(count)])
+
+    def _logits(self, ids: list[int]) -> torch.Tensor:
+        spelled = self.text.text(ids)
+        token = self.stray
+        truth = next((t for t in self.truths if len(t) > len(spelled) and all(
+            a == b or i in self.errors for i, (a, b) in enumerate(zip(spelled, t)))), None)
+        if truth is not None:
+            rest = truth[len(spelled):]
+            if len(spelled) in self.errors:  # a slip: one wrong byte
+                rest = rest[:1]
+                token = next(i for i in (self.stray, *(i for _, i in self.choices))
+                             if self.text.pieces[i] != rest)
+            else:
+                token = next((i for piece, i in self.choices if rest.startswith(piece)), self.stray)
+        logits = torch.zeros(self.width)
+        logits[token] = 5.0
+        return logits

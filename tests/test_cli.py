@@ -21,8 +21,8 @@ def test_generate_json_has_every_field(tiny_dir, capsys):
     assert set(out["stats"]) == {"new_tokens", "target_forwards", "mean_accepted_tokens",
                                  "acceptance_by_position", "draft_seconds", "verify_seconds",
                                  "tokens_per_second", "accepted_prediction_tokens",
-                                 "rejected_prediction_tokens", "forced_tokens", "invariance", "dtype",
-                                 "kernel", "path"}
+                                 "rejected_prediction_tokens", "forced_tokens", "foreign_tokens",
+                                 "boundary_lost", "invariance", "dtype", "kernel", "path"}
     stats = out["stats"]
     assert stats["path"] == "lean (llama)" and stats["invariance"] == "row-attention"
     assert stats["new_tokens"] == len(out["token_ids"]) <= 12
@@ -71,7 +71,8 @@ def test_unknown_or_unusable_models_are_one_line_errors(tmp_path, capsys):
         assert code == 2 and message in err and "Traceback" not in err, err
 
 
-def test_draft_vocabulary_mismatch_is_one_line_error(tiny_dir, tmp_path, capsys):
+def test_draft_vocabulary_unreadable_as_text_is_one_line_error(tiny_dir, tmp_path, capsys):
+    """Another vocabulary whose tokens are not text pieces (words joined by spaces): refused."""
     from tests.tiny import tiny_tokenizer
 
     other = tmp_path / "other"
@@ -80,7 +81,7 @@ def test_draft_vocabulary_mismatch_is_one_line_error(tiny_dir, tmp_path, capsys)
     code = main(["generate", "--model", str(tiny_dir), "--method", "draft", "--draft", str(other),
                  "--prompt", "w5"])
     err = capsys.readouterr().err
-    assert code == 2 and "tokenizers differ" in err
+    assert code == 2 and "cannot read the target's tokenizer's tokens as text" in err
 
 
 def test_unknown_method_is_refused(tiny_dir):

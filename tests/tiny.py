@@ -24,6 +24,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from verispec.drafters.vocab import byte_level_alphabet
+
 VOCAB = 64
 EOS = 2
 CHAT_TEMPLATE = "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}<assistant>"
@@ -107,7 +109,7 @@ def tiny_foreign(seed: int = 0, layers: int = 3) -> Olmo2ForCausalLM:
 
 def tiny_tokenizer(vocab: int = VOCAB, prefix: str = "w") -> PreTrainedTokenizerFast:
     """Word-level tokenizer: '<pad>', '<bos>', '<eos>', then words w3, w4, ... (or another prefix)."""
-    words = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<user>": 3, "<assistant>": 4}
+    words = {token: i for i, token in enumerate(SPECIALS)}
     words |= {f"{prefix}{i}": i for i in range(len(words), vocab)}
     backend = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -148,3 +150,70 @@ def tiny_bpe_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     backend.add_special_tokens(specials)
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
                                    eos_token="<eos>")
+
+
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<user>", "<assistant>")
+
+
+def named(specials: tuple[str, ...], first: str) -> dict[str, str]:
+    """The tokenizer's named special tokens: `first` (its pad or unknown token), then its start
+    and end of text, as far as `specials` goes."""
+    return dict(zip((first, "bos_token", "eos_token"), specials))
+
+
+def word_tokenizer(words: list[str], specials: tuple[str, ...] = SPECIALS) -> PreTrainedTokenizerFast:
+    """Word-level, with SentencePiece's convention for spaces: a word after a space is its own
+    token, spelled with ▁ ('ab cd' -> ['ab', '▁cd']); ids: the specials, then `words` in order.
+    A word it lacks reads as <pad> (the first special), so it spells no text."""
+    vocab = {token: i for i, token in enumerate([*specials, *words])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=specials[0]))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="never")
+    backend.add_special_tokens(list(specials))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **named(specials, "pad_token"))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def char_tokenizer(text: str, specials: tuple[str, ...] = ("<unk>", "<s>", "</s>"),
+                   merges: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """Character-level, byte-level in GPT-2's way (a space is Ġ, 'é' two tokens, Ã and ©): one
+    token per byte of the characters in `text`, then one per merged pair in `merges` (each two
+    characters, e.g. ' a': the token Ġa); ids: the specials first."""
+    alphabet = {b: c for c, b in byte_level_alphabet().items()}
+    spell = lambda s: "".join(alphabet[b] for b in s.encode())  # noqa: E731
+    units = list(dict.fromkeys(spell(c) for c in text))
+    units = list(dict.fromkeys(u for unit in units for u in unit))  # one token per byte
+    pairs = [(spell(m[0]), spell(m[1])) for m in merges]
+    vocab = {token: i for i, token in enumerate([*specials, *units, *(a + b for a, b in pairs)])}
+    backend = Tokenizer(models.BPE(vocab, pairs))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(specials))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **named(specials, "unk_token"))
+
+
+def piece_tokenizer(words: list[str], text: str = " abcd", fallback: str = "",
+                    specials: tuple[str, ...] = ("<unk>", "<s>", "</s>"), dummy_prefix: bool = False
+                    ) -> PreTrainedTokenizerFast:
+    """SentencePiece's kind (Gemma's, Llama's): BPE over the characters of `text` (a space is ▁)
+    merged into `words` (each spelled with ▁ for a space), the UTF-8 bytes of the characters in
+    `fallback` as byte tokens <0xNN> for the characters the pieces lack; with `dummy_prefix`,
+    encoding puts a ▁ before the text (Llama 2's)."""
+    chars = list(dict.fromkeys(text.replace(" ", "\u2581")))
+    merges: list[tuple[str, str]] = []
+    for word in words:
+        for end in range(2, len(word) + 1):
+            pair = (word[: end - 1], word[end - 1])
+            if pair not in merges:
+                merges.append(pair)
+    byte_tokens = [f"<0x{b:02X}>" for b in dict.fromkeys(fallback.encode())]
+    tokens = [*specials, *chars, *byte_tokens, *(a + b for a, b in merges)]
+    backend = Tokenizer(models.BPE({t: i for i, t in enumerate(dict.fromkeys(tokens))}, merges,
+                                   unk_token=specials[0], byte_fallback=True))
+    scheme = "first" if dummy_prefix else "never"
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    backend.add_special_tokens(list(specials))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **named(specials, "unk_token"))

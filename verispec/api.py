@@ -61,6 +61,7 @@ def prepare(
     eos_token_id: int | Iterable[int] | None = None,
     stop_strings: str | Iterable[str] | None = None,
     tokenizer=None,
+    assistant_tokenizer=None,
     chat: bool = False,
     num_return_sequences: int = 1,
     prediction: str | list[str] | None = None,
@@ -93,9 +94,16 @@ def prepare(
         keywords["prompt_lookup_num_tokens"] = ("k", prompt_lookup_num_tokens)
     if assistant_early_exit is not None:
         keywords["assistant_early_exit"] = ("exit_layer", assistant_early_exit)
+    if assistant_tokenizer is not None and (assistant_model is None or target.tokenizer is None):
+        raise VerispecError("assistant_tokenizer= is the assistant_model's tokenizer, beside the "
+                            "target's (tokenizer=): give all three")
     if assistant_model is not None:
-        draft = assistant_model if isinstance(assistant_model, (str, LoadedModel)) else _as_loaded(
-            assistant_model, target.tokenizer)
+        if assistant_tokenizer is not None:  # its own tokenizer, maybe not the target's
+            draft = _as_loaded(assistant_model, assistant_tokenizer)
+        elif isinstance(assistant_model, (str, LoadedModel)):
+            draft = assistant_model
+        else:
+            draft = _as_loaded(assistant_model, target.tokenizer)
         keywords["assistant_model"] = ("draft", draft)
     options = options or DraftOptions()
     given: dict[str, tuple[str, object]] = {}
@@ -134,8 +142,10 @@ def generate(model: ModelLike, inputs: Prompts, *, streamer=None,
     assistant_model, num_assistant_tokens, num_assistant_tokens_schedule ("constant" |
     "heuristic"), assistant_confidence_threshold, prompt_lookup_num_tokens,
     max_matching_ngram_size, assistant_early_exit, eos_token_id, stop_strings, tokenizer,
-    num_return_sequences (n sequences per prompt sharing its prefill, a prompt's together in
-    the list; with a seed, sequence i is seeded with seed + i). verispec adds method=NAME (any
+    assistant_tokenizer (the assistant_model's, where it is not the target's: its drafts are
+    carried into the target's tokens, exactly; docs/cross-tokenizer.md), num_return_sequences
+    (n sequences per prompt sharing its prefill, a prompt's together in the list; with a seed,
+    sequence i is seeded with seed + i). verispec adds method=NAME (any
     registered method, e.g. "self-int4-pld", "eagle"; num_assistant_tokens is then its k;
     instead of the keywords above) with options=DraftOptions(...) for its other settings (e.g.
     lookahead_window), tree=TreeSettings(topk, nodes) or tree="default" (the

@@ -19,6 +19,7 @@ from verispec.core.types import SamplingParams
 from verispec.decoding.engine import Speculation, SpeculativeEngine
 from verispec.drafters.base import Drafter
 from verispec.drafters.block import BlockDrafter
+from verispec.drafters.cross import CrossDrafter
 from verispec.drafters.distilled import DraftStudent, distilled_drafter
 from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.eagle3 import Eagle3Drafter
@@ -28,13 +29,14 @@ from verispec.drafters.hydra import HydraDrafter
 from verispec.drafters.learned import drafter_config, is_drafter_dir, shipped_drafter
 from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.drafters.medusa import MedusaDrafter
-from verispec.drafters.model import ModelDrafter, check_same_vocabulary
+from verispec.drafters.model import ModelDrafter, same_vocabulary
 from verispec.drafters.mtp import MTPDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings, shared_cache
 from verispec.drafters.trained_exit import ExitAdapter, trained_exit_drafter
+from verispec.drafters.vocab import bridge
 from verispec.options import DEFAULT_TREE, DraftOptions
 from verispec.target.lowbit import FORMATS, weight_format
 from verispec.target.models import LoadedModel, load
@@ -54,8 +56,14 @@ def _draft_model(target: LoadedModel, options: DraftOptions) -> Drafter:
         draft = load(draft, dtype=_dtype_name(target), device=str(target.model.device))
     if draft.tokenizer is None and target.tokenizer is not None:
         raise VerispecError(f"draft model {draft.name} has no tokenizer to check against the target's")
-    check_same_vocabulary(target.tokenizer, draft.tokenizer)
-    return ModelDrafter(draft.model, target.vocab_size, options.confidence_threshold, options.tree)
+    if same_vocabulary(target.tokenizer, draft.tokenizer):
+        return ModelDrafter(draft.model, target.vocab_size, options.confidence_threshold, options.tree)
+    if options.tree is not None:
+        raise VerispecError(f"draft model {draft.name} has another tokenizer than the target's: it "
+                            "drafts chains only (no --tree)", field="tree")
+    crossing = bridge(target.tokenizer, draft.tokenizer, target.vocab_size, draft.vocab_size,
+                      target.eos_token_ids, draft.eos_token_ids)
+    return CrossDrafter(draft.model, crossing, target.vocab_size, options.confidence_threshold)
 
 
 def _trained(target: LoadedModel, options: DraftOptions, kind: str) -> Path | None:
@@ -240,10 +248,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
                path, target.model, options.tree)),
            "where a drafter pass must be cheap and a wide verify costs little", Needs.TRAINED,
            BlockDrafter.kind, trees=True),
-    Method("draft", "an independent small model with the target's tokenizer, or a distilled "
-           "student", 5, _draft_model, "you have a small model of the same family; slower than "
-           "plain decoding on CPU so far", Needs.DRAFT_MODEL, DraftStudent.kind, trees=True,
-           hf_peer="hf-assisted"),
+    Method("draft", "an independent small model (with the target's tokenizer or another: its text "
+           "carried into the target's tokens), or a distilled student", 5, _draft_model,
+           "you have a small model of the same family; slower than plain decoding on CPU so far",
+           Needs.DRAFT_MODEL, DraftStudent.kind, trees=True, hf_peer="hf-assisted"),
     Method("early-exit", "the target's own first layers, through a trained exit when one exists "
            "(LayerSkip-style)", 5, _early_exit, "no other drafter fits; slower than plain decoding "
            "on CPU so far", trained_kind=ExitAdapter.kind, trees=True, hf_peer="hf-early-exit"),

@@ -14,6 +14,7 @@ from verispec.bench.contender import BenchConfig, Contender, Outcome, exit_layer
 from verispec.bench.llamacpp import LOOKUP_TOKENS, llamacpp_generator
 from verispec.core.errors import VerispecError
 from verispec.core.types import SamplingParams
+from verispec.drafters.model import same_vocabulary
 from verispec.target.models import LoadedModel
 
 PLD_TOKENS = 10  # what hf-pld drafts per step (Hugging Face's prompt_lookup_num_tokens)
@@ -22,12 +23,34 @@ PLD_TOKENS = 10  # what hf-pld drafts per step (Hugging Face's prompt_lookup_num
 Build = Callable[[str, LoadedModel, LoadedModel | None, BenchConfig, SamplingParams], Contender]
 
 
+def fits_always(target: LoadedModel, draft: LoadedModel | None) -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Baseline:
     build: Build
     needs_draft: bool = False  # needs --draft: a Hugging Face model, not a verispec student
     # Why it cannot run beam search (--num-beams); None: it can.
     beam_refusal: str | None = "it decodes one path"
+    # Why it cannot run this target and draft (None: it can), and the baseline that runs them.
+    unfit: Callable[[LoadedModel, LoadedModel | None], str | None] = fits_always
+    instead: str | None = None
+
+
+def shares_tokenizer(target: LoadedModel, draft: LoadedModel | None) -> str | None:
+    """Hugging Face's assisted generation takes a draft with the target's tokenizer."""
+    if draft is not None and not same_vocabulary(target.tokenizer, draft.tokenizer):
+        return "the draft's tokenizer is not the target's (hf-uag runs the pair)"
+    return None
+
+
+def has_another_tokenizer(target: LoadedModel, draft: LoadedModel | None) -> str | None:
+    """Hugging Face's universal assisted generation takes a draft with another tokenizer (it
+    refuses assistant_tokenizer= where the draft shares the target's)."""
+    if draft is not None and same_vocabulary(target.tokenizer, draft.tokenizer):
+        return "the draft shares the target's tokenizer (hf-assisted runs the pair)"
+    return None
 
 
 HF_SPECULATIVE = "Hugging Face generate() refuses num_beams > 1 with speculation"
@@ -101,7 +124,14 @@ BASELINES: dict[str, Baseline] = {
     "hf-pld": Baseline(hf_generate(lambda target, draft, config: {"prompt_lookup_num_tokens": PLD_TOKENS}),
                        beam_refusal=HF_SPECULATIVE),
     "hf-assisted": Baseline(hf_generate(lambda target, draft, config: {"assistant_model": draft.model}),
-                            needs_draft=True, beam_refusal=HF_SPECULATIVE),
+                            needs_draft=True, beam_refusal=HF_SPECULATIVE, unfit=shares_tokenizer,
+                            instead="hf-uag"),
+    # Universal assisted generation (transformers 5.23: greedy re-encodes the draft's text through
+    # both tokenizers, sampling drafts among the tokens both vocabularies share).
+    "hf-uag": Baseline(hf_generate(lambda target, draft, config: {
+        "assistant_model": draft.model, "tokenizer": target.tokenizer,
+        "assistant_tokenizer": draft.tokenizer}), needs_draft=True, beam_refusal=HF_SPECULATIVE,
+        unfit=has_another_tokenizer, instead="hf-assisted"),
     "hf-early-exit": Baseline(hf_generate(
         lambda target, draft, config: {"assistant_early_exit": exit_layer(target, config)},
         counts_forwards=False), beam_refusal=HF_SPECULATIVE),

@@ -19,8 +19,10 @@ from verispec.bench.summary import (
     TIE_ABSOLUTE,
     TIE_ULPS,
     acceptance_curves,
+    by_label,
     differing_runs,
     labels_in_order,
+    pooled_stats,
     speedup_model,
     summarize,
     summary_tasks,
@@ -85,7 +87,7 @@ def _header(results: Results) -> list[str]:
         lines.append(f"- **beam search**: B = {beams.num_beams} (num_beams) · **length_penalty**: "
                      f"{beams.length_penalty} · **early_stopping**: {beams.early_stopping}")
     if left_out := config.get("left_out"):
-        lines.append("- **left out** (cannot run beam search): "
+        lines.append("- **left out**: "
                      + "; ".join(f"`{name}`: {why}" for name, why in left_out.items()))
     if machine:
         lines.append("- **machine**: " + ", ".join(f"{k}: {v}" for k, v in machine.items()))
@@ -285,6 +287,25 @@ def _acceptance_section(runs: list[Run]) -> list[str]:
     return ["", "## Acceptance by draft position", "", intro, ""] + _table(header, rows)
 
 
+def _boundary_section(runs: list[Run]) -> list[str]:
+    """What crossed the tokenizer boundary, per label whose draft model has another tokenizer."""
+    grouped = by_label(runs)
+    rows = []
+    for label in labels_in_order(runs):
+        stats = pooled_stats(grouped[label])
+        if stats.foreign_tokens:
+            rows.append([_name(label), str(stats.foreign_tokens), str(stats.boundary_lost),
+                         _pct(stats.boundary_lost_share)])
+    if not rows:
+        return []
+    intro = ("A draft model with another tokenizer than the target's drafts in its own tokens; its text "
+             "goes into the target's tokens, and what it drafted past the last whole target token (a "
+             "word it had not finished, the token that showed the one before was whole) is lost at the "
+             "boundary (docs/cross-tokenizer.md).")
+    return (["", "## Drafting across tokenizers", "", intro, ""]
+            + _table(["method", "draft-model tokens", "lost at the boundary", "share"], rows))
+
+
 def _tree_section(runs: list[Run], summaries: list[MethodSummary]) -> list[str]:
     sweep = tree_sweep(runs, summaries)
     if not sweep:
@@ -331,7 +352,8 @@ def render_markdown(results: Results, figures: list[str] = ()) -> str:
     note on `ar` against the bare-forward limit, or under beam search its own table (vs hf and
     ar, search steps per pass, seconds, tok/s, best sequences identical to hf's); trees against
     chains; theory vs measurement; drafters and memory; exactness (every non-identical run, its
-    first difference and logit gap); acceptance per draft position; the figures.
+    first difference and logit gap); acceptance per draft position; what a draft model with
+    another tokenizer lost at the boundary; the figures.
     """
     runs = results.runs
     summaries = summarize(runs)
@@ -349,6 +371,7 @@ def render_markdown(results: Results, figures: list[str] = ()) -> str:
     lines += _memory_section(results)
     lines += _exactness_section(runs, greedy, results.config.get("dtype") or "float32", results.reference)
     lines += _acceptance_section(runs)
+    lines += _boundary_section(runs)
     if figures:
         lines += ["", "## Figures", ""] + [f"![{Path(f).stem.replace('_', ' ')}]({f})" for f in figures]
     return "\n".join(lines) + "\n"

@@ -58,6 +58,9 @@ class Run:
     peak_rss_mib: float | None = None  # the process's most resident memory during the run
     # Beam search (--num-beams): search steps taken (new_tokens: the best sequence's); None: one path.
     search_steps: int | None = None
+    # A draft model with another tokenizer: its own tokens drafted, and those lost at the boundary.
+    foreign_tokens: int = 0
+    boundary_lost: int = 0
 
     @property
     def mean_accepted_tokens(self) -> float | None:

@@ -148,11 +148,23 @@ def verispec_contender(engine: SpeculativeEngine, target: LoadedModel, method: s
 def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
                      sampling: SamplingParams
                      ) -> tuple[list[Contender], dict[str, str]]:
-    """The contenders, and with --num-beams the methods left out because they cannot run beam
-    search, with why. Methods named in --methods that cannot are refused, all named in one error;
-    the default set leaves them out."""
-    contenders, refused = [], {}
+    """The contenders, and those left out with why: a Hugging Face baseline that cannot run the
+    target and draft (another baseline runs them instead: hf-assisted and hf-uag, by whether the
+    draft shares the target's tokenizer), and with --num-beams the methods that cannot run beam
+    search. Named in --methods, either is an error (beam search's all named in one); the default
+    set leaves them out."""
+    contenders, unfit, refused, methods = [], {}, {}, []
     for method in choose_methods(config, can_run(target, config)):
+        baseline = BASELINES.get(method)
+        why = None if baseline is None else baseline.unfit(target, draft)
+        if why is None:
+            methods.append(method)
+            continue
+        if config.methods is not None:
+            raise VerispecError(f"{method} cannot run {target.name} with draft {draft.name}: {why}")
+        unfit[method] = why
+        methods.append(baseline.instead)
+    for method in dict.fromkeys(methods):
         if method in BASELINES:
             baseline = BASELINES[method]
             if config.beams is not None and baseline.beam_refusal is not None:
@@ -183,7 +195,7 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
         raise VerispecError(f"--num-beams {config.beams.num_beams}: cannot run beam search: "
                             + "; ".join(f"{name} ({why})" for name, why in refused.items())
                             + ". Leave them out of --methods")
-    return contenders, refused
+    return contenders, unfit | {name: f"cannot run beam search: {why}" for name, why in refused.items()}
 
 
 def parting(ours: list[int], baseline: list[int]) -> FirstDifference | None:
@@ -218,7 +230,8 @@ def run_record(contender: Contender, question: Question, outcome: Outcome) -> Ru
         "drafted_by_position": tuple(stats.drafted_by_position),
         "accepted_by_position": tuple(stats.accepted_by_position),
         "reached_by_position": tuple(stats.reached_by_position),
-        "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds}
+        "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,
+        "foreign_tokens": stats.foreign_tokens, "boundary_lost": stats.boundary_lost}
     return Run(method=contender.method, label=contender.label, task=question.task,
                question_id=question.question_id, k=contender.k, new_tokens=len(outcome.tokens),
                seconds=outcome.seconds, target_forwards=outcome.target_forwards, tree=contender.tree,
@@ -264,8 +277,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
     draft = load_model(config.draft, config.dtype, config.device) if config.draft else None
     contenders, left_out = build_contenders(config, target, draft, sampling)
     if left_out:
-        print(f"verispec bench: --num-beams {config.beams.num_beams} leaves out what cannot run beam "
-              f"search: {', '.join(left_out)} (reasons in report.md)", file=sys.stderr)
+        print(f"verispec bench leaves out {', '.join(left_out)} (reasons in report.md)", file=sys.stderr)
     prompts = {q: encode_prompt(target, q.prompt, chat=bool(getattr(target.tokenizer, "chat_template",
                                                                    None)))
                for q in questions}

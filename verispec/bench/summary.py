@@ -104,7 +104,8 @@ def pooled_stats(runs: Iterable[Run]) -> GenerationStats:
     return GenerationStats.total([GenerationStats(
         drafted_by_position=list(r.drafted_by_position),
         accepted_by_position=list(r.accepted_by_position),
-        reached_by_position=list(r.reached_by_position)) for r in runs])
+        reached_by_position=list(r.reached_by_position),
+        foreign_tokens=r.foreign_tokens, boundary_lost=r.boundary_lost) for r in runs])
 
 
 def acceptance_by_position(runs: list[Run], label: str) -> list[float]:

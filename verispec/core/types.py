@@ -103,6 +103,9 @@ class Proposal:
     A deterministic drafter leaves draft_probs None (one-hot q). In a tree, draft_probs[i] is the
     distribution node i was drawn from, given its parent and the siblings drawn before it. `side`:
     extra tokens scored alongside the draft but never accepted (see SideBranch); None for most.
+    A drafter with another tokenizer (verispec.drafters.cross) says how many of its own tokens
+    the draft took (`foreign_tokens`) and how many of those were lost at the tokenizer boundary
+    (`boundary_lost`: their text did not reach the target's tokens proposed).
     """
 
     tokens: torch.Tensor  # [num_draft] int64
@@ -110,6 +113,8 @@ class Proposal:
     parents: torch.Tensor | None = None  # [num_draft] int64, -1 = child of the root; None = chain
     side: SideBranch | None = None
     source: DraftSource = DraftSource.DRAFTER
+    foreign_tokens: int = 0
+    boundary_lost: int = 0
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -189,6 +194,8 @@ class Step:
     tree: DraftTree | None = None
     source: DraftSource = DraftSource.DRAFTER  # where the draft came from
     logprobs: list[TokenLogprob] | None = None  # one per emitted token, when asked for
+    foreign_tokens: int = 0  # draft-model tokens in another vocabulary behind the draft (Proposal)
+    boundary_lost: int = 0  # ... whose text did not reach the target's tokens proposed
 
     @property
     def draft_depth(self) -> int:
@@ -220,6 +227,10 @@ class GenerationStats:
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
     forced_tokens: int = 0  # tokens the grammar forced, drafted for free (verispec.core.grammar)
+    # A drafter with another tokenizer (verispec.drafters.cross): the tokens its draft model
+    # made, and those of them whose text was lost at the tokenizer boundary (not proposed).
+    foreign_tokens: int = 0
+    boundary_lost: int = 0
     invariance: str = ""  # the target's batch-invariance mode (CachedModel.invariance); "" unknown
     dtype: str = ""  # what the target's weights are in (CachedModel.precision): float32 ... int4
     kernel: str = ""  # how its products run (CachedModel.kernel)
@@ -244,6 +255,8 @@ class GenerationStats:
         _add_counts(self.drafted_by_position, [1] * step.draft_depth)
         _add_counts(self.accepted_by_position, [1] * step.num_accepted)
         _add_counts(self.reached_by_position, [1] * reached)
+        self.foreign_tokens += step.foreign_tokens
+        self.boundary_lost += step.boundary_lost
         self.draft_seconds += step.draft_seconds
         self.verify_seconds += step.verify_seconds
 
@@ -263,6 +276,8 @@ class GenerationStats:
             total.accepted_prediction_tokens += s.accepted_prediction_tokens
             total.rejected_prediction_tokens += s.rejected_prediction_tokens
             total.forced_tokens += s.forced_tokens
+            total.foreign_tokens += s.foreign_tokens
+            total.boundary_lost += s.boundary_lost
         for name in ("invariance", "dtype", "kernel", "path"):
             setattr(total, name, "/".join(sorted({getattr(s, name) for s in all_stats})))
         return total
@@ -290,6 +305,12 @@ class GenerationStats:
         return rates
 
     @property
+    def boundary_lost_share(self) -> float | None:
+        """Of the draft model's tokens in another vocabulary, the share lost at the tokenizer
+        boundary (None: no such drafter ran)."""
+        return self.boundary_lost / self.foreign_tokens if self.foreign_tokens else None
+
+    @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
 
@@ -305,6 +326,8 @@ class GenerationStats:
             "accepted_prediction_tokens": self.accepted_prediction_tokens,
             "rejected_prediction_tokens": self.rejected_prediction_tokens,
             "forced_tokens": self.forced_tokens,
+            "foreign_tokens": self.foreign_tokens,
+            "boundary_lost": self.boundary_lost,
             "invariance": self.invariance,
             "dtype": self.dtype,
             "kernel": self.kernel,

@@ -220,7 +220,8 @@ class _Row:
         return Step(tokens=block[:keep], fates=fates[:keep], rejected=alternatives,
                     num_drafted=len(proposal), num_accepted=accepted, draft_seconds=self.draft_seconds,
                     verify_seconds=forward_seconds + time.perf_counter() - started, finished=finished,
-                    tree=tree, source=proposal.source, logprobs=logprobs)
+                    tree=tree, source=proposal.source, logprobs=logprobs,
+                    foreign_tokens=proposal.foreign_tokens, boundary_lost=proposal.boundary_lost)
 
 
 class SpeculativeEngine:
