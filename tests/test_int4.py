@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distribution import assert_follows, exact_marginals, sample_runs
+from tests.distribution import POWER, assert_follows, exact_marginals, runs_for, sample_runs
 from tests.tiny import save_tiny, tiny_llama
 from verispec.cli import main
 from verispec.core.errors import VerispecError
@@ -116,9 +116,10 @@ PROMPT = [1, 5, 9, 1, 1, 5, 9]
 
 
 @pytest.mark.parametrize("precision", ["int4", "bfloat16"])
-def test_sampling_follows_the_new_targets_distribution(precision):
+@pytest.mark.parametrize("skew", POWER)
+def test_sampling_follows_the_new_targets_distribution(precision, skew):
     """Staged int4 self drafting on a 4-bit (or bfloat16) tiny target: the first three sampled
-    tokens follow the target's exact law (its own forward), within the sample-size bound."""
+    tokens follow the target's exact law (its own forward), with power against a TV 0.05 skew."""
     model = tiny_llama(seed=2, vocab=V, hidden=64)
     if precision == "int4":
         int4_target(model, None)
@@ -131,6 +132,7 @@ def test_sampling_follows_the_new_targets_distribution(precision):
 
     engine = SpeculativeEngine(model, make(), ConstantK(3), spawn=make, load_cap=LoadCap(()))
     sampling = SamplingParams(do_sample=True, temperature=0.8)
-    sampled = sample_runs(engine, PROMPT, 3, sampling, 3000)
+    exact = exact_marginals(model, PROMPT, 3, sampling)
+    sampled = sample_runs(engine, PROMPT, 3, sampling, runs_for(exact, skew))
     sampled.check_drafting(positions=2)
-    assert_follows(sampled, exact_marginals(model, PROMPT, 3, sampling), precision)
+    assert_follows(sampled, exact, precision, skew)

@@ -201,7 +201,11 @@ def bfloat16_copy(layers: list[nn.Linear]) -> Product:
 
 def fused_rms_norm(module: nn.Module) -> Product:
     """A Llama RMSNorm as one fused op (torch's rms_norm) instead of the module's seven: about
-    twice as fast for one row. Rounding may differ from the module's, so only drafters use it."""
+    twice as fast for one row. Rounding may differ from the module's, so only drafters use it.
+    A module that is not a Llama RMSNorm (a trained early exit's adapter in the final norm's
+    place) runs as it is."""
+    if not hasattr(module, "variance_epsilon"):
+        return module
     weight, eps = module.weight.detach(), float(module.variance_epsilon)
     return lambda x: nn.functional.rms_norm(x, weight.shape, weight, eps)
 
