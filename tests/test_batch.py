@@ -11,7 +11,7 @@ import torch
 
 from tests.distribution import POWER, assert_follows, exact_marginals, runs_for, sample_runs
 from tests.drafters import RandomDrafter
-from tests.tiny import EOS, VOCAB, save_tiny, tiny_llama, tiny_qwen3
+from tests.tiny import EOS, VOCAB, save_tiny, tiny_foreign, tiny_llama
 from verispec.core.errors import VerispecError
 from verispec.core.policies import ConstantK, HeuristicK, LoadCap
 from verispec.core.stopping import StoppingRules
@@ -77,7 +77,7 @@ def test_every_row_matches_its_prompt_decoded_alone(target, k):
 
 
 def test_models_off_the_lean_path_batch_exactly():
-    model = tiny_qwen3(seed=3)
+    model = tiny_foreign(seed=3)
     rules = [StoppingRules.build(b) for b in BUDGETS]
     truth = solo(model, rules)
     for make in (lambda: PromptLookupDrafter(3, 1), lambda: ModelDrafter(model, VOCAB)):
@@ -152,7 +152,7 @@ def test_samples_share_the_prefill_and_follow_the_target_distribution(monkeypatc
     assert_follows(sampled, exact, "batched samples", skew)
 
 
-@pytest.mark.parametrize("make_target", [tiny_llama, tiny_qwen3], ids=["lean", "hugging-face"])
+@pytest.mark.parametrize("make_target", [tiny_llama, tiny_foreign], ids=["lean", "hugging-face"])
 def test_samples_of_one_prompt_each_own_their_cache(make_target):
     """copy_from on both cache paths (verispec.target.lean's caches, Hugging Face's DynamicCache): each
     sample of one prompt starts from the shared prefill in a cache of its own, so it is what its
@@ -161,7 +161,7 @@ def test_samples_of_one_prompt_each_own_their_cache(make_target):
     draft = tiny_llama(seed=7, layers=1)
     make = lambda: ModelDrafter(draft, VOCAB)  # noqa: E731
     engine = SpeculativeEngine(model, make(), ConstantK(3), spawn=make)
-    assert (engine.target.lean is None) == (make_target is tiny_qwen3)
+    assert (engine.target.lean is None) == (make_target is tiny_foreign)
     sampling, rules = SamplingParams(do_sample=True, temperature=0.9), StoppingRules.build(20)
     batched = engine.generate_batch(SequenceSpec.batch([PROMPTS[0]], rules, sampling, seed=5, samples=3),
                                     samples=3)
@@ -171,13 +171,13 @@ def test_samples_of_one_prompt_each_own_their_cache(make_target):
     assert all(sum(s.num_drafted for s in r.steps) > 0 for r in batched)
 
 
-@pytest.mark.parametrize("make_target", [tiny_llama, tiny_qwen3], ids=["lean", "hugging-face"])
+@pytest.mark.parametrize("make_target", [tiny_llama, tiny_foreign], ids=["lean", "hugging-face"])
 def test_copy_from_gives_a_cache_of_its_own(make_target):
     """copy_from on both cache paths: the copy continues as a fresh prefill of the same tokens
     would, and feeding it leaves the source as it was."""
     model = make_target(seed=3)
     source, copy, fresh = CachedModel(model), CachedModel(model), CachedModel(model)
-    assert (source.lean is None) == (make_target is tiny_qwen3)
+    assert (source.lean is None) == (make_target is tiny_foreign)
     prompt = torch.tensor(PROMPTS[0])
     source.prefill(prompt)
     fresh.prefill(prompt)

@@ -9,7 +9,7 @@ import verispec
 import verispec.verifiers.tree as tree_verifier
 from tests.distribution import FAST_SKEW, POWER, check_laws
 from tests.test_tree_sampling import P0, TABLE, V, trials
-from tests.tiny import plain_greedy, tiny_qwen3
+from tests.tiny import plain_greedy, tiny_foreign
 from verispec.core.errors import VerispecError
 from verispec.core.policies import ConstantK, HeuristicK
 from verispec.core.sampling import sample
@@ -85,7 +85,7 @@ def test_lookahead_matches_plain_decoding(target, references, window, ngram, gue
 
 
 def test_lookahead_off_the_lean_path_and_with_a_varying_k_matches_plain_decoding(target, references):
-    model = tiny_qwen3(seed=3)  # through Hugging Face's own forward, blocks padded to 4 rows
+    model = tiny_foreign(seed=3)  # through Hugging Face's own forward, blocks padded to 4 rows
     for prompt in PROMPTS:
         truth = plain_greedy(model, prompt, NEW)
         for window, ngram, guesses, k in SETTINGS[1:4]:

@@ -285,7 +285,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
                 "questions": str(config.questions or "built-in"),
                 "num_questions": len(questions), "interrupted": False, "left_out": left_out,
                 **{name: value for name, value in asdict(CachedModel(target.model).stats()).items()
-                   if name in ("invariance", "dtype", "kernel")}},
+                   if name in ("invariance", "dtype", "kernel", "path")}},
         machine=machine_info(config.device))
     first_prompt = prompts[questions[0]]
     bar = tqdm(total=len(questions) * len(contenders) + config.warmup * len(contenders),

@@ -45,12 +45,12 @@ def run_command(args: argparse.Namespace) -> int:
     totals: dict[str, list] = {PLAIN: [], args.method: []}
     for method in totals:  # warm-up: the first forward passes are slow; keep them out of timings
         run(target, build_request(target, DEMO_PROMPTS[0], method=method, options=draft_options(args),
-                                  max_new_tokens=4, chat=True))
+                                  max_new_tokens=4, chat=None))
     for prompt in DEMO_PROMPTS:
         print(f"\n>>> {prompt}")
         for method in totals:
             request = build_request(target, prompt, method=method, options=draft_options(args),
-                                    max_new_tokens=args.max_new_tokens, chat=True)
+                                    max_new_tokens=args.max_new_tokens, chat=None)
             totals[method].append(run(target, request))
         plain, fast = totals[PLAIN][-1], totals[args.method][-1]
         print(render_steps(fast.steps, target.tokenizer, colour))

@@ -64,7 +64,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_model_arguments(gen)
     add_draft_options(gen)
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
-    gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
+    gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template (a model "
+                     "without one, such as a base model, always takes the prompt raw)")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
@@ -102,7 +103,8 @@ def run_command(args: argparse.Namespace) -> int:
     target = load_model(args.model, args.dtype, args.device)
     args.method = args.method or fastest_method(target)
     request = build_request(
-        target, args.prompt, chat=not args.raw, method=args.method, options=draft_options(args),
+        target, args.prompt, chat=False if args.raw else None, method=args.method,
+        options=draft_options(args),
         sampling=SamplingParams.of(args.temperature, args.top_k, args.top_p),
         max_new_tokens=args.max_new_tokens, stop_strings=args.stop, seed=args.seed,
         n=args.num_return_sequences, prediction=read_file(args.prediction, "prediction"),

@@ -223,6 +223,7 @@ class GenerationStats:
     invariance: str = ""  # the target's batch-invariance mode (CachedModel.invariance); "" unknown
     dtype: str = ""  # what the target's weights are in (CachedModel.precision): float32 ... int4
     kernel: str = ""  # how its products run (CachedModel.kernel)
+    path: str = ""  # which forward runs it: "lean (FAMILY)" or Hugging Face's (CachedModel.path)
 
     def add(self, step: Step) -> None:
         self.new_tokens += len(step.tokens)
@@ -262,7 +263,7 @@ class GenerationStats:
             total.accepted_prediction_tokens += s.accepted_prediction_tokens
             total.rejected_prediction_tokens += s.rejected_prediction_tokens
             total.forced_tokens += s.forced_tokens
-        for name in ("invariance", "dtype", "kernel"):
+        for name in ("invariance", "dtype", "kernel", "path"):
             setattr(total, name, "/".join(sorted({getattr(s, name) for s in all_stats})))
         return total
 
@@ -307,6 +308,7 @@ class GenerationStats:
             "invariance": self.invariance,
             "dtype": self.dtype,
             "kernel": self.kernel,
+            "path": self.path,
         }
 
 
