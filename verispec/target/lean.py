@@ -74,8 +74,8 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
 }
 
-# Off the CPU (cuBLAS) a product's kernel and reduction split may depend on its row count (not
-# yet measured on a GPU: docs/invariance.md, CUDA), so an invariant forward runs every product and
+# Off the CPU (cuBLAS) a product's kernel and reduction split depend on its row count (float32 on
+# an H100: docs/invariance.md, CUDA), so an invariant forward runs every product and
 # norm there on chunks of exactly this many rows (zero-padded).
 FIXED_ROWS = 32
 
