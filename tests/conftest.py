@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from tests.tiny import save_tiny, tiny_llama
+from tests.tiny import TINY_RECIPE, save_tiny, tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -13,6 +13,31 @@ def target():
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny-target"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tiny_dir, tmp_path_factory):
+    """Self-distillation data of the tiny target (exit layer 1; aux layers (0, 1, 2): the engines'
+    default (2, N // 2, N - 3) for its 3 layers)."""
+    from verispec.target.models import load_model
+    from verispec.training.data import build_dataset
+
+    return build_dataset(load_model(str(tiny_dir)), tmp_path_factory.mktemp("data"), num_prompts=12,
+                         max_new_tokens=16, batch_size=4, exit_layer=1, aux_layers=(0, 1, 2))
+
+
+@pytest.fixture(scope="session")
+def tiny_trained(tiny_dir, tiny_data, tmp_path_factory):
+    """A drafter of every trained kind for the tiny target (a few steps each): kind -> directory."""
+    from verispec.target.models import load_model
+    from verispec.training.recipes import KINDS, train_drafter
+    from verispec.training.trainer import TrainConfig
+
+    loaded = load_model(str(tiny_dir))
+    config = TrainConfig(steps=4, warmup=1, batch_size=4, eval_every=2, checkpoint_every=2)
+    return {kind: train_drafter(kind, loaded, [tiny_data], tmp_path_factory.mktemp(kind), config,
+                                TINY_RECIPE)
+            for kind in KINDS}
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import resource
 import pytest
 import torch
 
-from tests.distribution import assert_follows, exact_marginals, sample_runs
+from tests.distribution import POWER, assert_follows, exact_marginals, runs_for, sample_runs
 from tests.drafters import RandomDrafter
 from tests.tiny import EOS, VOCAB, save_tiny, tiny_foreign, tiny_llama
 from verispec.core.errors import VerispecError
@@ -124,7 +124,8 @@ def test_learned_and_self_drafters_batch_through_build_engine(tmp_path):
         assert [r.token_ids for r in results] == truth, method
 
 
-def test_samples_share_the_prefill_and_follow_the_target_distribution(monkeypatch):
+@pytest.mark.parametrize("skew", POWER)
+def test_samples_share_the_prefill_and_follow_the_target_distribution(monkeypatch, skew):
     """n samples of one prompt in one batch: one prefill, copied into every row's cache; every row
     drafts at that batch size (no load cap: the measured default turns drafting off from 8 rows)
     with a sampling drafter; the first three tokens of the rows follow the target's exact law."""
@@ -141,11 +142,14 @@ def test_samples_share_the_prefill_and_follow_the_target_distribution(monkeypatc
             return original(self, *args, **kwargs)
 
         monkeypatch.setattr(CachedModel, name, counted)
-    prompt, sampling, runs, per_batch = [1, 5, 9, 7, 5, 9], SamplingParams(do_sample=True), 4000, 500
+    prompt, sampling, per_batch = [1, 5, 9, 7, 5, 9], SamplingParams(do_sample=True), 500
+    exact = exact_marginals(target16, prompt, 3, sampling)
+    runs = runs_for(exact, skew)
     sampled = sample_runs(engine, prompt, 3, sampling, runs, per_batch)
-    assert calls == {"prefill": runs // per_batch, "copy_from": runs - runs // per_batch}, calls
+    batches = -(-runs // per_batch)
+    assert calls == {"prefill": batches, "copy_from": runs - batches}, calls
     sampled.check_drafting(positions=2)
-    assert_follows(sampled, exact_marginals(target16, prompt, 3, sampling), "batched samples")
+    assert_follows(sampled, exact, "batched samples", skew)
 
 
 @pytest.mark.parametrize("make_target", [tiny_llama, tiny_foreign], ids=["lean", "hugging-face"])

@@ -11,6 +11,7 @@ import torch
 from transformers import GenerationConfig
 
 import verispec
+from tests.test_beam import finished
 from verispec.cli import main
 from verispec.core.errors import VerispecError
 from verispec.request import encode_prompt
@@ -35,8 +36,8 @@ def hf_beams(target, prompt_ids: list[int], beams: int, penalty: float,
                               pad_token_id=target.tokenizer.pad_token_id,
                               return_dict_in_generate=True, output_scores=True)
     out = target.model.generate(torch.tensor([prompt_ids]), generation_config=config)
-    return [(out.sequences[i, len(prompt_ids):].tolist(), float(out.sequences_scores[i]))
-            for i in range(beams)]
+    return [(finished(out.sequences[i, len(prompt_ids):].tolist(), sorted(target.eos_token_ids)),
+             float(out.sequences_scores[i])) for i in range(beams)]
 
 
 @pytest.mark.parametrize(("beams", "penalty", "early"),
@@ -55,9 +56,10 @@ def test_generate_with_beams_is_hugging_face_beam_search(target, beams, penalty,
         assert len(results) == 2 * beams
         for index, reference in enumerate(references):
             mine = results[index * beams: (index + 1) * beams]
-            for got, (tokens, score) in zip(mine, reference):
-                assert got.token_ids == tokens[: len(got.token_ids)], (method, index)
-                assert got.score == pytest.approx(score, rel=1e-4, abs=1e-4), (method, index)
+            # whole sequences, in the same order, with the same scores
+            assert [got.token_ids for got in mine] == [tokens for tokens, _ in reference], (method, index)
+            assert [got.score for got in mine] == pytest.approx([score for _, score in reference],
+                                                                rel=1e-4, abs=1e-4), (method, index)
         multi += sum(r.stats.multi_step_forwards for r in results) if method != "ar" else 0
     assert multi > 0  # the drafts advanced the search several steps in one target pass
 

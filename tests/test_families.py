@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests import test_invariance as invariance
-from tests.distribution import assert_follows, exact_marginals, sample_runs
+from tests.distribution import POWER, assert_follows, exact_marginals, runs_for, sample_runs
 from tests.tiny import FAMILY_NAMES, WINDOW, tiny_family, tiny_foreign
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
@@ -145,9 +145,11 @@ V = 16
 PROMPT = [1, 5, 9, 1, 1, 5, 9]
 
 
-def test_sampling_on_gemma3_follows_the_targets_law():
+@pytest.mark.parametrize("skew", POWER)
+def test_sampling_on_gemma3_follows_the_targets_law(skew):
     """Staged int4 self drafting on a tiny Gemma 3 (windows, sandwich norms, GeGLU): the first
-    three sampled tokens follow the target's exact law (its own forward), within the bound."""
+    three sampled tokens follow the target's exact law (its own forward), with power against
+    `skew` (tests/distribution.py)."""
     model = tiny_family("gemma3", seed=2, vocab=V, hidden=64)
     loaded = LoadedModel(model, None, "tiny-gemma3")
 
@@ -157,9 +159,10 @@ def test_sampling_on_gemma3_follows_the_targets_law():
     engine = SpeculativeEngine(model, make(), ConstantK(3), spawn=make, load_cap=LoadCap(()))
     assert engine.target.lean is not None
     sampling = SamplingParams(do_sample=True, temperature=0.8)
-    sampled = sample_runs(engine, PROMPT, 3, sampling, 3000)
+    exact = exact_marginals(model, PROMPT, 3, sampling)
+    sampled = sample_runs(engine, PROMPT, 3, sampling, runs_for(exact, skew))
     sampled.check_drafting(positions=2)
-    assert_follows(sampled, exact_marginals(model, PROMPT, 3, sampling), "gemma3")
+    assert_follows(sampled, exact, "gemma3", skew)
 
 
 # ---- the built-in Gemma 3 270M (the `gemma` extra; slow) -------------------------------------

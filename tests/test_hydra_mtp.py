@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from tests.test_rejection_distribution import tv, tv_bound
+from tests.distribution import POWER, assert_follows, exact_marginals, runs_for, sample_runs
 from tests.tiny import VOCAB, plain_greedy, save_tiny
 from verispec.cli import main
 from verispec.core.errors import VerispecError
-from verispec.core.policies import ConstantK
+from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
@@ -148,48 +148,22 @@ def test_mtp_caches_restart_with_every_generation(loaded, trained, prompts):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_sampled_tokens_follow_the_target(loaded, trained, prompts, kind):
-    """The first three tokens of N seeded runs (top-k 4, temperature 1; k = 2, so two drafted
-    positions, each from its head's q, and one more) against the target's exact marginals, by
-    total variation against the sample-size bound (tokens outside the target's support lumped
-    into one category, which the truth gives 0). The fitted heads on a training prompt: q close
-    to p, so most drafts are accepted and a misreported q would show."""
-    model, prompt, trials = loaded.model, prompts[0], 2500
+@pytest.mark.parametrize("skew", POWER)
+def test_sampled_tokens_follow_the_target(loaded, trained, prompts, kind, skew):
+    """The first three tokens of many seeded runs (top-k 4, temperature 1; k = 2, so two drafted
+    positions, each from its head's q, and one more) against the target's exact marginals, with
+    the sample size that gives power against a skew of TV 0.05 (tests/distribution.py). The
+    fitted heads on a training prompt: q close to p, so most drafts are accepted and a
+    misreported q would show."""
+    model, prompt = loaded.model, prompts[0]
     sampling = SamplingParams(do_sample=True, temperature=1.0, top_k=4)
-    drafter = {"hydra": HydraDrafter, "mtp": MTPDrafter}[kind].load(trained[kind], model)
-    engine = SpeculativeEngine(model, drafter, ConstantK(2))
-    counts = torch.zeros(3, VOCAB + 1, dtype=torch.float64)  # [position, token or 'outside']
-    for seed in range(trials):
-        result = engine.generate(prompt, StoppingRules.build(3), sampling, seed=seed)
-        counts[torch.arange(3), torch.tensor(result.token_ids)] += 1
-    exact = _exact_marginals(model, prompt, 3, top_k=4)  # [3, VOCAB]
-    for position in range(3):
-        support = exact[position] > 0
-        empirical = counts[position, :VOCAB] / trials
-        lumped = torch.cat([empirical[support], empirical[~support].sum()[None]])
-        truth = torch.cat([exact[position][support], torch.zeros(1, dtype=torch.float64)])
-        bound = tv_bound(trials, int(support.sum()) + 1)
-        distance = tv(lumped, truth)
-        assert distance <= bound, f"{kind} position {position + 1}: TV {distance:.4f} > {bound:.4f}"
-
-
-def _exact_marginals(model, prompt: list[int], n: int, top_k: int) -> torch.Tensor:
-    """The target's exact distribution of each of its next n tokens under top-k sampling,
-    enumerating every path with non-zero probability: [n, VOCAB] float64."""
-    out = torch.zeros(n, VOCAB, dtype=torch.float64)
-    paths = {tuple(): 1.0}
-    for position in range(n):
-        grown: dict[tuple, float] = {}
-        for path, weight in paths.items():
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + list(path)])).logits[0, -1].double()
-            top = logits.topk(top_k)
-            probs = top.values.softmax(-1)
-            for token, p in zip(top.indices.tolist(), probs.tolist()):
-                grown[path + (token,)] = weight * p
-                out[position, token] += weight * p
-        paths = grown
-    return out
+    def make():
+        return {"hydra": HydraDrafter, "mtp": MTPDrafter}[kind].load(trained[kind], model)
+    engine = SpeculativeEngine(model, make(), ConstantK(2), spawn=make, load_cap=LoadCap(()))
+    exact = exact_marginals(model, prompt, 3, sampling)
+    sampled = sample_runs(engine, prompt, 3, sampling, runs_for(exact, skew))
+    sampled.check_drafting(positions=2)
+    assert_follows(sampled, exact, kind, skew)
 
 
 def _mtp_recipe(loaded, meta, sequences) -> Recipe:

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.tiny import VOCAB, plain_greedy, save_tiny, tiny_llama
+from tests.tiny import TINY_RECIPE, VOCAB, plain_greedy, save_tiny, tiny_llama
 from verispec.bench.runner import BenchConfig, run_bench
 from verispec.bench.summary import summarize
 from verispec.cli import main
@@ -46,12 +46,12 @@ from verispec.training.data import (
     is_complete,
     load_dataset,
 )
-from verispec.training.recipes import KINDS, RECIPES, Recipe, RecipeOptions, collate, train_drafter
+from verispec.training.recipes import KINDS, RECIPES, Recipe, collate, train_drafter
 from verispec.training.trainer import TrainConfig
 
 NEW = 40
 PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5], [1, 60, 7]]
-OPTIONS = RecipeOptions(vocab=48, heads=3, exit_layer=1, draft_layers=1)
+OPTIONS = TINY_RECIPE
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +60,15 @@ def loaded(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def data(loaded, tmp_path_factory):
-    # aux layers (0, 1, 2): the engines' default (2, N // 2, N - 3) for this 3-layer target
-    return build_dataset(loaded, tmp_path_factory.mktemp("data"), num_prompts=12,
-                         max_new_tokens=16, batch_size=4, exit_layer=1, aux_layers=(0, 1, 2))
+def data(tiny_data):
+    """The tiny target's data (tests/conftest.py: the same seed-0 weights as `loaded`)."""
+    return tiny_data
 
 
 @pytest.fixture(scope="module")
-def trained(loaded, data, tmp_path_factory):
-    config = TrainConfig(steps=4, warmup=1, batch_size=4, eval_every=2, checkpoint_every=2)
-    return {kind: train_drafter(kind, loaded, [data], tmp_path_factory.mktemp(kind), config, OPTIONS)
-            for kind in KINDS}
+def trained(tiny_trained):
+    """A drafter of every kind, a few steps each (tests/conftest.py: OPTIONS, 4 steps)."""
+    return tiny_trained
 
 
 def test_dataset_holds_answers_and_hidden_states(loaded, data):

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.pair_distribution import empirical_pairs, exact_pairs
-from tests.test_rejection_distribution import tv, tv_bound
+from tests.distribution import POWER, assert_follows, exact_marginals, runs_for, sample_runs
 from tests.tiny import plain_greedy, tiny_llama
 from verispec.core.errors import VerispecError
-from verispec.core.policies import ConstantK
+from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import DraftSource, SamplingParams
 from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
@@ -95,17 +94,18 @@ def test_a_batch_with_a_prediction_beside_a_row_without(target, truth):
     assert results[1].stats.accepted_prediction_tokens == 0
 
 
-@pytest.mark.slow
-def test_predicted_outputs_sample_the_target_distribution():
-    """Sampling: the first two tokens follow the target's joint distribution, with the prediction
-    drafting and sometimes refused (slow: 3000 generations)."""
+@pytest.mark.parametrize("skew", POWER)
+def test_predicted_outputs_sample_the_target_distribution(skew):
+    """Sampling: the first three tokens follow the target's exact marginals (with power against a
+    skew of TV 0.05: tests/distribution.py), with the prediction drafting and sometimes refused."""
     model = tiny_llama(seed=2, vocab=6, layers=1)
     prompt = [1, 3, 4, 5]
     sampling = SamplingParams(True, 1.5)
-    engine = SpeculativeEngine(model)
-    samples = 3000
-    empirical, results = empirical_pairs(engine, prompt, sampling, samples, seed=0,
-                                         prediction=[3, 4, 5])
-    accepted = sum(r.stats.accepted_prediction_tokens for r in results)
-    assert results[0].steps[0].source is DraftSource.PREDICTION and 0 < accepted < 2 * samples
-    assert tv(empirical.flatten(), exact_pairs(model, prompt, sampling).flatten()) <= tv_bound(samples, 36)
+    engine = SpeculativeEngine(model, load_cap=LoadCap(()))
+    exact = exact_marginals(model, prompt, 3, sampling)
+    sampled = sample_runs(engine, prompt, 3, sampling, runs_for(exact, skew), prediction=[3, 4, 5])
+    accepted = sum(r.stats.accepted_prediction_tokens for r in sampled.results)
+    assert sampled.results[0].steps[0].source is DraftSource.PREDICTION
+    assert 0 < accepted < 2 * sampled.runs
+    sampled.check_drafting(positions=2)
+    assert_follows(sampled, exact, "prediction", skew)

@@ -12,32 +12,33 @@ element, the token emitted at each position j:
 
 Because positions are independent here, the tokens emitted at position j by the batch elements
 that reach it must be i.i.d. draws from p_j. We compare their empirical distribution with p_j by
-total variation (TV) distance against the Bretagnolle-Huber-Carol bound
-
-    P(TV > eps) <= 2^V exp(-N eps^2 / 2)   =>   eps(N, V, delta) = sqrt(2 (V ln 2 + ln(1/delta)) / N)
-
-with delta = 1e-6 and N the number of samples that reached the position. (That inequality is the
-usual statement for the L1 distance, which is twice the TV, so as a TV bound it is conservative.)
+total variation (TV) against tests.distribution.tv_threshold (derived for TV: a union bound over
+the 2^V - 2 subsets of Hoeffding's inequality), the k + 1 positions of a run checked together at
+false alarm 1e-4 (docs/testing.md, "Sample sizes with power").
 
 The test can fail: `buggy_rejection_sample` is the classic bug (on rejection, resample from p
 instead of norm(max(0, p - q))). Its position-j output is min(p, q) + (1 - beta) p with
-beta = sum(min(p, q)), at TV (1 - beta) * TV(p, norm(max(0, p - q))) from p. The same TV check
-flags it (TV > eps, asserted) at every drafted position where that analytic TV is at least
-2 * eps, which guarantees detection with probability >= 1 - delta. Which regimes catch the bug:
+beta = sum(min(p, q)), at TV (1 - beta) * TV(p, norm(max(0, p - q))) from p. The same check flags
+it (asserted) at every drafted position where that analytic TV is at least the threshold plus
+sqrt(ln(1 / 0.01) / (2 N)), which guarantees detection with probability >= 0.99. Which regimes
+catch the bug:
 
-    near_uniform    V=12, B=200k   caught at all 3 drafted positions (analytic TV 0.08-0.12,
-                                   eps 0.015-0.018)
+    near_uniform    V=12, B=200k   caught at all 3 drafted positions (analytic TV 0.08-0.12)
     peaked          V=8,  B=1M     caught at both drafted positions: analytic TV 0.0184 and 0.0182
-                                   vs eps ~ 0.0063 at N ~ 1e6. At N = 1e5, eps = 0.0197 is above
-                                   the bug's TV: this is where it hides at small N
+                                   against thresholds ~0.0031 at N ~ 1e6; at N = 2e4 the threshold
+                                   (0.0199) is above it: this is where it hides at small N
     draft_eq_target V=10, B=100k   NOT caught: beta = 1, nothing is ever rejected
     disjoint        V=10, B=100k   NOT caught: beta = 0, the residual *is* p
     q_zero          V=10, B=200k   caught at both drafted positions (analytic TV 0.14-0.15)
     top_k_top_p     V=16, B=200k   caught at all 3 drafted positions (analytic TV 0.15-0.24)
     deterministic   V=8,  B=200k   caught at all 3 drafted positions (analytic TV p(d)(1 - p(d)),
                                    0.16-0.23)
+    skew            V=8,  B=12k    a skew of TV exactly 0.05 at both drafted positions
+                                   (`skewed_rejection_sample`: token 0's residual mass handed to
+                                   token 1; scripts/mutate.py plants it in the verifier), at the
+                                   sample size tests.distribution.samples_for_power gives: caught
 
-The bonus position is never affected by the bug (its residual is p in both samplers).
+The bonus position is never affected by either bug (its residual is p in both samplers).
 """
 
 from __future__ import annotations
@@ -50,31 +51,20 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.distribution import FALSE_ALARM, MISS, SKEW, samples_for_power, tv, tv_threshold
 from verispec.core.sampling import sample, warp_probs
 from verispec.core.types import SamplingParams
 from verispec.verifiers.rejection import rejection_sample
 
-DELTA = 1e-6  # false-alarm probability of one TV check
-MIN_N = 20_000  # a checked position must be reached at least this often
 SEEDS = (0, 1, 2)
 
 Sampler = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Generator],
                    tuple[torch.Tensor, torch.Tensor]]
 
 
-def tv_bound(n: int, vocab: int, delta: float = DELTA) -> float:
-    """eps such that P(TV(empirical of n i.i.d. draws, truth) > eps) <= delta (BHC inequality)."""
-    return math.sqrt(2 * (vocab * math.log(2) + math.log(1 / delta)) / n)
-
-
-def rate_bound(n: int, delta: float = DELTA) -> float:
+def rate_bound(n: int, delta: float = 1e-6) -> float:
     """Hoeffding: P(|empirical frequency of an event - its probability| > eps) <= delta."""
     return math.sqrt(math.log(2 / delta) / (2 * n))
-
-
-def tv(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Total variation distance between two distributions over the same vocabulary ([V] each)."""
-    return 0.5 * (a.double() - b.double()).abs().sum().item()
 
 
 def normalize(w: torch.Tensor) -> torch.Tensor:
@@ -110,6 +100,18 @@ def buggy_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return overlap + (1 - overlap.sum()) * p.double()
 
 
+def skewed_rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                            target_probs: torch.Tensor, generator: torch.Generator,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A small bug: after a rejection, token 0's residual mass goes to its neighbour, token 1
+    (drawing from the residual and emitting 1 for 0 is the same). At a drafted position the
+    output is then off by TV max(0, p(0) - q(0)); the bonus is untouched. Same shapes as
+    `rejection_sample`."""
+    num_accepted, next_token = rejection_sample(draft_tokens, draft_probs, target_probs, generator)
+    rejected = num_accepted < draft_tokens.shape[1]
+    return num_accepted, torch.where(rejected & (next_token == 0), 1, next_token)
+
+
 @dataclass(frozen=True)
 class Regime:
     """One synthetic verification problem; the same rows for every batch element."""
@@ -124,6 +126,16 @@ class Regime:
     @property
     def k(self) -> int:
         return self.draft.shape[0]
+
+    @property
+    def delta(self) -> float:
+        """Each position's share of the run's false-alarm probability (k + 1 positions)."""
+        return FALSE_ALARM / (self.k + 1)
+
+    @property
+    def power_n(self) -> int:
+        """Samples a position needs for power 0.99 against a skew of TV 0.05."""
+        return samples_for_power(self.vocab, self.delta)
 
     @property
     def vocab(self) -> int:
@@ -147,7 +159,7 @@ class PositionResult:
 
     n: int  # batch elements that reached the position (emitted a token there)
     tv: float  # TV(empirical distribution, p_j); nan when n == 0
-    bound: float  # tv_bound(n, V); inf when n == 0
+    bound: float  # tv_threshold(n, V, FALSE_ALARM / (k + 1)); inf when n == 0
     empirical: torch.Tensor  # [V] float64 empirical distribution (zeros when n == 0)
 
 
@@ -190,7 +202,8 @@ def run_regime(regime: Regime, seed: int, sampler: Sampler = rejection_sample,
             results.append(PositionResult(0, math.nan, math.inf, torch.zeros(vocab, dtype=torch.float64)))
             continue
         empirical = torch.bincount(tokens, minlength=vocab).double() / n  # [V]
-        results.append(PositionResult(n, tv(empirical, regime.target[j]), tv_bound(n, vocab), empirical))
+        results.append(PositionResult(n, tv(empirical, regime.target[j]),
+                                      tv_threshold(n, vocab, regime.delta), empirical))
     return results
 
 
@@ -273,15 +286,41 @@ def _deterministic() -> Regime:
                   fixed_tokens=fixed)
 
 
+def _skew() -> Regime:
+    """q_j = p_j with 0.05 of token 0's mass moved to another token, and 0.04 shifted between two
+    more: p(0) - q(0) = 0.05 exactly, so `skewed_rejection_sample` is off by TV 0.05. The batch
+    gives each position the power sample size (reach ~0.91 and ~0.83)."""
+    g = torch.Generator().manual_seed(108)
+    k, vocab = 2, 8
+    target = normalize(0.5 + torch.rand(k + 1, vocab, generator=g)).double()  # [k + 1, V]
+    draft = target[:k].clone()  # [k, V]
+    for j in range(k):
+        draft[j, 0] -= SKEW
+        draft[j, 2 + j] += SKEW
+        draft[j, 4] += 0.04
+        draft[j, 6] -= 0.04
+    return Regime("skew", target.float(), draft.float(), batch=12_000, catches_bug=True)
+
+
 REGIMES: dict[str, Regime] = {r.name: r for r in (
     _near_uniform(), _peaked(), _draft_eq_target(), _disjoint(), _q_zero(), _top_k_top_p(),
-    _deterministic())}
+    _deterministic(), _skew())}
+
+
+SAMPLERS: dict[str, Sampler] = {"exact": rejection_sample, "buggy": buggy_rejection_sample,
+                                 "skewed": skewed_rejection_sample}
 
 
 @functools.cache
-def results_for(name: str, seed: int, buggy: bool = False) -> list[PositionResult]:
+def results_for(name: str, seed: int, sampler: str = "exact") -> list[PositionResult]:
     """Cached run_regime, so each (regime, seed, sampler) is sampled once per session."""
-    return run_regime(REGIMES[name], seed, buggy_rejection_sample if buggy else rejection_sample)
+    return run_regime(REGIMES[name], seed, SAMPLERS[sampler])
+
+
+def detectable(analytic: float, res: PositionResult) -> bool:
+    """A skew of TV `analytic` at this position is caught with probability >= 1 - MISS: it
+    clears the threshold by Hoeffding's one-sided margin for the position's sample size."""
+    return analytic >= res.bound + math.sqrt(math.log(1 / MISS) / (2 * res.n))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,18 +332,19 @@ def results_for(name: str, seed: int, buggy: bool = False) -> list[PositionResul
 def test_emitted_tokens_follow_target(name: str, seed: int) -> None:
     """At every reachable position (bonus included) the emitted tokens are distributed as p_j.
 
-    TV(empirical, p_j) <= eps(N_j, V, delta) with N_j >= MIN_N; unreachable positions (reach 0,
-    the disjoint regime) must never be reached.
+    TV(empirical, p_j) < tv_threshold(N_j, V, delta), with N_j at least the sample size giving
+    power 0.99 against a skew of TV 0.05; unreachable positions (reach 0, the disjoint regime)
+    must never be reached.
     """
     regime = REGIMES[name]
     for j, (res, reach) in enumerate(zip(results_for(name, seed), regime.reach())):
         if reach == 0:
             assert res.n == 0, f"{name} position {j} is unreachable but was reached {res.n} times"
             continue
-        assert res.n >= MIN_N, f"{name} position {j}: only {res.n} samples"
+        assert res.n >= regime.power_n, f"{name} position {j}: only {res.n} samples"
         # Exact part: a token with p_j = 0 is never emitted (top-k/top-p cut-offs, q_zero's token 9).
         assert (res.empirical[regime.target[j] == 0] == 0).all(), f"{name} position {j}"
-        assert res.tv <= res.bound, (
+        assert res.tv < res.bound, (
             f"{name} seed {seed} position {j}: TV {res.tv:.5f} > bound {res.bound:.5f} (N={res.n})")
 
 
@@ -347,38 +387,59 @@ def test_regimes_are_what_they_claim() -> None:
 def test_check_flags_residual_bug(name: str, seed: int) -> None:
     """`buggy_rejection_sample` fails the losslessness check wherever the bug is detectable.
 
-    Per position: if the analytic buggy TV is >= 2 eps the check flags it (TV > eps, guaranteed
-    with probability >= 1 - delta); if the bug leaves the position unchanged (analytic TV 0) the
-    check passes it. The buggy sampler's empirical distribution must also match the analytic
-    buggy law (TV <= eps), so the variant really is the bug the module docstring describes.
+    Per position: where the analytic buggy TV clears the threshold by the power margin
+    (`detectable`: caught with probability >= 0.99) the check flags it; where the bug leaves the
+    position unchanged (analytic TV 0) the check passes it. The buggy sampler's empirical
+    distribution must also match the analytic buggy law, so the variant really is the bug the
+    module docstring describes.
     """
     regime = REGIMES[name]
     flagged: dict[int, bool] = {}
-    for j, (res, reach) in enumerate(zip(results_for(name, seed, buggy=True), regime.reach())):
+    for j, (res, reach) in enumerate(zip(results_for(name, seed, "buggy"), regime.reach())):
         if reach == 0:
             continue
-        assert res.n >= MIN_N
+        assert res.n >= regime.power_n
         analytic = regime.buggy_tv(j)
-        if analytic >= 2 * res.bound:
-            assert res.tv > res.bound, (
-                f"{name} seed {seed} position {j}: bug not flagged, TV {res.tv:.5f} <= "
+        if detectable(analytic, res):
+            assert res.tv >= res.bound, (
+                f"{name} seed {seed} position {j}: bug not flagged, TV {res.tv:.5f} < "
                 f"bound {res.bound:.5f} (analytic buggy TV {analytic:.5f}, N={res.n})")
         elif analytic < 1e-9:
-            assert res.tv <= res.bound
+            assert res.tv < res.bound
         expected = (buggy_distribution(regime.target[j], regime.draft[j]) if j < regime.k
                     else regime.target[j].double())  # [V]
-        assert tv(res.empirical, expected) <= res.bound, f"{name} position {j}: not the buggy law"
-        flagged[j] = res.tv > res.bound
+        assert tv(res.empirical, expected) < res.bound, f"{name} position {j}: not the buggy law"
+        flagged[j] = res.tv >= res.bound
     assert any(flagged.values()) == regime.catches_bug, f"{name}: flagged positions {flagged}"
 
 
 def test_peaked_bug_needs_large_n() -> None:
-    """In the peaked regime the bug's TV is below eps at N = 1e5 but above 2 eps at N = 1e6."""
+    """In the peaked regime the bug's TV is below the threshold at N = 2e4 but clears it by the
+    power margin at the N ~ 1e6 the regime runs."""
     regime = REGIMES["peaked"]
     for j in range(regime.k):
         analytic = regime.buggy_tv(j)
-        assert analytic < tv_bound(100_000, regime.vocab)
-        assert analytic > 2 * tv_bound(int(regime.reach()[j] * regime.batch * 0.99), regime.vocab)
+        assert analytic < tv_threshold(20_000, regime.vocab, regime.delta)
+        n = int(regime.reach()[j] * regime.batch * 0.99)
+        assert detectable(analytic, PositionResult(n, math.nan, tv_threshold(n, regime.vocab, regime.delta),
+                                                   torch.zeros(regime.vocab)))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_check_flags_a_skew_of_tv_005_at_the_power_sample_size(seed: int) -> None:
+    """The skew regime at the sample size derived for power 0.99 against TV 0.05: the exact
+    sampler passes (test_emitted_tokens_follow_target) and `skewed_rejection_sample`, whose output
+    is off by TV exactly 0.05 at both drafted positions, is flagged at each."""
+    regime = REGIMES["skew"]
+    for j, res in enumerate(results_for("skew", seed, "skewed")):
+        p, q = regime.target[j].double(), regime.draft[j].double() if j < regime.k else None
+        analytic = 0.0 if q is None else max(0.0, float(p[0] - q[0]))
+        assert res.n >= regime.power_n
+        if j < regime.k:
+            assert analytic == pytest.approx(SKEW, abs=1e-6)
+            assert res.tv >= res.bound, f"seed {seed} position {j}: TV {res.tv:.4f} < {res.bound:.4f}"
+        else:
+            assert res.tv < res.bound  # the bonus is untouched
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,13 +2,16 @@
 
 A tiny target with a 16-token vocabulary (so the exact law of its first three sampled tokens is
 enumerated: tests/distribution.py), randomly initialised drafters of every kind that samples or
-drafts under sampling (EAGLE, EAGLE-3, Hydra, MTP, the block drafter, lookahead, self-speculation
-in int4, staged self-speculation behind prompt lookup at several temperatures and top-p), many
-seeded samples of one prompt through the batched engine, and the total variation of each emitted
-position against the bound from the sample size. Each test also asserts that drafts were made at
-the positions it checks and that some were accepted and some refused: a drafter that drafts
-nothing, or a target that accepts everything, would pass a distribution test without testing
-anything.
+drafts under sampling (EAGLE, EAGLE-3, Medusa, Hydra, MTP, the block drafter, lookahead, early
+exit, eagle-pld, self-speculation in int4, staged self-speculation behind prompt lookup at several
+temperatures and top-p, and token trees of EAGLE, Medusa and prompt lookup), many seeded samples
+of one prompt
+through the batched engine, and the total variation of each emitted position against the
+threshold for the sample size, which is chosen from the target's support so that a skew of TV
+0.05 at any position fails the test with probability >= 0.99 (false alarm <= 1e-4 per test).
+Each test also asserts that drafts were made at the positions it checks and that some were
+accepted and some refused: a drafter that drafts nothing, or a target that accepts everything,
+would pass a distribution test without testing anything.
 
 These catch a drafter that reports a q other than the law it drew from (argmax drafting with its
 softmax reported, q before the temperature / top-p warping, a staged guess kept without its q(x)
@@ -21,17 +24,21 @@ import pytest
 import torch
 
 import verispec.drafters.model as model_drafter
-from tests.distribution import Sampled, assert_follows, exact_marginals, sample_runs
+from tests.distribution import POWER, Sampled, assert_follows, exact_marginals, runs_for, sample_runs
 from tests.tiny import tiny_llama
 from verispec.core.policies import ConstantK, LoadCap
+from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.block import BlockDrafter, BlockNet, block_settings
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
+from verispec.drafters.early_exit import early_exit_drafter
+from verispec.drafters.hybrid import LookupThenModel
 from verispec.drafters.hydra import HydraDrafter, HydraNet, hydra_settings
 from verispec.drafters.learned import ReducedHead
 from verispec.drafters.lookahead import LookaheadDrafter
+from verispec.drafters.medusa import MedusaDrafter, MedusaNet, medusa_settings
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
@@ -39,7 +46,6 @@ from verispec.target.models import LoadedModel
 
 V = 16
 NEW = 3  # positions checked: the first two are drafted at k >= 2, the third after them
-RUNS = 3000  # samples per test; the bound is then 0.12-0.13 at 16 tokens
 PROMPT = [1, 5, 9, 1, 1, 5, 9]  # repetitive: prompt lookup (guessing 1, a likely token) and
 # lookahead find drafts
 REDUCED = torch.tensor([0, 1, 2, 3, 5, 7, 8, 9, 10, 11, 13, 14])  # q = 0 at 4, 6, 12, 15
@@ -53,13 +59,13 @@ def target() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def exact(target) -> dict:
-    """Exact marginals per sampling setting, computed once."""
-    cache: dict[SamplingParams, torch.Tensor] = {}
+    """Exact marginals per sampling setting (and prompt), computed once."""
+    cache: dict[tuple[SamplingParams, tuple[int, ...]], torch.Tensor] = {}
 
-    def of(sampling: SamplingParams) -> torch.Tensor:
-        if sampling not in cache:
-            cache[sampling] = exact_marginals(target, PROMPT, NEW, sampling)
-        return cache[sampling]
+    def of(sampling: SamplingParams, prompt: list[int] = PROMPT) -> torch.Tensor:
+        if (sampling, tuple(prompt)) not in cache:
+            cache[sampling, tuple(prompt)] = exact_marginals(target, prompt, NEW, sampling)
+        return cache[sampling, tuple(prompt)]
 
     return of
 
@@ -75,12 +81,29 @@ def _randomised(net: torch.nn.Module, std: float = 0.3) -> torch.nn.Module:
     return net
 
 
+TREE = TreeSettings(3, 8)
+TREE_PROMPT = [1, 5, 9, 2, 5, 9, 3, 5, 9]  # "5 9" went on three ways: prompt lookup drafts a tree
+MEDUSA_RANKS = [[0.5, 0.3, 0.1, 0.1]] * 3  # the heads' rank accuracies a Medusa tree is built from
+
+
 def drafter_factory(kind: str, target: torch.nn.Module):
     """A function making fresh drafters of `kind` for `target` (one per row of a batch), all
-    sharing one set of random weights."""
-    if kind == "eagle":
+    sharing one set of random weights. "-tree": drafting TREE-shaped token trees."""
+    tree = TREE if kind.endswith("-tree") else None
+    kind = kind.removesuffix("-tree")
+    if kind in ("eagle", "eagle-pld"):
         net = _randomised(EagleNet(**eagle_settings(target)))
-        return lambda: EagleDrafter(target, net, ReducedHead(target, REDUCED))
+        if kind == "eagle-pld":  # lookup drafts where the prompt repeats, EAGLE elsewhere
+            return lambda: LookupThenModel(PromptLookupDrafter(3, 1),
+                                           EagleDrafter(target, net, ReducedHead(target, REDUCED)), 2)
+        return lambda: EagleDrafter(target, net, ReducedHead(target, REDUCED), tree=tree)
+    if kind == "medusa":
+        net = _randomised(MedusaNet(**medusa_settings(target, 3)))
+        return lambda: MedusaDrafter(target, net, ReducedHead(target, REDUCED), tree, MEDUSA_RANKS)
+    if kind == "pld":  # deterministic drafts (q one-hot), a tree of the prompt's continuations
+        return lambda: PromptLookupDrafter(3, 1, tree)
+    if kind == "early-exit":  # the target's first layer through its own norm and head
+        return lambda: early_exit_drafter(target, 1, V)
     if kind == "eagle3":
         net = _randomised(Eagle3Net(**eagle3_settings(target, None, len(REDUCED))))
         return lambda: Eagle3Drafter(target, net, REDUCED)
@@ -106,48 +129,84 @@ def drafter_factory(kind: str, target: torch.nn.Module):
     raise ValueError(kind)
 
 
-def run(target, kind: str, sampling: SamplingParams, k: int = 3) -> Sampled:
+def run(target, exact, kind: str, sampling: SamplingParams, skew: float, k: int = 3,
+        prompt: list[int] = PROMPT) -> Sampled:
+    """Samples of the first NEW tokens with drafters of `kind`, as many as power against `skew`
+    asks."""
     make = drafter_factory(kind, target)
     engine = SpeculativeEngine(target, make(), ConstantK(k), spawn=make, load_cap=LoadCap(()))
-    return sample_runs(engine, PROMPT, NEW, sampling, RUNS)
+    return sample_runs(engine, prompt, NEW, sampling, runs_for(exact(sampling, prompt), skew))
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "hydra", "mtp", "block"])
-def test_learned_drafters_sample_the_targets_distribution(target, exact, kind):
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "hydra", "mtp", "block"])
+@pytest.mark.parametrize("skew", POWER)
+def test_learned_drafters_sample_the_targets_distribution(target, exact, skew, kind):
     """Drafts drawn from each head's (block: each slot's) warped q, over a reduced vocabulary
     (q = 0 off it). Drafts made, kept and refused at both checked positions: the second head
     (slot) is accepted on its own q, not only reached."""
-    sampled = run(target, kind, SAMPLING)
+    sampled = run(target, exact, kind, SAMPLING, skew)
     sampled.check_drafting(positions=2)
-    print(f"\n{kind}: drafted {sampled.drafted_by_position}, kept {sampled.kept_by_position}, "
-          f"steps drafting {sampled.steps_drafting}, refusing {sampled.steps_rejecting}")
-    assert min(sampled.kept_by_position[:2]) > 0.05 * RUNS, sampled.kept_by_position
-    assert_follows(sampled, exact(SAMPLING), kind)
+    assert min(sampled.kept_by_position[:2]) > 0.05 * sampled.runs, sampled.kept_by_position
+    assert_follows(sampled, exact(SAMPLING), kind, skew)
 
 
-def test_lookahead_samples_the_targets_distribution(target, exact):
+@pytest.mark.parametrize("kind", ["eagle-tree", "medusa-tree", "pld-tree"])
+@pytest.mark.parametrize("skew", POWER)
+def test_token_trees_sample_the_targets_distribution(target, exact, skew, kind):
+    """Trees of sampled siblings (EAGLE: drawn without replacement) and deterministic ones (a
+    Medusa tree of each head's top candidates, prompt lookup's trie of the context's matches),
+    verified by multi-candidate rejection sampling."""
+    sampling = SamplingParams(do_sample=True, temperature=0.9, top_k=12)
+    sampled = run(target, exact, kind, sampling, skew, prompt=TREE_PROMPT)
+    sampled.check_drafting(positions=1)
+    assert sampled.steps_branching > 0, kind  # trees were drafted, not chains
+    assert_follows(sampled, exact(sampling, TREE_PROMPT), kind, skew)
+
+
+@pytest.mark.parametrize("skew", POWER)
+def test_eagle_behind_prompt_lookup_samples_the_targets_distribution(target, exact, skew):
+    """eagle-pld: a deterministic lookup draft where the context repeats, EAGLE's sampled draft
+    elsewhere, in the same run."""
+    sampled = run(target, exact, "eagle-pld", SAMPLING, skew)
+    sampled.check_drafting(positions=2)
+    assert_follows(sampled, exact(SAMPLING), "eagle-pld", skew)
+
+
+@pytest.mark.parametrize("skew", POWER)
+def test_early_exit_samples_the_targets_distribution(target, exact, skew):
+    """The target's own first layer drafts from its warped q (temperature and top-k)."""
+    sampling = SamplingParams(do_sample=True, temperature=0.8, top_k=10)
+    sampled = run(target, exact, "early-exit", sampling, skew)
+    sampled.check_drafting(positions=2)
+    assert_follows(sampled, exact(sampling), "early-exit", skew)
+
+
+@pytest.mark.parametrize("skew", POWER)
+def test_lookahead_samples_the_targets_distribution(target, exact, skew):
     """A deterministic tree (q one-hot) and a side branch in the same target pass."""
     sampling = SamplingParams(do_sample=True, temperature=0.8)
-    sampled = run(target, "lookahead", sampling)
+    sampled = run(target, exact, "lookahead", sampling, skew)
     sampled.check_drafting(positions=1)
-    assert_follows(sampled, exact(sampling), "lookahead")
+    assert_follows(sampled, exact(sampling), "lookahead", skew)
 
 
-def test_self_speculation_samples_the_targets_distribution(target, exact):
+@pytest.mark.parametrize("skew", POWER)
+def test_self_speculation_samples_the_targets_distribution(target, exact, skew):
     """The int4 copy drafts from its own warped q: temperature and top-p both change q."""
     sampling = SamplingParams(do_sample=True, temperature=0.7, top_p=0.9)
-    sampled = run(target, "self-int4", sampling)
+    sampled = run(target, exact, "self-int4", sampling, skew)
     sampled.check_drafting(positions=2)
-    assert_follows(sampled, exact(sampling), "self-int4")
+    assert_follows(sampled, exact(sampling), "self-int4", skew)
 
 
-def test_a_draft_model_samples_the_targets_distribution(target, exact):
+@pytest.mark.parametrize("skew", POWER)
+def test_a_draft_model_samples_the_targets_distribution(target, exact, skew):
     """An independent draft model under temperature and top-p: the q it reports must be the warped
     law it drew from (reporting q before the warping skews the output: scripts/mutate.py)."""
     sampling = SamplingParams(do_sample=True, temperature=0.6, top_p=0.8)
-    sampled = run(target, "draft", sampling)
+    sampled = run(target, exact, "draft", sampling, skew)
     sampled.check_drafting(positions=2)
-    assert_follows(sampled, exact(sampling), "draft model")
+    assert_follows(sampled, exact(sampling), "draft model", skew)
 
 
 STAGED = [SamplingParams(do_sample=True, temperature=0.6),
@@ -156,7 +215,8 @@ STAGED = [SamplingParams(do_sample=True, temperature=0.6),
 
 
 @pytest.mark.parametrize("sampling", STAGED, ids=["t0.6", "t1.0-p0.8", "t1.4-k8"])
-def test_staged_drafting_samples_the_targets_distribution(target, exact, sampling, monkeypatch):
+@pytest.mark.parametrize("skew", POWER)
+def test_staged_drafting_samples_the_targets_distribution(target, exact, skew, sampling, monkeypatch):
     """Prompt lookup's guesses go through the int4 drafter, which keeps guess x with
     probability q(x) and otherwise draws from q without x. Counted here: guesses offered, kept
     and replaced, so the test knows both sides of that coin were thrown."""
@@ -172,7 +232,8 @@ def test_staged_drafting_samples_the_targets_distribution(target, exact, samplin
         return drafted, probs, last
 
     monkeypatch.setattr(model_drafter.ModelDrafter, "_check_guesses", staticmethod(counting))
-    sampled = run(target, "self-int4-pld", sampling, k=4)
+    sampled = run(target, exact, "self-int4-pld", sampling, skew, k=4)
     sampled.check_drafting(positions=2)
-    assert seen["offered"] > 0.5 * RUNS and min(seen["kept"], seen["replaced"]) > 0.05 * RUNS, seen
-    assert_follows(sampled, exact(sampling), f"staged {sampling}")
+    assert seen["offered"] > 0.5 * sampled.runs, seen
+    assert min(seen["kept"], seen["replaced"]) > 0.05 * sampled.runs, seen
+    assert_follows(sampled, exact(sampling), f"staged {sampling}", skew)

@@ -25,9 +25,12 @@ from transformers import (
 )
 
 from verispec.drafters.vocab import byte_level_alphabet
+from verispec.training.recipes import RecipeOptions
 
 VOCAB = 64
 EOS = 2
+# How the tests train a drafter of every kind for the tiny target (tests/conftest.py, tiny_trained)
+TINY_RECIPE = RecipeOptions(vocab=48, heads=3, exit_layer=1, draft_layers=1)
 CHAT_TEMPLATE = "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}<assistant>"
 
 

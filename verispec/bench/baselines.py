@@ -97,8 +97,8 @@ def hf_generate(extra: Callable[[LoadedModel, LoadedModel | None, BenchConfig], 
 
 
 def llamacpp(lookup: bool) -> Build:
-    """A baseline: llama.cpp's greedy decoding of the target's own GGUF file (with lookup, its
-    prompt lookup), with as many threads as torch uses."""
+    """A baseline: llama.cpp's greedy decoding of the target's own GGUF file (with lookup,
+    llama-cpp-python's Python-level prompt lookup), with as many threads as torch uses."""
     def build(name: str, target: LoadedModel, draft: LoadedModel | None, config: BenchConfig,
               sampling: SamplingParams) -> Contender:
         if target.gguf is None:

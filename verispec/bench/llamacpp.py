@@ -30,7 +30,9 @@ def llamacpp_generator(gguf: Path, lookup: bool, threads: int, max_new_tokens: i
                        eos: set[int], context: int = 4096
                        ) -> Callable[[list[int]], tuple[list[int], float]]:
     """prompt ids -> (new token ids, seconds including the prompt's prefill), greedy, through
-    llama.cpp on `gguf` with `threads` threads; with lookup, its prompt lookup decoding."""
+    llama.cpp on `gguf` with `threads` threads; with lookup, llama-cpp-python's prompt lookup
+    (LlamaPromptLookupDecoding: an n-gram search in Python, logits kept for every position), not
+    llama.cpp's own lookup."""
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

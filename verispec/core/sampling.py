@@ -12,7 +12,9 @@ from verispec.core.types import SamplingParams
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, then softmax, in float32.
+    """Temperature, then top-k, then top-p, then softmax, in float32. Ties never split: top-k
+    keeps every token tied with the k-th (as Hugging Face's), top-p every token tied with the last
+    it keeps (tests/test_warps.py).
 
     logits: [..., vocab]. Returns probabilities [..., vocab] whose rows sum to 1. Greedy params
     give the one-hot argmax, which is what a greedy drafter must report as q.
@@ -28,15 +30,18 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_logits = torch.sort(logits, dim=-1, descending=True).values
         sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens ranked above it already hold top_p of the mass.
+        # Keep a token while the tokens ranked above it hold less than top_p of the mass: the
+        # smallest set reaching top_p. The likeliest always stays (a top_p under float32's least
+        # positive value reads as 0, and would keep nothing).
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p
-        drop_sorted[..., 0] = False  # the likeliest always stays (a top_p under float32's least
-        # positive value reads as 0, and 0 >= 0 would drop every token: softmax of all -inf is NaN)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        keep_sorted = mass_before < params.top_p
+        keep_sorted[..., 0] = True
+        # Every token tied with the last one kept stays too: which of two equal logits the sort
+        # put first must not decide (kept iff the tokens strictly likelier hold less than top_p).
+        least_kept = sorted_logits.masked_fill(~keep_sorted, float("inf")).amin(-1, keepdim=True)
+        logits = logits.masked_fill(logits < least_kept, float("-inf"))
     return logits.softmax(-1)
 
 

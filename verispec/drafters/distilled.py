@@ -19,6 +19,7 @@ from verispec.core.tree import TreeSettings
 from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import load_drafter
 from verispec.drafters.model import ModelDrafter
+from verispec.target.lowbit import QuantLinear
 
 
 class DraftStudent(nn.Module):
@@ -33,7 +34,7 @@ class DraftStudent(nn.Module):
     def __init__(self, target: PreTrainedModel, num_layers: int) -> None:
         super().__init__()
         shallow = early_exit_model(target, num_layers)
-        self.layers = copy.deepcopy(shallow.model.layers)
+        self.layers = float_linears(copy.deepcopy(shallow.model.layers))
         self.norm = copy.deepcopy(shallow.model.norm)
         shallow.model.layers, shallow.model.norm = self.layers, self.norm
         self._lm = [shallow]  # a list: not registered as a submodule
@@ -45,6 +46,21 @@ class DraftStudent(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, T] -> final hidden states [batch, T, hidden] (right padding is harmless)."""
         return self.lm.model(input_ids=tokens, use_cache=False).last_hidden_state
+
+
+def float_linears(module: nn.Module) -> nn.Module:
+    """`module` with every low-precision layer (a 4-bit target's QuantLinear) replaced by an
+    nn.Linear holding the float32 weights it stands for: the student's own weights are float
+    (trained and saved so), whatever the target it borrows its embedding and head from runs in."""
+    for name, child in list(module.named_modules()):
+        if isinstance(child, QuantLinear):
+            linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+            linear.weight.data = child.weight.float()
+            if child.bias is not None:
+                linear.bias.data = child.bias.float()
+            parent, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(parent), leaf, linear)
+    return module
 
 
 def draft_settings(num_layers: int = 2) -> dict:

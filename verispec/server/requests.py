@@ -9,6 +9,7 @@ silently dropped; those that change nothing (user, metadata, store, ...) are ign
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
@@ -33,6 +34,8 @@ MAX_DEPTH = 32  # JSON nesting (the deepest valid body nests 5)
 MAX_GRAMMAR_CHARS = 100_000  # a regex or Lark grammar
 MAX_INT = 2**63 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+SURROGATE = re.compile("[\ud800-\udfff]")  # left in a str by json.loads only when lone
 
 Int = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
 
@@ -204,6 +207,24 @@ def _depth(data: object) -> int:
     return deepest
 
 
+def _lone_surrogate(data: dict) -> str | None:
+    """The top-level field of `data` (parsed JSON) holding a lone UTF-16 surrogate in a string or
+    key, written with backslash escapes (None: none). JSON's \\ud800 escapes spell them; they are
+    no text (the tokenizer raises on them, UTF-8 cannot encode them)."""
+    for field, value in data.items():
+        stack = [field, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str) and SURROGATE.search(item):
+                return field.encode("utf-8", "backslashreplace").decode()
+            if isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+    return None
+
+
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
@@ -220,6 +241,9 @@ def parse_body(raw: bytes, kind: type[Common]) -> Common:
         raise BadRequest("the body must be a JSON object")
     if _depth(data) > MAX_DEPTH:
         raise BadRequest(f"the body nests deeper than {MAX_DEPTH} levels")
+    field = _lone_surrogate(data)
+    if field is not None:
+        raise BadRequest(f"{field}: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is no text", field)
     refuse_unsupported(data)
     try:
         return kind.model_validate(data)

@@ -74,8 +74,8 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
 }
 
-# Off the CPU (cuBLAS) a product's kernel and reduction split may depend on its row count (not
-# yet measured on a GPU: docs/invariance.md, CUDA), so an invariant forward runs every product and
+# Off the CPU (cuBLAS) a product's kernel and reduction split depend on its row count (float32 on
+# an H100: docs/invariance.md, CUDA), so an invariant forward runs every product and
 # norm there on chunks of exactly this many rows (zero-padded).
 FIXED_ROWS = 32
 
@@ -360,7 +360,10 @@ def fused_rms_norm(module: nn.Module, offset: float = 0.0) -> Product:
     """An RMSNorm as one fused op (torch's rms_norm) instead of the module's seven: about twice
     as fast for one row. It scales by offset + weight (Gemma: 1 + weight). Rounding may differ
     from the module's, so only drafters and the 4-bit and GGUF targets (verispec's own arithmetic)
-    use it."""
+    use it. A module that is no RMSNorm (a trained early exit's adapter in the final norm's place)
+    runs as it is."""
+    if not hasattr(module, "weight"):
+        return module
     weight = module.weight.detach() + offset
     eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
     return lambda x: nn.functional.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
