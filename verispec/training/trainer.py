@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -76,6 +77,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     history: list[dict] = []
     step = 0
+    seconds = 0.0  # spent by earlier sessions of this run (resumed)
     if checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
         if state["config"] != asdict(config):
@@ -83,6 +85,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
         module.load_state_dict(state["module"])
         optimizer.load_state_dict(state["optimizer"])
         history, step = state["history"], state["step"]
+        seconds = history[-1].get("seconds", 0.0) if history else 0.0
     rng = random.Random(config.seed * 1_000_003 + step)
     torch.manual_seed(config.seed * 1_000_003 + step)
 
@@ -107,6 +110,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
         return {f"eval_{name}": value for name, value in totals.items()}
 
     module.train()
+    started = time.perf_counter() - seconds
     bar = tqdm(total=config.steps, initial=step, desc=desc, unit="step")
     while step < config.steps:
         for group in optimizer.param_groups:
@@ -122,6 +126,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
         record = {"step": step, "lr": learning_rate(step - 1, config), **metrics}
         if eval_items and (step % config.eval_every == 0 or step == config.steps):
             record.update(evaluate())
+        record["seconds"] = time.perf_counter() - started
         history.append(record)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
@@ -153,13 +158,19 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
     left.set_yscale("log")
     left.legend()
     evals = [h for h in history if any(k.startswith("eval_") for k in h)]
-    for name in sorted({k for h in evals for k in h if k.startswith("eval_top1")}):
+    # A drafter's agreement with its target, else (a model trained from scratch) its bits.
+    agreement = any(k.startswith("eval_top1") for h in evals for k in h)
+    prefix = "eval_top1" if agreement else "eval_bits"
+    for name in sorted({k for h in evals for k in h if k.startswith(prefix)}):
         right.plot([h["step"] for h in evals], [h[name] for h in evals], marker="o",
                    linestyle="--" if name.endswith("_answer") else "-",  # answer positions only
                    label=name.removeprefix("eval_"))
     right.set_xlabel("step")
-    right.set_ylabel("held-out top-1 agreement with the target")
-    right.set_ylim(0, 1)
+    if agreement:
+        right.set_ylabel("held-out top-1 agreement with the target")
+        right.set_ylim(0, 1)
+    else:
+        right.set_ylabel("held-out bits per token")
     if evals:
         right.legend()
     fig.suptitle(title)
