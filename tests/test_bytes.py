@@ -246,3 +246,28 @@ def test_shipped_byte_model_runs_its_own_heads_exactly():
     for method in ("mtp", "pld", "suffix"):
         result = build_engine(loaded, method).generate(prompt, StoppingRules.build(96))
         assert result.token_ids == truth, method
+
+
+def test_server_streams_the_byte_model_in_whole_characters(tiny):
+    """`verispec serve` with the byte model: streamed chunks are whole characters and add up to
+    the answer it gives unstreamed, which is `generate`'s (up to a character cut by the budget)."""
+    from openai import OpenAI
+
+    from tests.serving import LiveServer
+    from verispec.server import create_app
+
+    loaded, heads = tiny
+    app = create_app(loaded, ["mtp", "pld", "ar"], options=DraftOptions(draft=str(heads)))
+    text = TEXT + TEXT[:20]
+    with LiveServer(app) as server:
+        openai = OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        for method in ("mtp", "pld"):
+            body = {"model": "bytes", "prompt": text, "max_tokens": NEW, "temperature": 0,
+                    "extra_body": {"method": method}}
+            whole = openai.completions.create(**body).choices[0].text
+            chunks = [c.choices[0].text for c in openai.completions.create(stream=True, **body)]
+            assert len(chunks) > 3 and all("\ufffd" not in chunk for chunk in chunks), method
+            assert "".join(chunks) == whole, method
+            expected = generate(loaded, text, method=method, max_new_tokens=NEW,
+                                options=DraftOptions(draft=str(heads)))
+            assert whole == bytes_of(expected.token_ids).decode(errors="ignore"), method

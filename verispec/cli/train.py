@@ -46,7 +46,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--data-batches", type=int,
                        help="build only this many of the data's batches of 64 prompts (a "
                        "representative subset: batches come in a fixed random order); a larger "
-                       "number later adds the missing ones; training reads every batch built")
+                       "number later adds the missing ones; training reads every batch built "
+                       "(bytes: of the --target's answers, in prompt order)")
     train.add_argument("--max-new-tokens", type=int,
                        help=f"answer length in the data (default: 160; {bytes_.max_new_tokens})")
     train.add_argument("--steps", type=int,
@@ -157,7 +158,6 @@ def train_bytes(args: argparse.Namespace, out: Path, config) -> int:
     from verispec.training.bytes import HEADS_DIR, MODEL_DIR, ByteModelOptions, train_byte_model
 
     drafter_only = [flag for flag, value in (("--text", args.text), ("--text-data", args.text_data),
-                                             ("--data-batches", args.data_batches),
                                              ("--exit-layer", args.exit_layer),
                                              ("--init", args.init), ("--mid-state", args.mid_state))
                     if value]
@@ -170,7 +170,8 @@ def train_bytes(args: argparse.Namespace, out: Path, config) -> int:
         layers=defaults.layers if args.layers is None else args.layers,
         heads=defaults.heads if args.heads is None else args.heads,
         prompts=defaults.prompts if args.prompts is None else args.prompts,
-        max_new_tokens=defaults.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens)
+        max_new_tokens=defaults.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens,
+        answer_batches=args.data_batches)
     writer = load_model(args.target, args.dtype, args.device)
     saved = train_byte_model(writer, out, args.data, options, config)
     heads = f"; its {options.heads} extra heads: {saved / HEADS_DIR}" if options.heads else ""

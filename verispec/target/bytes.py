@@ -20,9 +20,12 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 BYTES = 256
 PAD, BOS, EOS, USER, ASSISTANT = range(BYTES, BYTES + 5)  # the special tokens' ids
+# 272 ids in all, the rest reserved (never in the data): a multiple of 16, as the packed int4
+# kernels want every linear layer's width (self-int4 drafts for the byte model too).
+VOCAB_SIZE = 272
 SPECIALS = {PAD: "<|pad|>", BOS: "<|bos|>", EOS: "<|eos|>", USER: "<|user|>",
-            ASSISTANT: "<|assistant|>"}
-VOCAB_SIZE = BYTES + len(SPECIALS)
+            ASSISTANT: "<|assistant|>",
+            **{i: f"<|reserved{i - ASSISTANT - 1}|>" for i in range(ASSISTANT + 1, VOCAB_SIZE)}}
 # One user turn, then the assistant's: the layout of the chat data the byte model trains on
 # (verispec.training.bytes.chat_ids).
 CHAT_TEMPLATE = ("<|bos|>{% for m in messages %}{% if m['role'] == 'user' %}<|user|>"
