@@ -271,9 +271,9 @@ class ByteModelOptions:
                                 f"{self.context}")
 
 
-# What `verispec train bytes` runs by default: about 12 M bytes seen (the standard library's
-# source once, the chat answers about twice), in a few hours on two shared CPU cores.
-BYTE_TRAINING = TrainConfig(steps=1200, lr=2e-3, warmup=100, batch_size=8, checkpoint_every=50,
+# What `verispec train bytes` runs by default: 6.6 M bytes seen (half the standard library's
+# source, the chat answers about twice), a few hours on two shared CPU cores (docs/bytes.md).
+BYTE_TRAINING = TrainConfig(steps=800, lr=2e-3, warmup=100, batch_size=8, checkpoint_every=50,
                             eval_every=100)
 
 
