@@ -161,6 +161,34 @@ def quality(byte_models: dict[str, str], token_model: LoadedModel, data: str) ->
     return out
 
 
+def plot_histories(histories: dict[str, Path], path: Path) -> dict:
+    """Held-out bits per token (head 1: code and chat) against training hours, per run, drawn
+    to path; returns the points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = {}
+    fig, axis = plt.subplots(figsize=(7, 4))
+    for (label, file), colour in zip(histories.items(), ("C0", "C1", "C2")):
+        evals = [h for h in json.loads(Path(file).read_text()) if "eval_bits_code" in h]
+        hours = [h["seconds"] / 3600 for h in evals]
+        points[label] = [{"step": h["step"], "hours": round(h["seconds"] / 3600, 3),
+                          **{k: round(h[k], 4) for k in ("eval_bits_code", "eval_bits_chat")}}
+                         for h in evals]
+        for kind, style in (("code", "-"), ("chat", "--")):
+            axis.plot(hours, [h[f"eval_bits_{kind}"] for h in evals], style, color=colour,
+                      marker="o", markersize=3, label=f"{label}, {kind}")
+    axis.set_xlabel("training hours (loaded 2-core CPU)")
+    axis.set_ylabel("held-out bits per byte (next byte)")
+    axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return points
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bytes", default="bytes", help="the byte model (default: the shipped one)")
@@ -172,7 +200,16 @@ def main() -> None:
     parser.add_argument("--data", help="the byte model's training answers (for --ablation too)")
     parser.add_argument("--ablation", help="a byte model trained without extra heads")
     parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument("--histories", nargs=2, metavar=("N8_RUN", "N1_RUN"),
+                        help="the two training runs' run/history.json: draw held-out bits "
+                        "against time into --plot, and stop")
+    parser.add_argument("--plot", default="docs/img/bytes_training.png")
     args = parser.parse_args()
+    if args.histories:
+        points = plot_histories(dict(zip(("n = 8", "n = 1"), map(Path, args.histories))),
+                                Path(args.plot))
+        print(json.dumps(points, indent=1))
+        return
     torch.set_num_threads(1)
     methods = args.methods.split(",")
     models = {"bytes": load_model(args.bytes), "tokens": load_model(args.tokens)}
