@@ -40,7 +40,7 @@ from verispec.target.bytes import ASSISTANT, BOS, EOS, PAD, USER, VOCAB_SIZE, by
 from verispec.target.models import LoadedModel
 from verispec.training.data import answer
 from verispec.training.losses import multi_head_backward
-from verispec.training.prompts import make_prompts
+from verispec.training.prompts import PASSAGE_MODULES, SNIPPET_MODULES, make_prompts
 from verispec.training.trainer import TrainConfig, train
 
 BYTES_KIND = "bytes"  # `verispec train bytes`
@@ -49,12 +49,9 @@ HEADS_DIR = MTPDrafter.kind  # and its extra heads, a trained drafter of that ki
 COMPLETE = "complete"  # marker file written after the last batch of answers
 LN2 = math.log(2)
 HELD_OUT_EVERY = 20  # one file (and one prompt) in 20 is held out
-# Modules whose code and docstrings the training prompts quote (verispec.training.prompts):
-# never held out, so held-out code is text the training prompts do not show.
-QUOTED = frozenset("""json random statistics collections pathlib datetime csv textwrap itertools
-functools heapq bisect fractions decimal string shutil tempfile argparse logging calendar difflib
-zipfile gzip sqlite3 email http urllib uuid hashlib threading queue subprocess socket unittest
-doctest colorsys fnmatch shlex html base64 glob keyword""".split())
+# Packages whose code and docstrings the training prompts quote: never held out, so held-out
+# code is text the training prompts do not show.
+QUOTED = frozenset(name.split(".")[0] for name in SNIPPET_MODULES + PASSAGE_MODULES)
 
 
 def held_out(name: str) -> bool:
