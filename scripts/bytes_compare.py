@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-from verispec.api import encode_prompt
 from verispec.bench.machine import machine_info
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import build_engine
 from verispec.options import DraftOptions
+from verispec.request import encode_prompt
 from verispec.target.models import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.training.bytes import (
     ByteLM,

@@ -20,11 +20,11 @@ import random
 
 from held_out import held_out
 
-from verispec.api import encode_prompt
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationStats
 from verispec.methods import METHODS, build_engine
 from verispec.options import DraftOptions
+from verispec.request import encode_prompt
 
 
 def corpus_prompts(path: str, count: int) -> list[str]:

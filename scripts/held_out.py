@@ -10,18 +10,20 @@ from __future__ import annotations
 import collections
 import time
 
-from verispec.api import encode_prompt
 from verispec.core.stopping import StoppingRules
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.suffix import forget_outputs
+from verispec.request import encode_prompt
 from verispec.target.models import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.training.prompts import make_prompts
 
 
-def held_out(count: int, seed: int, dtype: str = "float32") -> tuple[LoadedModel, list[list[int]]]:
-    """The built-in target in `dtype` on CPU and `count` chat-encoded held-out prompts."""
-    target = load_model(DEFAULT_MODEL, dtype, "cpu")
-    return target, [encode_prompt(target, p, chat=True) for p in make_prompts(count, seed)]
+def held_out(count: int, seed: int, dtype: str = "float32", model: str = DEFAULT_MODEL
+             ) -> tuple[LoadedModel, list[list[int]]]:
+    """A built-in target (default: the default one) in `dtype` on CPU and `count` held-out
+    prompts, through its chat template where it has one (Gemma 3 270M, a base model, has none)."""
+    target = load_model(model, dtype, "cpu")
+    return target, [encode_prompt(target, p, chat=None) for p in make_prompts(count, seed)]
 
 
 def compare(engines: dict[str, SpeculativeEngine], prompts: list[list[int]],

@@ -167,6 +167,26 @@ MUTANTS = (
            "self._fill(bitmask, i + 1)", "self._fill(bitmask, i)",
            ("tests/test_grammar.py::test_constrained_speculation_equals_masked_plain_decoding",),
            "a draft row is masked by its parent's grammar state instead of its own"),
+    # The row kernels (verispec/target/kernels): a C++ mutant is built anew (about a minute).
+    Mutant("row-kernel-lone-row-order", "verispec/target/kernels/rows.cpp",
+           "          a = _mm512_fmadd_ps(sum, s, a);\n          if constexpr (MINS) a = ",
+           "          if (MINS && rows == 1) a = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(r0 + r) * groups + g])"
+           ", m, a);\n          a = _mm512_fmadd_ps(sum, s, a);\n          if (MINS && rows > 1) a = ",
+           ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits",
+            "tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps"),
+           "a lone row adds its group's minimum term before the codes' sum, a block after"),
+    Mutant("row-attention-block-scale", "verispec/target/kernels/rows.cpp",
+           "                 static_cast<float>(scale), scores.data(), os);",
+           "                 n > 1 ? std::nextafter(static_cast<float>(scale), 1.0f)"
+           " : static_cast<float>(scale), scores.data(), os);",
+           ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each",
+            "tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps"),
+           "a block's rows attend with a scale one ulp off a one-token step's"),
+    Mutant("row-attention-only-for-blocks", "verispec/target/lean.py",
+           "            if invariant and not causal and w.row_kernel_attention:",
+           "            if invariant and not causal and w.row_kernel_attention and n > 1:",
+           ("tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps",),
+           "one-token steps attend through SDPA while blocks use the row kernel's attention"),
 )
 
 

@@ -24,13 +24,12 @@ from pathlib import Path
 
 import torch
 
-from verispec.api import encode_prompt
 from verispec.core.grammar import Constraint, Grammar
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationStats
-from verispec.drafters.prediction import PredictionDrafter
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import build_engine
+from verispec.request import encode_prompt
 from verispec.target.models import load
 
 QUESTIONS = [
@@ -97,8 +96,7 @@ def run(engine, prompts: list[list[int]], stopping: StoppingRules,
     stats, outputs = [], []
     started = time.perf_counter()
     for prompt, prediction in zip(prompts, predictions or [None] * len(prompts)):
-        result = engine.generate(prompt, stopping, prediction=None if prediction is None
-                                 else PredictionDrafter(prediction),
+        result = engine.generate(prompt, stopping, prediction=prediction,
                                  constraint=None if constraint is None else constraint.copy())
         stats.append(result.stats)
         outputs.append(result.token_ids)

@@ -25,7 +25,7 @@ from verispec.core.grammar import Constraint
 from verispec.core.sampling import warp_probs
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 
 
 @torch.no_grad()
@@ -86,9 +86,9 @@ def sample_runs(engine: SpeculativeEngine, prompt: list[int], n: int, sampling: 
     try:
         results = [result for start in range(0, runs, per_batch)
                    for result in engine.generate_batch(
-                       [prompt], StoppingRules.build(n), sampling, seed=seed + start,
-                       samples=min(per_batch, runs - start),
-                       constraints=[None if constraint is None else constraint.copy()])]
+                       [SequenceSpec(prompt, StoppingRules.build(n), sampling, seed + start,
+                                     constraint=None if constraint is None else constraint.copy())],
+                       samples=min(per_batch, runs - start))]
     finally:
         torch.set_num_threads(threads)
     for result in results:

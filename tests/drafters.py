@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from verispec.core.types import Proposal
-from verispec.drafters.base import DraftRequest
+from verispec.drafters.base import Drafter, DraftRequest
 
 
-class RandomDrafter:
+class RandomDrafter(Drafter):
     """Uniformly random tokens: almost never accepted under greedy verification."""
 
     def __init__(self, vocab: int, seed: int = 0) -> None:
@@ -25,7 +25,7 @@ class RandomDrafter:
         pass
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Knows the true continuation and corrupts it at chosen absolute output positions.
 
     With errors at positions E, a draft starting at output position s is correct up to the first
@@ -53,7 +53,7 @@ class OracleDrafter:
         pass
 
 
-class TreeOracleDrafter:
+class TreeOracleDrafter(Drafter):
     """OracleDrafter's continuation as one branch of a random tree of decoys.
 
     Depth k: at every level the true token sits at a random place among `width` siblings (the

@@ -11,13 +11,13 @@ import torch
 
 from tests.distribution import assert_follows, exact_marginals, sample_runs
 from tests.drafters import RandomDrafter
-from tests.tiny import EOS, VOCAB, save_tiny, tiny_llama, tiny_qwen3
+from tests.tiny import EOS, VOCAB, save_tiny, tiny_foreign, tiny_llama
 from verispec.core.errors import VerispecError
 from verispec.core.policies import ConstantK, HeuristicK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.early_exit import early_exit_drafter
 from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.drafters.model import ModelDrafter
@@ -70,19 +70,19 @@ def test_every_row_matches_its_prompt_decoded_alone(target, k):
     assert len(truth[3]) == 11 and len({len(t) for t in truth}) == 4
     for name, make in makers(target).items():
         engine = SpeculativeEngine(target, make(), ConstantK(k), spawn=make)
-        results = engine.generate_batch(PROMPTS, rules)
+        results = engine.generate_batch(SequenceSpec.batch(PROMPTS, rules))
         assert [r.token_ids for r in results] == truth, f"{name} with k={k}"
         assert [r.stats.new_tokens for r in results] == [len(t) for t in truth]
     assert not engine.active
 
 
 def test_models_off_the_lean_path_batch_exactly():
-    model = tiny_qwen3(seed=3)
+    model = tiny_foreign(seed=3)
     rules = [StoppingRules.build(b) for b in BUDGETS]
     truth = solo(model, rules)
     for make in (lambda: PromptLookupDrafter(3, 1), lambda: ModelDrafter(model, VOCAB)):
         engine = SpeculativeEngine(model, make(), ConstantK(4), spawn=make)
-        assert [r.token_ids for r in engine.generate_batch(PROMPTS, rules)] == truth
+        assert [r.token_ids for r in engine.generate_batch(SequenceSpec.batch(PROMPTS, rules))] == truth
 
 
 def test_sequences_join_and_leave_between_steps(target):
@@ -92,15 +92,16 @@ def test_sequences_join_and_leave_between_steps(target):
     make = makers(target)["draft-model"]
     engine = SpeculativeEngine(target, make(), ConstantK(3), spawn=make)
     got: dict[int, list[int]] = {}
-    ids = engine.add(PROMPTS[0], rules[0])
+    ids = engine.add(SequenceSpec(PROMPTS[0], rules[0]))
     steps = 0
     doomed = None
     while engine.active or steps < 4:
         if steps == 2:
-            ids += engine.add(PROMPTS[1], rules[1])
-            doomed = engine.add(PROMPTS[0], rules[0])[0]
+            ids += engine.add(SequenceSpec(PROMPTS[1], rules[1]))
+            doomed = engine.add(SequenceSpec(PROMPTS[0], rules[0]))[0]
         if steps == 4:
-            ids += engine.add(PROMPTS[2], rules[2]) + engine.add(PROMPTS[3], rules[3])
+            ids += engine.add(SequenceSpec(PROMPTS[2], rules[2]))
+            ids += engine.add(SequenceSpec(PROMPTS[3], rules[3]))
         if steps == 5:
             engine.cancel(doomed)
         for row_id, step in engine.step():
@@ -119,7 +120,8 @@ def test_learned_and_self_drafters_batch_through_build_engine(tmp_path):
     for method, options in (("self-int4-pld", DraftOptions(k=5)), ("self-int8", DraftOptions(k=4)),
                             ("pld", DraftOptions(tree="default"))):
         engine = build_engine(loaded, method, options)
-        assert [r.token_ids for r in engine.generate_batch(PROMPTS, rules)] == truth, method
+        results = engine.generate_batch(SequenceSpec.batch(PROMPTS, rules))
+        assert [r.token_ids for r in results] == truth, method
 
 
 def test_samples_share_the_prefill_and_follow_the_target_distribution(monkeypatch):
@@ -146,7 +148,7 @@ def test_samples_share_the_prefill_and_follow_the_target_distribution(monkeypatc
     assert_follows(sampled, exact_marginals(target16, prompt, 3, sampling), "batched samples")
 
 
-@pytest.mark.parametrize("make_target", [tiny_llama, tiny_qwen3], ids=["lean", "hugging-face"])
+@pytest.mark.parametrize("make_target", [tiny_llama, tiny_foreign], ids=["lean", "hugging-face"])
 def test_samples_of_one_prompt_each_own_their_cache(make_target):
     """copy_from on both cache paths (verispec.target.lean's caches, Hugging Face's DynamicCache): each
     sample of one prompt starts from the shared prefill in a cache of its own, so it is what its
@@ -155,22 +157,23 @@ def test_samples_of_one_prompt_each_own_their_cache(make_target):
     draft = tiny_llama(seed=7, layers=1)
     make = lambda: ModelDrafter(draft, VOCAB)  # noqa: E731
     engine = SpeculativeEngine(model, make(), ConstantK(3), spawn=make)
-    assert (engine.target.lean is None) == (make_target is tiny_qwen3)
+    assert (engine.target.lean is None) == (make_target is tiny_foreign)
     sampling, rules = SamplingParams(do_sample=True, temperature=0.9), StoppingRules.build(20)
-    batched = engine.generate_batch([PROMPTS[0]], rules, sampling, seed=5, samples=3)
+    batched = engine.generate_batch(SequenceSpec.batch([PROMPTS[0]], rules, sampling, seed=5, samples=3),
+                                    samples=3)
     alone = [engine.generate(PROMPTS[0], rules, sampling, seed=5 + i) for i in range(3)]
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
     assert len({tuple(r.token_ids) for r in alone}) == 3
     assert all(sum(s.num_drafted for s in r.steps) > 0 for r in batched)
 
 
-@pytest.mark.parametrize("make_target", [tiny_llama, tiny_qwen3], ids=["lean", "hugging-face"])
+@pytest.mark.parametrize("make_target", [tiny_llama, tiny_foreign], ids=["lean", "hugging-face"])
 def test_copy_from_gives_a_cache_of_its_own(make_target):
     """copy_from on both cache paths: the copy continues as a fresh prefill of the same tokens
     would, and feeding it leaves the source as it was."""
     model = make_target(seed=3)
     source, copy, fresh = CachedModel(model), CachedModel(model), CachedModel(model)
-    assert (source.lean is None) == (make_target is tiny_qwen3)
+    assert (source.lean is None) == (make_target is tiny_foreign)
     prompt = torch.tensor(PROMPTS[0])
     source.prefill(prompt)
     fresh.prefill(prompt)
@@ -189,7 +192,8 @@ def test_each_row_adapts_its_own_draft_length(target):
     solo_engine = SpeculativeEngine(target, make(), HeuristicK(2))
     alone = [[s.num_drafted for s in solo_engine.generate(p, r).steps] for p, r in zip(PROMPTS, rules)]
     engine = SpeculativeEngine(target, make(), HeuristicK(2), spawn=make, load_cap=LoadCap(()))
-    together = [[s.num_drafted for s in r.steps] for r in engine.generate_batch(PROMPTS, rules)]
+    together = [[s.num_drafted for s in r.steps]
+                for r in engine.generate_batch(SequenceSpec.batch(PROMPTS, rules))]
     assert together == alone
     assert sum(len(set(lengths)) > 1 for lengths in alone) >= 2  # rows' k moved
     assert len({tuple(lengths[:6]) for lengths in alone}) > 2  # each its own way
@@ -199,8 +203,8 @@ def test_seeded_batches_repeat_and_rows_differ(target):
     make = lambda: PromptLookupDrafter(3, 1)  # noqa: E731
     engine = SpeculativeEngine(target, make(), ConstantK(4), spawn=make)
     sampling = SamplingParams(do_sample=True, temperature=1.0)
-    runs = [[r.token_ids for r in engine.generate_batch(PROMPTS[:2], StoppingRules.build(20), sampling,
-                                                        seed=5, samples=3)] for _ in range(2)]
+    specs = SequenceSpec.batch(PROMPTS[:2], StoppingRules.build(20), sampling, seed=5, samples=3)
+    runs = [[r.token_ids for r in engine.generate_batch(specs, samples=3)] for _ in range(2)]
     assert runs[0] == runs[1]
     assert len({tuple(t) for t in runs[0][:3]}) > 1  # a prompt's samples are not copies
 
@@ -214,7 +218,7 @@ def test_load_cap_limits_drafts_by_batch_size(target):
     truth = solo(target, rules)
     for rows, most in ((1, 6), (2, 2), (4, 0)):
         engine = SpeculativeEngine(target, make(), ConstantK(6), spawn=make, load_cap=cap)
-        results = engine.generate_batch(PROMPTS[:rows], rules[:rows])
+        results = engine.generate_batch(SequenceSpec.batch(PROMPTS[:rows], rules[:rows]))
         assert [r.token_ids for r in results] == truth[:rows]
         assert max(s.num_drafted for r in results for s in r.steps[:3]) == most
 
@@ -223,15 +227,15 @@ def test_bad_batches_are_refused_before_any_work(target):
     make = lambda: PromptLookupDrafter(3, 1)  # noqa: E731
     engine = SpeculativeEngine(target, make(), ConstantK(4), spawn=make)
     with pytest.raises(VerispecError, match="outside the vocabulary"):
-        engine.generate_batch([[1, 2], [1, VOCAB + 3]], StoppingRules.build(4))
+        engine.generate_batch(SequenceSpec.batch([[1, 2], [1, VOCAB + 3]], StoppingRules.build(4)))
     with pytest.raises(VerispecError, match="empty"):
-        engine.generate_batch([[1, 2], []], StoppingRules.build(4))
+        engine.generate_batch(SequenceSpec.batch([[1, 2], []], StoppingRules.build(4)))
     with pytest.raises(VerispecError, match="samples"):
-        engine.add([1, 2], StoppingRules.build(4), samples=0)
+        engine.add(SequenceSpec([1, 2], StoppingRules.build(4)), samples=0)
     assert not engine.active
     lonely = SpeculativeEngine(target, make(), ConstantK(4))  # no spawn: one sequence only
     with pytest.raises(VerispecError, match="cannot be copied"):
-        lonely.generate_batch(PROMPTS[:2], StoppingRules.build(4))
+        lonely.generate_batch(SequenceSpec.batch(PROMPTS[:2], StoppingRules.build(4)))
     assert not lonely.active
 
 
@@ -247,7 +251,7 @@ def test_memory_is_flat_over_200_batched_calls(target):
     rules = StoppingRules.build(8, EOS)
 
     def call():
-        engine.generate_batch(PROMPTS, rules, SamplingParams(do_sample=True), seed=1)
+        engine.generate_batch(SequenceSpec.batch(PROMPTS, rules, SamplingParams(do_sample=True), seed=1))
 
     for _ in range(20):
         call()
@@ -267,7 +271,7 @@ def test_sequences_of_one_batch_may_each_speculate_their_own_way(tmp_path):
     ways = [build_speculation(loaded, "pld", DraftOptions(k=4)), None,
             build_speculation(loaded, "self-int4", DraftOptions(k=3)),
             build_speculation(loaded, "pld", DraftOptions(tree="default"))]
-    ids = [engine.add(p, r, speculation=way)[0] for p, r, way in zip(PROMPTS, rules, ways)]
+    ids = [engine.add(SequenceSpec(p, r), speculation=way)[0] for p, r, way in zip(PROMPTS, rules, ways)]
     got: dict[int, list] = {i: [] for i in ids}
     while engine.active:
         for row_id, step in engine.step():

@@ -11,9 +11,9 @@ import torch
 from transformers import GenerationConfig
 
 import verispec
-from verispec.api import encode_prompt
 from verispec.cli import main
 from verispec.core.errors import VerispecError
+from verispec.request import encode_prompt
 from verispec.target.models import DEFAULT_MODEL, load
 
 NEW = 16

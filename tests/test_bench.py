@@ -51,6 +51,9 @@ def test_bench_writes_every_field_report_and_plots(tiny_dir, questions, tmp_path
     report = (out / "report.md").read_text()
     assert "pld k=4" in report and "hf-pld" in report
     assert "## Drafters and memory" in report and "avx" in on_disk["machine"]["processor"].lower()
+    # which path ran: the lean forward of the Llama family, row-invariant, its kernel named
+    assert on_disk["config"]["path"] == "lean (llama)" and "**forward**: lean (llama)" in report
+    assert on_disk["config"]["invariance"] == "row-attention" and "prepacked" in on_disk["config"]["kernel"]
     # A float32 model on CPU runs prepacked; the report compares with its own linear layers.
     forward = on_disk["forward"]
     assert set(forward["by_tokens"]) == set(forward["unpacked_by_tokens"]) == {"1", "2", "4", "8", "16"}

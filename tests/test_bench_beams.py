@@ -12,7 +12,6 @@ from tests.test_bench import config
 from verispec.bench.runner import BenchConfig, build_contenders, run_bench
 from verispec.cli import main
 from verispec.core.errors import VerispecError
-from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
 from verispec.decoding.beam import BeamSearch, BeamSettings
@@ -92,8 +91,7 @@ def test_the_default_set_leaves_out_what_cannot_run_beam_search(tiny_dir, tmp_pa
     target = load_model(str(tiny_dir))
     setting = BenchConfig(model=str(tiny_dir), out=tmp_path, max_new_tokens=8, exit_layer=1,
                           beams=BeamSettings(2))
-    contenders, left_out = build_contenders(setting, target, None, SamplingParams(),
-                                            StoppingRules.build(8, target.eos_token_ids))
+    contenders, left_out = build_contenders(setting, target, None, SamplingParams())
     labels = [c.label for c in contenders]
     assert labels[:2] == ["hf", "ar"] and {"pld", "self-int4", "early-exit"} <= set(labels)
     assert {"lookahead", "suffix", "hf-pld", "hf-early-exit"} <= set(left_out)

@@ -26,7 +26,7 @@ def smollm():
 
 @pytest.fixture(scope="module")
 def prompt_ids(smollm):
-    return verispec.api.encode_prompt(smollm, "List three colours of the rainbow, then repeat them.",
+    return verispec.request.encode_prompt(smollm, "List three colours of the rainbow, then repeat them.",
                                       chat=True)
 
 

@@ -125,8 +125,9 @@ def test_stream_pieces_never_split_a_character():
         for start in range(0, len(data), width):
             block = data[start: start + width]
             fates = [Fate.ACCEPTED] * (len(block) - 1) + [Fate.RECOVERED]
-            step = Step(block, fates, [0xE2], len(block), len(block) - 1, 0.0, 0.0, False)  # a
-            # refused lead byte before each correction
+            # a refused lead byte before each correction
+            step = Step(tokens=block, fates=fates, rejected=[0xE2], num_drafted=len(block),
+                        num_accepted=len(block) - 1)
             shown += pieces.push(step)[0]
             stream_.push(step)
             content.append(stream_.content(final=False))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny import tiny_llama, tiny_qwen3
+from tests.tiny import tiny_foreign, tiny_llama
 from verispec.target.cached_model import CachedModel
 from verispec.target.lean import lean_supported
 from verispec.target.packed import PackedLinear, can_pack, cpu_packs, packed_view
@@ -54,7 +54,7 @@ def test_lean_cache_grows_past_its_first_capacity():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["lean", "hugging-face"])
+@pytest.mark.parametrize("build", [tiny_llama, tiny_foreign], ids=["lean", "hugging-face"])
 def test_keeping_a_tree_path_equals_feeding_it(build):
     """After a tree block, keep() leaves the cache exactly as if the kept path had been fed
     (with a context long enough that the lean cache grew during a forward)."""
@@ -72,16 +72,16 @@ def test_keeping_a_tree_path_equals_feeding_it(build):
     torch.testing.assert_close(tree.forward(after), fed.forward(after), rtol=1e-5, atol=1e-5)
 
 
-def test_lean_path_takes_plain_llama_shapes_only():
+def test_lean_path_takes_its_families_only():
     assert lean_supported(tiny_llama(seed=1))
-    assert not lean_supported(tiny_qwen3(seed=1))  # per-head q/k norms
+    assert not lean_supported(tiny_foreign(seed=1))  # OLMo 2: no lean family
     assert not lean_supported(tiny_llama(seed=1).to(torch.float16))  # cannot be prepacked
-    qwen3 = CachedModel(tiny_qwen3(seed=1))
-    assert qwen3.lean is None and any(isinstance(m, PackedLinear) for m in qwen3.runner.modules())
+    foreign = CachedModel(tiny_foreign(seed=1))
+    assert foreign.lean is None and any(isinstance(m, PackedLinear) for m in foreign.runner.modules())
 
 
 def test_packed_view_gives_the_models_own_logits():
-    model = tiny_qwen3(seed=8)
+    model = tiny_foreign(seed=8)
     view = packed_view(model)
     assert any(isinstance(m, PackedLinear) for m in view.modules())
     assert not any(isinstance(m, PackedLinear) for m in model.modules())  # the original is untouched
@@ -92,7 +92,7 @@ def test_packed_view_gives_the_models_own_logits():
 
 
 def test_packed_weights_are_shared_and_follow_weight_changes():
-    for build, packed_of in ((tiny_qwen3, lambda lm: lm.runner), (tiny_llama, lambda lm: lm.lean.weights)):
+    for build, packed_of in ((tiny_foreign, lambda lm: lm.runner), (tiny_llama, lambda lm: lm.lean.weights)):
         model = build(seed=5)
         first, second = CachedModel(model), CachedModel(model)
         assert packed_of(first) is packed_of(second)  # one packed copy per model, not per engine
@@ -150,7 +150,7 @@ def test_packed_eagle_network_computes_what_the_plain_one_does(target):
         torch.testing.assert_close(view(embeds, hidden, torch.arange(6)), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["lean", "hugging-face"])
+@pytest.mark.parametrize("build", [tiny_llama, tiny_foreign], ids=["lean", "hugging-face"])
 def test_prefill_and_last_row_read_only_what_they_return(build):
     model = build(seed=9)
     tokens = torch.arange(3, 30)

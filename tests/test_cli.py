@@ -22,8 +22,9 @@ def test_generate_json_has_every_field(tiny_dir, capsys):
                                  "acceptance_by_position", "draft_seconds", "verify_seconds",
                                  "tokens_per_second", "accepted_prediction_tokens",
                                  "rejected_prediction_tokens", "forced_tokens", "invariance", "dtype",
-                                 "kernel"}
+                                 "kernel", "path"}
     stats = out["stats"]
+    assert stats["path"] == "lean (llama)" and stats["invariance"] == "row-attention"
     assert stats["new_tokens"] == len(out["token_ids"]) <= 12
     assert stats["mean_accepted_tokens"] == pytest.approx(stats["new_tokens"] / stats["target_forwards"])
 
@@ -127,3 +128,20 @@ def test_lossy_acceptance_rules_are_labelled_lossy_in_the_help(capsys):
     assert "typical: Medusa's typical acceptance, LOSSY" in help_text
     assert "tv:X (e.g. tv:0.1): keep a draft token outright where draft and target are within total " \
            "variation X, LOSSY" in help_text
+
+
+def test_a_model_without_a_chat_template_takes_the_prompt_raw(tmp_path, capsys):
+    """A base model (no chat template) needs no --raw; with a template the prompt goes through it."""
+    from tests.tiny import save_tiny
+
+    directory = save_tiny(tmp_path / "base")
+    config = directory / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    settings.pop("chat_template", None)
+    config.write_text(json.dumps(settings))
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    args = ["generate", "--model", str(directory), "--prompt", "w5 w6", "--max-new-tokens", "4", "--json"]
+    assert main(args) == 0
+    base = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main([*args, "--raw"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == base

@@ -27,9 +27,9 @@ from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.sampling import warp_probs
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
-from verispec.core.types import Fate, GenerationResult, Proposal, SamplingParams
-from verispec.decoding.engine import SpeculativeEngine
-from verispec.drafters.base import DraftRequest
+from verispec.core.types import DraftSource, Fate, GenerationResult, Proposal, SamplingParams
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
@@ -123,7 +123,7 @@ def test_constrained_speculation_equals_masked_plain_decoding(target, tokenizer,
             result = constrained(engine, prompt, constraint(tokenizer))
             assert result.token_ids == truth, f"{name} with k={k} left masked plain decoding"
             assert result.stats.new_tokens == len(truth)
-            forced = [s for s in result.steps if s.forced]
+            forced = [s for s in result.steps if s.source is DraftSource.GRAMMAR]
             assert all(set(s.fates[:-1]) == {Fate.FORCED} for s in forced), name
             assert sum(s.fates.count(Fate.FORCED) for s in forced) == result.stats.forced_tokens
             if name == "random":  # its drafts never reach w10 w11: a step starts at them
@@ -137,11 +137,11 @@ def test_drafts_leaving_the_grammar_are_cut_before_verification(target, tokenize
     k = 6
     random = SpeculativeEngine(target, RandomDrafter(VOCAB), ConstantK(k)).generate(
         prompt, StoppingRules.build(NEW), constraint=constraint(tokenizer))
-    drafted = [s.num_drafted for s in random.steps if not s.forced]
+    drafted = [s.num_drafted for s in random.steps if s.source is not DraftSource.GRAMMAR]
     assert min(drafted) < k and random.token_ids == truth, drafted
     oracle = SpeculativeEngine(target, OracleDrafter(len(prompt), truth, set(), VOCAB), ConstantK(k))
     oracle = oracle.generate(prompt, StoppingRules.build(NEW), constraint=constraint(tokenizer))
-    assert any(s.num_accepted == k for s in oracle.steps if not s.forced)
+    assert any(s.num_accepted == k for s in oracle.steps if s.source is not DraftSource.GRAMMAR)
 
 
 def test_a_row_with_a_grammar_beside_rows_without(target, tokenizer, references):
@@ -151,8 +151,10 @@ def test_a_row_with_a_grammar_beside_rows_without(target, tokenizer, references)
     engine = SpeculativeEngine(target, PromptLookupDrafter(max_ngram=3), ConstantK(4),
                                spawn=lambda: PromptLookupDrafter(max_ngram=3), load_cap=LoadCap(()))
     alone_free = SpeculativeEngine(target).generate(PROMPTS[1], StoppingRules.build(NEW)).token_ids
-    results = engine.generate_batch(PROMPTS + [PROMPTS[0]], StoppingRules.build(NEW), constraints=[
-        constraint(tokenizer), None, constraint(tokenizer, other)])
+    rules = StoppingRules.build(NEW)
+    results = engine.generate_batch([
+        SequenceSpec(PROMPTS[0], rules, constraint=constraint(tokenizer)), SequenceSpec(PROMPTS[1], rules),
+        SequenceSpec(PROMPTS[0], rules, constraint=constraint(tokenizer, other))])
     assert results[0].token_ids == references[0]
     assert results[1].token_ids == alone_free
     assert results[2].token_ids == masked_plain(target, tokenizer, PROMPTS[0], NEW, other)
@@ -263,7 +265,7 @@ def test_constrained_tree_sampling_follows_the_masked_targets_law(tokenizer, mon
                    "constrained tree")
 
 
-class FixedLawDrafter:
+class FixedLawDrafter(Drafter):
     """Drafts k tokens, each drawn from one fixed law q [vocab] (reported as drawn): most of its
     mass on two tokens the grammar allows at the first two positions, the rest spread over the
     vocabulary, so drafts are often cut and q is far from p on the allowed tokens."""
@@ -315,7 +317,7 @@ EXTRACT = "Extract the person as JSON with name, age and city: Maria Lopez is a 
 def test_json_schema_on_the_builtin_model(smollm):
     """Every method's output parses and matches the schema, identical to constrained `ar` and to
     masked plain decoding; the schema's keys and punctuation were forced."""
-    prompt = verispec.api.encode_prompt(smollm, EXTRACT, chat=True)
+    prompt = verispec.request.encode_prompt(smollm, EXTRACT, chat=True)
     truth = masked_plain(smollm.model, smollm.tokenizer, prompt, 48, Grammar.of(json_schema=SCHEMA))
     for method in ("ar", "pld", "suffix", "eagle"):
         result = verispec.generate(smollm, EXTRACT, chat=True, method=method, json_schema=SCHEMA,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.drafters import OracleDrafter, RandomDrafter
-from tests.tiny import VOCAB, plain_greedy, tiny_llama, tiny_qwen3
+from tests.tiny import VOCAB, plain_greedy, tiny_foreign, tiny_llama
 from verispec.core.policies import ConstantK, HeuristicK
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
@@ -57,7 +57,7 @@ def test_every_drafter_matches_plain_decoding(target, references, k):
 @pytest.mark.parametrize("k", [1, 4, 7])
 def test_models_off_the_lean_path_match_plain_decoding(k):
     """Architectures verispec.target.lean does not run go through their own forward: still exact."""
-    model = tiny_qwen3(seed=3)
+    model = tiny_foreign(seed=3)
     for prompt in PROMPTS:
         truth = plain_greedy(model, prompt, NEW)
         for name, drafter in {"self": ModelDrafter(model, VOCAB), "pld": PromptLookupDrafter(max_ngram=3),

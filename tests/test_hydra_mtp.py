@@ -13,7 +13,6 @@ import torch
 
 from tests.test_rejection_distribution import tv, tv_bound
 from tests.tiny import VOCAB, plain_greedy, save_tiny
-from verispec.api import make_job, run
 from verispec.cli import main
 from verispec.core.errors import VerispecError
 from verispec.core.policies import ConstantK
@@ -26,6 +25,7 @@ from verispec.drafters.learned import ReducedHead
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
 from verispec.methods import METHODS, TREE_METHODS, build_engine
 from verispec.options import DraftOptions
+from verispec.request import build_request, run
 from verispec.target.models import load_model
 from verispec.training.data import build_dataset, load_dataset
 from verispec.training.losses import multi_head_backward
@@ -287,8 +287,8 @@ def test_registry_cli_and_api(loaded, data, trained, tmp_path, capsys, prompts):
                  "--steps", "2", "--heads", "2", "--vocab", "40"]) == 0
     assert json.loads((out / "drafter.json").read_text())["settings"]["heads"] == 2
     for kind in KINDS:
-        result = run(make_job(loaded, prompts[1], method=kind, options=DraftOptions(draft=str(trained[kind])),
-                              max_new_tokens=12))
+        result = run(loaded, build_request(loaded, prompts[1], method=kind,
+                                           options=DraftOptions(draft=str(trained[kind])), max_new_tokens=12))
         assert result.token_ids == plain(loaded.model, prompts[1], 12)
     capsys.readouterr()
     assert main(["train", "hydra", "--target", str(loaded.name), "--out", str(tmp_path / "bad"),

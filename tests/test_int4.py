@@ -9,18 +9,18 @@ import torch
 
 from tests.distribution import assert_follows, exact_marginals, sample_runs
 from tests.tiny import save_tiny, tiny_llama
-from verispec.api import encode_prompt
 from verispec.cli import main
 from verispec.core.errors import VerispecError
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.methods import FASTEST_4BIT, build_engine, fastest_method
 from verispec.options import DraftOptions
+from verispec.request import encode_prompt
 from verispec.target.lowbit import Int4Groups, QuantLinear, gguf_int4, int4_target, weight_format
 from verispec.target.models import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.target.packed import cpu_packs
@@ -71,7 +71,8 @@ def test_a_batch_on_the_4bit_target_matches_each_prompt_alone(target):
     engine = build_engine(target, "pld")
     prompts = [encode_prompt(target, text, chat=True) for text in PROMPTS]
     alone = [build_engine(target, "ar").generate(p, StoppingRules.build(24)).token_ids for p in prompts]
-    assert [r.token_ids for r in engine.generate_batch(prompts, StoppingRules.build(24))] == alone
+    results = engine.generate_batch(SequenceSpec.batch(prompts, StoppingRules.build(24)))
+    assert [r.token_ids for r in results] == alone
 
 
 def test_a_hugging_face_model_is_quantized_to_groups_of_32(tmp_path):

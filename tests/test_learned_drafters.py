@@ -24,8 +24,8 @@ from verispec.core.policies import ConstantK
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import Proposal, SamplingParams
-from verispec.decoding.engine import SpeculativeEngine
-from verispec.drafters.base import DraftRequest
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.distilled import distilled_drafter
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
@@ -252,7 +252,7 @@ def test_learned_drafters_match_plain_decoding(loaded, trained, k):
 
 
 def test_hybrid_takes_the_lookup_draft_when_there_is_one():
-    class Spy:
+    class Spy(Drafter):
         needs_hidden = True
 
         def __init__(self):
@@ -289,7 +289,7 @@ def test_hybrid_takes_the_lookup_draft_when_there_is_one():
 def test_engine_hands_drafters_the_targets_hidden_states(loaded, layers):
     seen: list[DraftRequest] = []
 
-    class Recorder:
+    class Recorder(Drafter):
         needs_hidden = True
         hidden_layers = layers
 
@@ -578,12 +578,12 @@ def test_learned_drafters_batch_with_each_rows_own_hidden_states(loaded, trained
         def make(name=name):
             return _drafters(loaded, trained)[name]
         engine = SpeculativeEngine(loaded.model, make(), ConstantK(3), spawn=make)
-        assert [r.token_ids for r in engine.generate_batch(prompts, rules)] == truth, name
+        assert [r.token_ids for r in engine.generate_batch(SequenceSpec.batch(prompts, rules))] == truth, name
     engine = build_engine(loaded, "ar")
     for methods in (("eagle", "medusa", "eagle3"), ("hydra", "mtp", "hydra")):
         ways = [build_engine(loaded, m, DraftOptions(k=3, draft=trained[m])).speculation
                 for m in methods] + [None]
-        ids = [engine.add(p, r, speculation=w)[0] for p, r, w in zip(prompts, rules, ways)]
+        ids = [engine.add(SequenceSpec(p, r), speculation=w)[0] for p, r, w in zip(prompts, rules, ways)]
         got = {i: [] for i in ids}
         while engine.active:
             for row_id, step in engine.step():

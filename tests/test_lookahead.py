@@ -9,7 +9,7 @@ import verispec
 import verispec.verifiers.tree as tree_verifier
 from tests.test_rejection_distribution import tv, tv_bound
 from tests.test_tree_sampling import P0, TABLE, V
-from tests.tiny import plain_greedy, tiny_qwen3
+from tests.tiny import plain_greedy, tiny_foreign
 from verispec.core.errors import VerispecError
 from verispec.core.policies import ConstantK, HeuristicK
 from verispec.core.sampling import sample
@@ -85,7 +85,7 @@ def test_lookahead_matches_plain_decoding(target, references, window, ngram, gue
 
 
 def test_lookahead_off_the_lean_path_and_with_a_varying_k_matches_plain_decoding(target, references):
-    model = tiny_qwen3(seed=3)  # through Hugging Face's own forward, blocks padded to 4 rows
+    model = tiny_foreign(seed=3)  # through Hugging Face's own forward, blocks padded to 4 rows
     for prompt in PROMPTS:
         truth = plain_greedy(model, prompt, NEW)
         for window, ngram, guesses, k in SETTINGS[1:4]:
@@ -199,7 +199,8 @@ def test_seeded_sampling_repeats(target):
 
 def test_builtin_model_lookahead_is_exact():
     smollm = verispec.load("smollm2-135m-instruct")
-    prompt = verispec.api.encode_prompt(smollm, "Repeat after me: one two three, one two three.", chat=True)
+    prompt = verispec.request.encode_prompt(smollm, "Repeat after me: one two three, one two three.",
+                                            chat=True)
     reference = verispec.generate(smollm, prompt, max_new_tokens=24).token_ids
     for options in (DraftOptions(), DraftOptions(k=2, lookahead_window=3, lookahead_pool_context=True)):
         result = build_engine(smollm, "lookahead", options).generate(

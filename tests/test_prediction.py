@@ -12,8 +12,8 @@ from tests.tiny import plain_greedy, tiny_llama
 from verispec.core.errors import VerispecError
 from verispec.core.policies import ConstantK
 from verispec.core.stopping import StoppingRules
-from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.core.types import DraftSource, SamplingParams
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.prediction import PredictionDrafter, realign
@@ -64,10 +64,10 @@ def test_predicted_outputs_match_plain_decoding_and_are_counted(target, truth, d
     made = None if drafter is None else PromptLookupDrafter(max_ngram=3)
     engine = SpeculativeEngine(target, made, ConstantK(k))
     for prediction in (truth, edited(truth)):
-        result = engine.generate(PROMPT, StoppingRules.build(NEW), prediction=PredictionDrafter(prediction))
+        result = engine.generate(PROMPT, StoppingRules.build(NEW), prediction=prediction)
         assert result.token_ids == truth
         stats = result.stats
-        drafted = sum(s.num_drafted for s in result.steps if s.from_prediction)
+        drafted = sum(s.num_drafted for s in result.steps if s.source is DraftSource.PREDICTION)
         assert stats.accepted_prediction_tokens + stats.rejected_prediction_tokens == drafted
         assert stats.accepted_prediction_tokens > NEW // 2
         if prediction == truth:
@@ -77,7 +77,7 @@ def test_predicted_outputs_match_plain_decoding_and_are_counted(target, truth, d
             # re-aligned after the last edit (output position 25): prediction drafts accepted there
             position, after_edit = 0, 0
             for step in result.steps:
-                if step.from_prediction and position > 26:
+                if step.source is DraftSource.PREDICTION and position > 26:
                     after_edit += step.num_accepted
                 position += len(step.tokens)
             assert after_edit >= 5
@@ -88,8 +88,8 @@ def test_predicted_outputs_match_plain_decoding_and_are_counted(target, truth, d
 def test_a_batch_with_a_prediction_beside_a_row_without(target, truth):
     other = [1, 33, 5]
     engine = SpeculativeEngine(target, PromptLookupDrafter(), ConstantK(4), spawn=PromptLookupDrafter)
-    results = engine.generate_batch([PROMPT, other], StoppingRules.build(NEW),
-                                    predictions=[PredictionDrafter(truth), None])
+    results = engine.generate_batch([SequenceSpec(PROMPT, StoppingRules.build(NEW), prediction=truth),
+                                     SequenceSpec(other, StoppingRules.build(NEW))])
     assert results[0].token_ids == truth and results[1].token_ids == plain_greedy(target, other, NEW)
     assert results[0].stats.accepted_prediction_tokens > NEW // 2
     assert results[1].stats.accepted_prediction_tokens == 0
@@ -105,7 +105,7 @@ def test_predicted_outputs_sample_the_target_distribution():
     engine = SpeculativeEngine(model)
     samples = 3000
     empirical, results = empirical_pairs(engine, prompt, sampling, samples, seed=0,
-                                         prediction=PredictionDrafter([3, 4, 5]))
+                                         prediction=[3, 4, 5])
     accepted = sum(r.stats.accepted_prediction_tokens for r in results)
-    assert results[0].steps[0].from_prediction and 0 < accepted < 2 * samples
+    assert results[0].steps[0].source is DraftSource.PREDICTION and 0 < accepted < 2 * samples
     assert tv(empirical.flatten(), exact_pairs(model, prompt, sampling).flatten()) <= tv_bound(samples, 36)

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from tests.tiny import VOCAB, plain_greedy, tiny_llama, tiny_qwen3, tiny_tokenizer
+from tests.tiny import VOCAB, plain_greedy, tiny_foreign, tiny_llama, tiny_tokenizer
 from verispec.core.errors import VerispecError
 from verispec.core.sampling import warp_probs
 from verispec.core.stopping import StoppingRules
@@ -239,9 +239,9 @@ def test_sampling_with_self_drafters_emits_the_target_distribution(loaded):
 
 
 def test_unsupported_targets_and_settings_are_clear_errors(loaded):
-    qwen = LoadedModel(tiny_qwen3(seed=1), None, "qwen3")
-    with pytest.raises(VerispecError, match="Llama-shaped decoder"):
-        build_engine(qwen, "self-int4")
+    foreign = LoadedModel(tiny_foreign(seed=1), None, "olmo2")
+    with pytest.raises(VerispecError, match="a decoder of a lean family"):
+        build_engine(foreign, "self-int4")
     with pytest.raises(VerispecError, match="group size must be one of"):
         build_engine(loaded, "self-int4", DraftOptions(group=48))
     with pytest.raises(VerispecError, match="multiple of it"):
@@ -304,4 +304,4 @@ def test_default_method_falls_back_off_the_lean_path(loaded):
     from verispec.methods import FALLBACK, FASTEST, fastest_method
 
     assert fastest_method(loaded) == FASTEST
-    assert fastest_method(LoadedModel(tiny_qwen3(seed=1), None, "qwen3")) == FALLBACK
+    assert fastest_method(LoadedModel(tiny_foreign(seed=1), None, "olmo2")) == FALLBACK

@@ -107,7 +107,7 @@ def test_text_stream_holds_back_a_possible_stop_string_across_steps():
     from verispec.server.text import TextStream
 
     def step(*tokens: int) -> Step:
-        return Step(list(tokens), [Fate.BONUS] * len(tokens), [], 0, 0, 0.0, 0.0, False)
+        return Step(tokens=list(tokens), fates=[Fate.BONUS] * len(tokens))
 
     text = TextStream(tiny_tokenizer(), ("w6 w7",))
     text.push(step(5, 6))
@@ -437,15 +437,14 @@ def test_the_servers_drafting_options_are_each_requests_defaults(loaded):
     request's own k and tree override them, and a chain-only method gets no tree."""
     from verispec.core.tree import TreeSettings
     from verispec.options import DraftOptions
-    from verispec.server.requests import ChatBody, build_request, parse_body
+    from verispec.server.requests import ChatBody, parse_body, to_request
 
     defaults = DraftOptions(k=3, tree=TreeSettings(2, 3), max_ngram=3)
 
     def request(**fields):
         body = parse_body(json.dumps({"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 4,
                                       **fields}).encode(), ChatBody)
-        return build_request(body, loaded, ["pld", "lookahead"], 4, lambda ids, n: None,
-                             lambda r: None, defaults)
+        return to_request(body, loaded, ["pld", "lookahead"], 4, defaults)
 
     assert request(method="pld").options == defaults
     assert request(method="pld", k=5, tree="4x8").options == DraftOptions(k=5, tree=TreeSettings(4, 8),

@@ -23,8 +23,9 @@ from verispec.core.sampling import warp_probs
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import Fate, Proposal, SamplingParams, Step
-from verispec.decoding.engine import RowFailure, Speculation
+from verispec.decoding.engine import RowFailure, SequenceSpec, Speculation
 from verispec.display import TokenPieces
+from verispec.drafters.base import Drafter
 from verispec.methods import METHODS, TREE_METHODS, build_engine, build_speculation
 from verispec.options import DraftOptions
 from verispec.server import create_app
@@ -75,7 +76,7 @@ def test_warped_probabilities_are_finite_at_any_accepted_setting(temperature, to
         assert torch.equal(probs.max(-1).values, torch.ones(3))
 
 
-class BrokenDrafter:
+class BrokenDrafter(Drafter):
     """Drafts random tokens; raises in `propose` or `commit` (as a bug in a drafter would)."""
 
     def __init__(self, where: str) -> None:
@@ -102,8 +103,9 @@ def test_a_row_that_fails_in_a_step_leaves_the_others_unchanged(loaded, where):
     stopping = StoppingRules.build(12)
     engine = build_engine(loaded, "pld")
     solo = [engine.generate(p, stopping).token_ids for p in prompts]
-    broken = engine.add([7, 8], stopping, speculation=Speculation(BrokenDrafter(where), ConstantK(2)))
-    ids = [engine.add(p, stopping)[0] for p in prompts]
+    broken = engine.add(SequenceSpec([7, 8], stopping),
+                        speculation=Speculation(BrokenDrafter(where), ConstantK(2)))
+    ids = [engine.add(SequenceSpec(p, stopping))[0] for p in prompts]
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     failures = []
     while engine.active:
@@ -236,7 +238,7 @@ def test_logprobs_under_speculation_equal_plain_decodings_for_every_method(loade
 
     def run(name: str, options: DraftOptions):
         engine = build_engine(loaded, name, options)
-        row = engine.add(prompt, stopping, logprobs=3)[0]
+        row = engine.add(SequenceSpec(prompt, stopping, logprobs=3))[0]
         steps = []
         while engine.active:
             steps += [step for row_id, step in engine.step() if row_id == row]
@@ -412,7 +414,7 @@ def _steps(tokens: list[int], sizes: list[int]) -> list[Step]:
         if i >= len(tokens):
             break
         block = tokens[i: i + size]
-        steps.append(Step(block, [Fate.BONUS] * len(block), [], 0, 0, 0.0, 0.0, False))
+        steps.append(Step(tokens=block, fates=[Fate.BONUS] * len(block)))
         i += size
     return steps
 
@@ -468,7 +470,7 @@ def test_the_text_stream_holds_back_only_a_stop_strings_beginning():
     text = TextStream(tiny_tokenizer(), ("w9 w9",))
     out = []
     for token in [5, 9, 6, 9, 9, 7]:
-        text.push(Step([token], [Fate.BONUS], [], 0, 0, 0.0, 0.0, False))
+        text.push(Step(tokens=[token], fates=[Fate.BONUS]))
         out.append(text.content(final=False))
     assert out == ["w5", " ", "w9 w6", " ", "", ""]  # "w9" held until it is not "w9 w9"
     assert text.stopped

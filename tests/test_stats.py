@@ -7,8 +7,8 @@ from verispec.core.types import DraftTree, Fate, GenerationStats, Step
 
 def step(drafted: int, accepted: int) -> Step:
     tokens = list(range(accepted + 1))
-    return Step(tokens, [Fate.ACCEPTED] * accepted + [Fate.RECOVERED], [], drafted, accepted, 0.1, 0.2,
-                False)
+    return Step(tokens=tokens, fates=[Fate.ACCEPTED] * accepted + [Fate.RECOVERED], num_drafted=drafted,
+                num_accepted=accepted, draft_seconds=0.1, verify_seconds=0.2)
 
 
 def test_acceptance_is_conditional_on_reaching_the_position():
@@ -50,10 +50,12 @@ def test_a_tree_reaches_only_the_depths_below_its_accepted_path():
     # depth 1 only: the tree's depth 2 lay under the other branch.
     leaf = DraftTree([5, 6, 7], [-1, -1, 1], [0], depth=2)
     stats = GenerationStats()
-    stats.add(Step([5, 9], [Fate.ACCEPTED, Fate.BONUS], [], 3, 1, 0.1, 0.2, False, leaf))
+    stats.add(Step(tokens=[5, 9], fates=[Fate.ACCEPTED, Fate.BONUS], num_drafted=3, num_accepted=1,
+                   draft_seconds=0.1, verify_seconds=0.2, tree=leaf))
     assert stats.drafted_by_position == [1, 1] and stats.reached_by_position == [1]
     assert stats.acceptance_by_position == [1.0]
     # Accepting node 1, whose child 2 was refused, judged depth 2 as well.
     inner = DraftTree([5, 6, 7], [-1, -1, 1], [1], depth=2)
-    stats.add(Step([6, 9], [Fate.ACCEPTED, Fate.RECOVERED], [7], 3, 1, 0.1, 0.2, False, inner))
+    stats.add(Step(tokens=[6, 9], fates=[Fate.ACCEPTED, Fate.RECOVERED], rejected=[7], num_drafted=3,
+                   num_accepted=1, draft_seconds=0.1, verify_seconds=0.2, tree=inner))
     assert stats.reached_by_position == [2, 1] and stats.acceptance_by_position == [1.0, 0.0]

@@ -14,7 +14,7 @@ from verispec.core.policies import ConstantK
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.suffix import SuffixDrafter, SuffixIndex, SuffixSettings, frequency_tree, shared_cache
 from verispec.methods import build_engine
 from verispec.options import DraftOptions
@@ -110,11 +110,11 @@ def test_generate_over_prompts_twice_shares_earlier_outputs(tiny_dir):
     target = load(str(tiny_dir))
     assert isinstance(target, LoadedModel)
     shared_cache(target.model, SuffixSettings.cache_tokens).clear()
-    ar = build_engine(target, "ar").generate_batch(PROMPTS, StoppingRules.build(NEW))
+    ar = build_engine(target, "ar").generate_batch(SequenceSpec.batch(PROMPTS, StoppingRules.build(NEW)))
     passes = []
     for _ in range(2):
         engine = build_engine(target, "suffix", DraftOptions(k=8))
-        passes.append(engine.generate_batch(PROMPTS, StoppingRules.build(NEW)))
+        passes.append(engine.generate_batch(SequenceSpec.batch(PROMPTS, StoppingRules.build(NEW))))
     for results in passes:
         assert [r.token_ids for r in results] == [r.token_ids for r in ar]
     tau = [sum(r.stats.new_tokens for r in rs) / sum(r.stats.target_forwards for r in rs) for rs in passes]

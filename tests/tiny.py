@@ -7,10 +7,19 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -42,15 +51,58 @@ def sharpened(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def tiny_qwen3(seed: int = 0, layers: int = 3) -> Qwen3ForCausalLM:
-    """A random float32 Qwen3: its per-head q/k norms keep it off verispec.target.lean, so it runs
-    through its own Hugging Face forward (the path every other architecture takes)."""
+# The lean families (verispec.target.lean.FAMILIES) as tiny models: windows of 6 positions where
+# the family has sliding windows, so that sequences of a few dozen tokens cross them.
+WINDOW = 6
+FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+
+
+def tiny_family(name: str, seed: int = 0, layers: int = 3, vocab: int = VOCAB,
+                hidden: int = 32) -> PreTrainedModel:
+    """A random float32 model of a lean family (FAMILY_NAMES): Mistral with a model-wide window,
+    Qwen2 with q/k/v biases and windows on layers 1.., Qwen3 with per-head q/k norms and
+    windows on layers 2.., Gemma 3 with its sandwich norms, GeGLU, scaled embeddings, a tied head
+    and local layers (window, rotary base 10k) around a global one (base 1M). Norm weights and
+    biases are random too (Hugging Face starts them at 1, 0 or Gemma's 0), so the tests see them.
+    """
+    if name == "llama":
+        return tiny_llama(seed, layers, vocab, hidden)
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, head_dim=8,
+    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, head_dim=8,
+                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    if name == "mistral":
+        model = MistralForCausalLM(MistralConfig(**shape, sliding_window=WINDOW))
+    elif name == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, sliding_window=WINDOW,
+                                             max_window_layers=1))
+    elif name == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, use_sliding_window=True, sliding_window=WINDOW,
+                                             max_window_layers=2))
+    elif name == "gemma3":
+        kinds = ["sliding_attention" if i % 3 != 1 else "full_attention" for i in range(layers)]
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **shape, sliding_window=WINDOW, query_pre_attn_scalar=8, layer_types=kinds,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
+    else:
+        raise ValueError(f"no tiny family {name!r}; choose from {FAMILY_NAMES}")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    return sharpened(model.eval())
+
+
+def tiny_foreign(seed: int = 0, layers: int = 3) -> Olmo2ForCausalLM:
+    """A random float32 OLMo 2, a family verispec.target.lean does not run: it goes through its
+    own Hugging Face forward (the path every other architecture takes)."""
+    torch.manual_seed(seed)
+    config = Olmo2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, bos_token_id=1, eos_token_id=None,
                          pad_token_id=0)
-    return sharpened(Qwen3ForCausalLM(config).eval())
+    return sharpened(Olmo2ForCausalLM(config).eval())
 
 
 def tiny_tokenizer(vocab: int = VOCAB, prefix: str = "w") -> PreTrainedTokenizerFast:

@@ -35,7 +35,7 @@ from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings, shared_cache
 from verispec.drafters.trained_exit import ExitAdapter, trained_exit_drafter
 from verispec.options import DEFAULT_TREE, DraftOptions
-from verispec.target.lowbit import FORMATS
+from verispec.target.lowbit import FORMATS, weight_format
 from verispec.target.models import LoadedModel, load
 from verispec.verifiers import verifier_for
 
@@ -142,7 +142,8 @@ class Needs(Enum):
     """What a method needs beyond the target."""
 
     NOTHING = "nothing"
-    SELF = "a Llama-shaped model on CPU"  # the target's own weights, stored again in low precision
+    # the target's own weights, stored again in low precision (verispec.target.lean.FAMILIES)
+    SELF = "a Llama, Mistral, Qwen2/2.5, Qwen3 or Gemma 3 model on CPU"
     TRAINED = "a trained drafter"  # of the method's trained_kind, given (--draft) or shipped
     DRAFT_MODEL = "a draft model (`--draft`) or a distilled student"
 
@@ -173,8 +174,8 @@ class Method:
 
 
 def _self_methods() -> list[Method]:
-    advice = {"int4": "any Llama-shaped model, no training; agrees with the float32 target ~99% "
-                      "of the time",
+    advice = {"int4": "any model of a lean family, no training; agrees with the float32 target "
+                      "~99% of the time on the built-in model",
               "int8": "for comparison: slower drafts than int4 on the CPUs measured",
               "bf16": "for comparison: slower drafts than int4 on the CPUs measured"}
     single = [Method(f"self-{fmt}", f"the target's own weights in {fmt}, its own KV cache", 8,
@@ -248,9 +249,15 @@ TREE_METHODS = tuple(name for name, method in METHODS.items() if method.trees)
 # cannot run it (off the lean CPU path) get instead.
 FASTEST = "self-int4-pld"
 FALLBACK = "pld"
-# On a 4-bit target an int4 self drafter costs what the target does (c = 0.59 measured): the
+# On a 4-bit target an int4 self drafter costs about what the target does: the
 # fastest on held-out prompts there was suffix decoding (docs/int4.md).
 FASTEST_4BIT = "suffix"
+# Defaults measured per built-in model where FASTEST is not its fastest (scripts/choose_default.py,
+# held-out prompts, float32, ms per token against ar). Gemma 3 270M (2026-11-25, 6 prompts x 96
+# tokens, loaded 2-core AMD EPYC, 1 thread): suffix 1.94x (tau 3.02), pld 1.91x (2.94), lookahead
+# 1.59x, self-int4-pld 1.50x (tau 7.78: its int4 drafter pays for a 262,144-row head each token),
+# self-int4 1.38x; all 36 outputs identical to ar. In bfloat16 (4 prompts): suffix 2.02x, pld 1.88x.
+MODEL_DEFAULTS = {"gemma3-270m": "suffix"}
 PLAIN = "ar"  # no speculation
 # Hugging Face generate()'s keywords that choose a method (verispec.generate takes them too).
 HF_SELECTORS = {"assistant_model": "draft", "prompt_lookup_num_tokens": "pld",
@@ -287,10 +294,12 @@ def resolve_tree(method: str, tree: TreeSettings | str | None) -> TreeSettings |
 
 
 def fastest_method(target: LoadedModel) -> str:
-    """The default method for `target`: FASTEST where it can run it, else FALLBACK; on a 4-bit
-    target FASTEST_4BIT."""
-    if target.kernel is not None:
+    """The default method for `target`: FASTEST_4BIT on a 4-bit target; a built-in model's
+    measured default (MODEL_DEFAULTS); else FASTEST where it can run it, else FALLBACK."""
+    if weight_format(target.model) == "int4":
         return FASTEST_4BIT
+    if target.name in MODEL_DEFAULTS:
+        return MODEL_DEFAULTS[target.name]
     try:
         check_self(target, SelfSettings())
     except VerispecError:
@@ -298,31 +307,49 @@ def fastest_method(target: LoadedModel) -> str:
     return FASTEST
 
 
-def build_speculation(target: LoadedModel, method: str = "ar",
-                      options: DraftOptions = DraftOptions()) -> Speculation:
-    """How sequences speculate with `method` on `target` (a drafter, a way to make more, the
-    draft-length policy, the acceptance rule); validates every option."""
+def resolve(method: str, options: DraftOptions = DraftOptions()) -> DraftOptions:
+    """Check a method name and its options once (the request path's only check); the options
+    with the tree resolved (verispec.request.Request.options)."""
     if method not in METHODS:
-        raise VerispecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    spec = METHODS[method]
-    k = spec.default_k if options.k is None else options.k
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise VerispecError(f"draft length k must be an integer >= 0 (0: no drafting), got {k!r}")
+        raise VerispecError(f"unknown method {method!r}; choose from {', '.join(METHODS)}", field="method")
+    k = options.k
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise VerispecError(f"draft length k must be an integer >= 0 (0: no drafting), got {k!r}", field="k")
     if options.schedule not in SCHEDULES:
         raise VerispecError(
             f"unknown draft-length schedule {options.schedule!r}; choose from {', '.join(SCHEDULES)}")
     verifier_for(SamplingParams(), options.acceptance)
-    options = replace(options, tree=resolve_tree(method, options.tree))
+    try:
+        return replace(options, tree=resolve_tree(method, options.tree))
+    except VerispecError as error:
+        error.field = error.field or "tree"
+        raise
+
+
+def speculation_for(target: LoadedModel, method: str, options: DraftOptions) -> Speculation:
+    """How sequences speculate with `method` on `target`, for options `resolve` has checked (a
+    drafter, a way to make more, the draft-length policy, the acceptance rule)."""
+    spec = METHODS[method]
+    k = spec.default_k if options.k is None else options.k
     if spec.build is None or k == 0:
         return Speculation(acceptance=options.acceptance)
     return Speculation(spec.build(target, options), SCHEDULES[options.schedule](k), options.acceptance,
                        lambda: spec.build(target, options))
 
 
-def build_engine(target: LoadedModel, method: str = "ar",
-                 options: DraftOptions = DraftOptions()) -> SpeculativeEngine:
-    """An engine for `target` speculating with `method`; validates every option."""
-    how = build_speculation(target, method, options)
+def engine_for(target: LoadedModel, method: str, options: DraftOptions) -> SpeculativeEngine:
+    """An engine for `target` speculating with `method`, for options `resolve` has checked."""
+    how = speculation_for(target, method, options)
     return SpeculativeEngine(target.model, how.drafter, how.policy, how.acceptance, how.spawn)
 
 
+def build_speculation(target: LoadedModel, method: str = "ar",
+                      options: DraftOptions = DraftOptions()) -> Speculation:
+    """How sequences speculate with `method` on `target`; validates every option."""
+    return speculation_for(target, method, resolve(method, options))
+
+
+def build_engine(target: LoadedModel, method: str = "ar",
+                 options: DraftOptions = DraftOptions()) -> SpeculativeEngine:
+    """An engine for `target` speculating with `method`; validates every option."""
+    return engine_for(target, method, resolve(method, options))

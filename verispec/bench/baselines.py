@@ -49,8 +49,9 @@ def hf_generate(extra: Callable[[LoadedModel, LoadedModel | None, BenchConfig], 
         if config.beams is not None:
             settings |= {"num_beams": config.beams.num_beams, "length_penalty": config.beams.length_penalty,
                          "early_stopping": config.beams.early_stopping}
-        if not sampling.greedy:  # the same warps as verispec: temperature only, no top-k / top-p
-            settings |= {"temperature": sampling.temperature, "top_k": 0, "top_p": 1.0}
+        if not sampling.greedy:  # the same warps as verispec's
+            settings |= {"temperature": sampling.temperature, "top_k": sampling.top_k,
+                         "top_p": sampling.top_p}
 
         def generate(prompt_ids: list[int]) -> Outcome:
             calls = [0]

@@ -18,17 +18,15 @@ from pathlib import Path
 import transformers
 from tqdm import tqdm
 
-from verispec.api import encode_prompt
 from verispec.bench.machine import machine_info
 from verispec.bench.plots import plot_batched_throughput
 from verispec.bench.questions import load_questions
 from verispec.bench.records import AR, HF, write_json
 from verispec.core.errors import VerispecError
 from verispec.core.policies import LoadCap
-from verispec.core.stopping import StoppingRules
-from verispec.core.types import SamplingParams
-from verispec.methods import METHODS, build_engine
+from verispec.methods import METHODS, engine_for, resolve
 from verispec.options import DraftOptions
+from verispec.request import build_request, encode_prompt, run
 from verispec.target.hf_generate import hf_generate_batch
 from verispec.target.models import LoadedModel, load_model
 
@@ -65,14 +63,17 @@ def hf_batched(target: LoadedModel, config: BatchBenchConfig) -> Decode:
     return decode
 
 
-def verispec_batched(target: LoadedModel, method: str, k: int | None, config: BatchBenchConfig,
-                     stopping: StoppingRules) -> Decode:
-    engine = build_engine(target, method, DraftOptions(k=k))
+def verispec_batched(target: LoadedModel, method: str, k: int | None, config: BatchBenchConfig) -> Decode:
+    """A method decoding each batch as one Request (greedy), on one engine built for it."""
+    options = resolve(method, DraftOptions(k=k))
+    engine = engine_for(target, method, options)
     if not config.load_cap:
         engine.load_cap = LoadCap(())
 
     def decode(prompts: list[list[int]]) -> tuple[list[list[int]], int | None]:
-        results = engine.generate_batch(prompts, stopping, SamplingParams(), config.seed)
+        request = build_request(target, prompts, method=method, options=options,
+                                max_new_tokens=config.max_new_tokens, seed=config.seed)
+        results = run(target, request, engine)
         # Row-forwards: each row's share of the target passes (tau is tokens per row-forward).
         return [r.token_ids for r in results], sum(r.stats.target_forwards for r in results)
 
@@ -90,14 +91,13 @@ def run_batched_bench(config: BatchBenchConfig, progress: bool = True) -> dict:
     target = load_model(config.model, config.dtype, config.device)
     if target.tokenizer is None:
         raise VerispecError(f"{config.model} has no tokenizer: the benchmark needs text prompts")
-    stopping = StoppingRules.build(config.max_new_tokens, sorted(target.eos_token_ids))
     chat = bool(getattr(target.tokenizer, "chat_template", None))
     prompts = [encode_prompt(target, q.prompt, chat=chat) for q in questions]
     contenders: dict[str, Decode] = {HF: hf_batched(target, config)}
     for method in [AR, *(m for m in config.methods if m not in BASELINES)]:
         for k in [None] if method == AR else (config.ks or [None]):
             label = method if k is None or not config.ks or len(config.ks) == 1 else f"{method} k={k}"
-            contenders[label] = verispec_batched(target, method, k, config, stopping)
+            contenders[label] = verispec_batched(target, method, k, config)
     transformers.utils.logging.set_verbosity_error()
     config.out.mkdir(parents=True, exist_ok=True)
     results = {"config": {**{key: str(v) if isinstance(v, Path) else v for key, v in asdict(config).items()},

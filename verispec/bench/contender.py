@@ -31,6 +31,8 @@ class BenchConfig:
     limit_per_task: int | None = None
     max_new_tokens: int = 128
     temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
     seed: int = 0
     warmup: int = 1
     dtype: str = "float32"

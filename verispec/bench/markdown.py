@@ -75,7 +75,7 @@ def _header(results: Results) -> list[str]:
         "",
         f"- **model**: {config.get('model', '?')} · **dtype**: {config.get('dtype', '?')}"
         f" · **kernel**: {config.get('kernel', '?')} · **device**: {config.get('device', '?')}"
-        f" · **invariance**: {config.get('invariance', '?')}",
+        f" · **invariance**: {config.get('invariance', '?')} · **forward**: {config.get('path', '?')}",
         f"- **max_new_tokens**: {config.get('max_new_tokens', '?')} · **temperature**: {temperature}"
         f" ({mode}) · **seed**: {config.get('seed', '?')} · **warmup**: {config.get('warmup', '?')}",
         f"- **questions per task**: {per_task or 'none'}"

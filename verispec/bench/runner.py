@@ -20,7 +20,6 @@ import transformers
 from tqdm import tqdm
 
 from verispec import methods as registry
-from verispec.api import encode_prompt
 from verispec.bench.baselines import BASELINES
 from verispec.bench.contender import BenchConfig, Contender, Outcome, exit_layer, trained_drafters
 from verispec.bench.machine import PeakResident, machine_info, measure_forward
@@ -28,17 +27,17 @@ from verispec.bench.questions import Question, load_questions
 from verispec.bench.records import AR, HF, FirstDifference, Results, Run
 from verispec.bench.report import write_results
 from verispec.core.errors import VerispecError
-from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.beam import BeamDecoder, check_drafter
-from verispec.decoding.engine import SpeculativeEngine, context_length
+from verispec.decoding.beam import check_drafter
+from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import forget_outputs
-from verispec.methods import Method, Needs, build_engine, resolve_tree
-from verispec.options import DEFAULT_TREE
+from verispec.methods import Method, Needs, engine_for, resolve, resolve_tree
+from verispec.options import DEFAULT_TREE, DraftOptions
+from verispec.request import build_request, encode_prompt, run
 from verispec.target.cached_model import CachedModel
 from verispec.target.models import LoadedModel, load_model
 
@@ -96,17 +95,16 @@ def choose_methods(config: BenchConfig, runnable: Callable[[Method], bool] = lam
     return [HF, AR] + [m for m in dict.fromkeys(chosen) if m not in (HF, AR)]
 
 
-def build_method(method: str, k: int | None, target: LoadedModel, draft: LoadedModel | None,
-                 config: BenchConfig, tree: TreeSettings | None = None,
-                 acceptance: str = "exact") -> SpeculativeEngine:
-    """The engine a method runs in the bench: its k, tree and acceptance, the given draft model or
-    trained drafter, and the bench's other drafting options."""
+def method_options(method: str, k: int | None, target: LoadedModel, draft: LoadedModel | None,
+                   config: BenchConfig, tree: TreeSettings | None = None,
+                   acceptance: str = "exact") -> DraftOptions:
+    """The drafting options a method runs with in the bench (checked): its k, tree and acceptance,
+    the given draft model or trained drafter, and the bench's other drafting options."""
     spec = registry.METHODS[method]
     trained = trained_drafters(config).get(spec.trained_kind)
     given = draft if spec.needs is Needs.DRAFT_MODEL and draft is not None else trained
-    options = replace(config.options, k=k, draft=given, exit_layer=exit_layer(target, config), tree=tree,
-                      acceptance=acceptance)
-    return build_engine(target, method, options)
+    return resolve(method, replace(config.options, k=k, draft=given, exit_layer=exit_layer(target, config),
+                                   tree=tree, acceptance=acceptance))
 
 
 def beam_refusal(engine: SpeculativeEngine) -> str | None:
@@ -119,37 +117,36 @@ def beam_refusal(engine: SpeculativeEngine) -> str | None:
     return None
 
 
-def verispec_contender(engine: SpeculativeEngine, method: str, k: int | None, label: str,
-                       config: BenchConfig, sampling: SamplingParams, stopping: StoppingRules,
-                       tree: TreeSettings | None = None) -> Contender:
-    """A method as the bench times it: the engine's decoding, or with --num-beams its beam
-    search (verispec.decoding.beam.BeamDecoder, as verispec.generate(num_beams=B) runs it), timed on the
-    best sequence."""
-    describe = getattr(engine.drafter, "describe", None)
-    nbytes = getattr(engine.drafter, "nbytes", None)
-    decoder = None if config.beams is None else BeamDecoder.of(engine)
-
+def verispec_contender(engine: SpeculativeEngine, target: LoadedModel, method: str, options: DraftOptions,
+                       label: str, config: BenchConfig, sampling: SamplingParams) -> Contender:
+    """A method as the bench times it: each question a Request run on `engine`, built for the
+    method (as verispec.generate runs it; with --num-beams its beam search, timed on the best
+    sequence)."""
     def generate(prompt_ids: list[int]) -> Outcome:
+        request = build_request(target, prompt_ids, method=method, options=options, sampling=sampling,
+                                max_new_tokens=config.max_new_tokens, seed=config.seed,
+                                **({} if config.beams is None else {
+                                    "num_beams": config.beams.num_beams,
+                                    "length_penalty": config.beams.length_penalty,
+                                    "early_stopping": config.beams.early_stopping}))
         started = time.perf_counter()
-        result = engine.generate(prompt_ids, stopping, sampling, config.seed)
+        result = run(target, request, engine)
         seconds = time.perf_counter() - started
+        if config.beams is not None:
+            return Outcome(result.token_ids, seconds, result.stats.target_forwards,
+                           search_steps=result.stats.steps)
         return Outcome(result.token_ids, seconds, result.stats.target_forwards, result.stats)
 
-    def search(prompt_ids: list[int]) -> Outcome:
-        started = time.perf_counter()
-        best = decoder.generate([prompt_ids], stopping, config.beams)[0][0]
-        seconds = time.perf_counter() - started
-        return Outcome(best.token_ids, seconds, best.stats.target_forwards,
-                       search_steps=best.stats.steps)
-
-    return Contender(label, method, k if method != AR else None, generate if decoder is None else search,
+    drafter, tree = engine.drafter, options.tree
+    return Contender(label, method, options.k if method != AR else None, generate,
                      None if tree is None else f"{tree.topk}x{tree.nodes}",
-                     describe() if describe else None, None if nbytes is None else nbytes / 2**20,
+                     None if drafter is None else drafter.describe(),
+                     None if drafter is None or drafter.nbytes is None else drafter.nbytes / 2**20,
                      baseline=method == AR)
 
 
 def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
-                     sampling: SamplingParams, stopping: StoppingRules
+                     sampling: SamplingParams
                      ) -> tuple[list[Contender], dict[str, str]]:
     """The contenders, and with --num-beams the methods left out because they cannot run beam
     search, with why. Methods named in --methods that cannot are refused, all named in one error;
@@ -175,13 +172,13 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
             label = " ".join([method] + ([f"k={k}"] if len(ks) > 1 else [])
                              + ([f"tree={tree.topk}x{tree.nodes}"] if tree else [])
                              + (["typical"] if rule == "typical" else []))
-            engine = build_method(method, k, target, draft, config, tree, rule)
+            options = method_options(method, k, target, draft, config, tree, rule)
+            engine = engine_for(target, method, options)
             reason = None if config.beams is None else beam_refusal(engine)
             if reason is not None:
                 refused[method] = reason
                 break
-            contenders.append(verispec_contender(engine, method, k, label, config, sampling, stopping,
-                                                 tree))
+            contenders.append(verispec_contender(engine, target, method, options, label, config, sampling))
     if refused and config.methods is not None:
         raise VerispecError(f"--num-beams {config.beams.num_beams}: cannot run beam search: "
                             + "; ".join(f"{name} ({why})" for name, why in refused.items())
@@ -249,7 +246,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
 
     Ctrl-C stops early: what was measured so far is written, with config["interrupted"] = True.
     """
-    sampling = SamplingParams(do_sample=config.temperature > 0, temperature=config.temperature)
+    sampling = SamplingParams.of(config.temperature, config.top_k, config.top_p)
     questions = load_questions(config.questions, config.tasks, config.limit_per_task)
     choose_methods(config)  # validate names before loading anything
     if config.typical and config.temperature <= 0:
@@ -265,8 +262,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
     if target.tokenizer is None:
         raise VerispecError(f"{config.model} has no tokenizer: the benchmark needs text prompts")
     draft = load_model(config.draft, config.dtype, config.device) if config.draft else None
-    stopping = StoppingRules.build(config.max_new_tokens, target.eos_token_ids)
-    contenders, left_out = build_contenders(config, target, draft, sampling, stopping)
+    contenders, left_out = build_contenders(config, target, draft, sampling)
     if left_out:
         print(f"verispec bench: --num-beams {config.beams.num_beams} leaves out what cannot run beam "
               f"search: {', '.join(left_out)} (reasons in report.md)", file=sys.stderr)
@@ -274,7 +270,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
                                                                    None)))
                for q in questions}
     for q, ids in prompts.items():
-        if len(ids) + config.max_new_tokens > context_length(target.model):
+        if len(ids) + config.max_new_tokens > target.context_length:
             raise VerispecError(f"question {q.question_id} is too long for the model's context")
 
     # Hugging Face's early-exit mode warns about its own internal arguments on every call.
@@ -289,7 +285,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
                 "questions": str(config.questions or "built-in"),
                 "num_questions": len(questions), "interrupted": False, "left_out": left_out,
                 **{name: value for name, value in asdict(CachedModel(target.model).stats()).items()
-                   if name in ("invariance", "dtype", "kernel")}},
+                   if name in ("invariance", "dtype", "kernel", "path")}},
         machine=machine_info(config.device))
     first_prompt = prompts[questions[0]]
     bar = tqdm(total=len(questions) * len(contenders) + config.warmup * len(contenders),

@@ -38,6 +38,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="0 (default): greedy, exactness checked")
+    bench.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k most likely "
+                       "tokens (0: off)")
+    bench.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling "
+                       "mass, in (0, 1]")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--warmup", type=int, default=1, help="untimed runs of each method first")
     bench.add_argument("--batch-size", type=list_of(int), metavar="B,...",
@@ -91,7 +95,8 @@ def run_command(args: argparse.Namespace) -> int:
                          options=draft_options(args, k=None, tree=None),
                          questions=Path(args.questions) if args.questions else None, tasks=args.tasks,
                          limit_per_task=args.limit_per_task, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, seed=args.seed, warmup=args.warmup,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         seed=args.seed, warmup=args.warmup,
                          dtype=args.dtype, device=args.device, trees=args.tree,
                          typical=args.typical, beams=beams)
     results = run_bench(config)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from verispec.api import make_job, run
 from verispec.cli.generate import use_colour
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
 from verispec.core.types import GenerationStats
 from verispec.display import LEGEND, render_steps, stats_table
 from verispec.methods import PLAIN, fastest_method
+from verispec.request import build_request, run
 from verispec.target.models import load_model
 
 # Prompts whose answers reuse the prompt's words: where prompt lookup, the best drafter that needs
@@ -44,14 +44,14 @@ def run_command(args: argparse.Namespace) -> int:
     colour = use_colour(args.color)
     totals: dict[str, list] = {PLAIN: [], args.method: []}
     for method in totals:  # warm-up: the first forward passes are slow; keep them out of timings
-        run(make_job(target, DEMO_PROMPTS[0], method=method, options=draft_options(args),
-                     max_new_tokens=4, chat=True))
+        run(target, build_request(target, DEMO_PROMPTS[0], method=method, options=draft_options(args),
+                                  max_new_tokens=4, chat=None))
     for prompt in DEMO_PROMPTS:
         print(f"\n>>> {prompt}")
         for method in totals:
-            job = make_job(target, prompt, method=method, options=draft_options(args),
-                           max_new_tokens=args.max_new_tokens, chat=True)
-            totals[method].append(run(job))
+            request = build_request(target, prompt, method=method, options=draft_options(args),
+                                    max_new_tokens=args.max_new_tokens, chat=None)
+            totals[method].append(run(target, request))
         plain, fast = totals[PLAIN][-1], totals[args.method][-1]
         print(render_steps(fast.steps, target.tokenizer, colour))
         same = "identical to" if plain.token_ids == fast.token_ids else "DIFFERENT from"

@@ -9,7 +9,6 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from verispec.api import make_job, run
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
 from verispec.core.errors import VerispecError
 from verispec.core.types import SamplingParams
@@ -23,6 +22,7 @@ from verispec.display import (
     stats_table,
 )
 from verispec.methods import PLAIN, fastest_method
+from verispec.request import build_request, run
 from verispec.target.models import load_model
 
 
@@ -64,7 +64,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_model_arguments(gen)
     add_draft_options(gen)
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
-    gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
+    gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template (a model "
+                     "without one, such as a base model, always takes the prompt raw)")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
@@ -97,24 +98,23 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    sampling = SamplingParams(do_sample=args.temperature > 0, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p)
-    if not args.prompt.strip():
-        raise VerispecError("the prompt is empty")
+    if args.num_return_sequences != 1 and args.num_beams == 1:
+        raise VerispecError("--num-return-sequences N prints beam search's N best: give --num-beams B >= N")
     target = load_model(args.model, args.dtype, args.device)
     args.method = args.method or fastest_method(target)
-    job = make_job(target, args.prompt, method=args.method, options=draft_options(args),
-                   sampling=sampling, max_new_tokens=args.max_new_tokens, stop_strings=args.stop,
-                   chat=not args.raw, seed=args.seed,
-                   prediction=read_file(args.prediction, "prediction"),
-                   json_schema=read_file(args.json_schema, "JSON schema"), regex=args.regex,
-                   grammar=read_file(args.grammar, "grammar"),
-                   num_beams=args.num_beams, length_penalty=args.length_penalty,
-                   early_stopping={"false": False, "true": True}.get(args.early_stopping, "never"),
-                   num_return_sequences=args.num_return_sequences)
-    if job.beams is not None:
-        return print_beams(run(job), args.json)
-    result = run(job)
+    request = build_request(
+        target, args.prompt, chat=False if args.raw else None, method=args.method,
+        options=draft_options(args),
+        sampling=SamplingParams.of(args.temperature, args.top_k, args.top_p),
+        max_new_tokens=args.max_new_tokens, stop_strings=args.stop, seed=args.seed,
+        n=args.num_return_sequences, prediction=read_file(args.prediction, "prediction"),
+        json_schema=read_file(args.json_schema, "JSON schema"), regex=args.regex,
+        grammar=read_file(args.grammar, "grammar"), num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        early_stopping={"false": False, "true": True}.get(args.early_stopping, "never"))
+    if request.beams is not None:
+        return print_beams(run(target, request), args.json)
+    result = run(target, request)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                           "stats": result.stats.as_dict()}))

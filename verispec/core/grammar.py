@@ -35,13 +35,13 @@ from verispec.core.types import Proposal
 # JSON as people and models write it (json.dumps' separators), not whitespace-flexible: with one
 # way to write the punctuation, llguidance can force it (free draft tokens).
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-KINDS = ("json_schema", "json_object", "regex", "lark")
+KINDS = ("json_schema", "regex", "lark")
 
 
 @dataclass(frozen=True)
 class Grammar:
     """What the output must match: kind is one of KINDS; source is the schema as JSON text, the
-    regular expression or the Lark grammar ("" for json_object: any JSON object)."""
+    regular expression or the Lark grammar."""
 
     kind: str
     source: str = ""
@@ -70,8 +70,6 @@ class Grammar:
         """The grammar in llguidance's own form."""
         if self.kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(self.source, overrides=JSON_STYLE)
-        if self.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_STYLE)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         if self.kind == "lark":

@@ -42,13 +42,8 @@ class HeuristicK:
 SCHEDULES = {"constant": ConstantK, "heuristic": HeuristicK}
 
 
-# Speculation off from 8 sequences on. Measured 2026-11-23 on the 2-core AMD EPYC (AVX512-BF16),
-# SmolLM2-135M float32, 8 held-out prompts (training.prompts seed 795), 64 new tokens, batches of
-# those prompts, other processes paused, throughput against batched ar in the same run:
-# batch 4: self-int4-pld k 10 1.06x, k 1-4 0.92-0.93x, pld k 3 0.94x; batch 8: pld k 1 1.05x,
-# self-int4-pld k 2 0.90x, k 4 0.84x; batch 16: pld k 1-3 0.92-0.93x, self-int4-pld k 1-10
-# 0.77-0.79x. At 8 rows a target pass costs 44 ms against 31 ms for one row: verifying drafts is
-# no longer nearly free, and the int4 drafter over 8 rows (36 ms) costs almost what the target does.
+# Speculation off from 8 sequences on: where it stopped paying on held-out prompts
+# (docs/batching.md, "Where speculation stops paying").
 BATCH_LIMITS = ((8, 0),)
 
 

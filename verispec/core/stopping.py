@@ -30,13 +30,14 @@ class StoppingRules:
         from verispec.core.errors import VerispecError
 
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise VerispecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+            raise VerispecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}",
+                                field="max_new_tokens")
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
         stops = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings or ())
         if any(not s for s in stops):
-            raise VerispecError("stop strings must be non-empty")
+            raise VerispecError("stop strings must be non-empty", field="stop")
         if stops and tokenizer is None:
-            raise VerispecError("stop strings need a tokenizer to decode the output")
+            raise VerispecError("stop strings need a tokenizer to decode the output", field="stop")
         return StoppingRules(max_new_tokens, frozenset(eos), stops, tokenizer)
 
     def cut(self, generated: list[int], block: list[int]) -> tuple[int, bool]:

@@ -53,6 +53,24 @@ class SamplingParams:
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature < GREEDY_BELOW
 
+    @staticmethod
+    def of(temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+           do_sample: bool | None = None) -> SamplingParams:
+        """Sampling settings from what a user gave, the library's defaults for the rest: the one
+        place every front door (API, CLI, bench, server) builds them. do_sample None: sample
+        when a temperature above 0 is given (the CLI's and OpenAI's reading); True: sample at
+        `temperature` (default 1); False: greedy whatever the temperature (Hugging Face's).
+
+        >>> SamplingParams.of(temperature=0.7).do_sample, SamplingParams.of().greedy
+        (True, True)
+        """
+        if do_sample is not None and not isinstance(do_sample, bool):
+            raise VerispecError(f"do_sample must be true or false, got {do_sample!r}")
+        sample = (temperature is not None and isinstance(temperature, (int, float))
+                  and temperature > 0) if do_sample is None else do_sample
+        return SamplingParams(sample, 1.0 if temperature is None else temperature,
+                              0 if top_k is None else top_k, 1.0 if top_p is None else top_p)
+
 
 @dataclass(frozen=True)
 class SideBranch:
@@ -69,6 +87,15 @@ class SideBranch:
     mask: torch.Tensor  # [m, 1 + num_draft + m] bool: the block rows each side token attends to
 
 
+class DraftSource(Enum):
+    """Where a step's draft came from: the method's drafter, the caller's predicted output
+    (OpenAI's `prediction`), or the grammar's forced tokens (proposed for free, always kept)."""
+
+    DRAFTER = "drafter"
+    PREDICTION = "prediction"
+    GRAMMAR = "grammar"
+
+
 @dataclass(frozen=True)
 class Proposal:
     """Draft tokens for one step: a chain, or a token tree (see verispec.core.tree).
@@ -82,6 +109,7 @@ class Proposal:
     draft_probs: torch.Tensor | None = None  # [num_draft, vocab] float32, rows sum to 1
     parents: torch.Tensor | None = None  # [num_draft] int64, -1 = child of the root; None = chain
     side: SideBranch | None = None
+    source: DraftSource = DraftSource.DRAFTER
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -145,23 +173,22 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token, logprob), likeliest first
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Step:
     """One draft-verify-commit cycle as the user sees it (after stopping rules cut it)."""
 
     tokens: list[int]  # emitted tokens, in order
     fates: list[Fate]  # one per emitted token
-    rejected: list[int]  # draft tokens the verifier refused (for display)
-    num_drafted: int
-    num_accepted: int  # as decided by the verifier, before stopping rules cut the block
-    draft_seconds: float
-    verify_seconds: float
-    finished: bool
+    rejected: list[int] = field(default_factory=list)  # draft tokens the verifier refused (display)
+    num_drafted: int = 0
+    num_accepted: int = 0  # as decided by the verifier, before stopping rules cut the block
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    finished: bool = False
     # A tree proposal (None for a chain): its tokens, parents and accepted path, for display.
     tree: DraftTree | None = None
-    from_prediction: bool = False  # the draft came from the caller's predicted output
+    source: DraftSource = DraftSource.DRAFTER  # where the draft came from
     logprobs: list[TokenLogprob] | None = None  # one per emitted token, when asked for
-    forced: bool = False  # the draft was the grammar's forced tokens (verispec.core.grammar)
 
     @property
     def draft_depth(self) -> int:
@@ -196,14 +223,15 @@ class GenerationStats:
     invariance: str = ""  # the target's batch-invariance mode (CachedModel.invariance); "" unknown
     dtype: str = ""  # what the target's weights are in (CachedModel.precision): float32 ... int4
     kernel: str = ""  # how its products run (CachedModel.kernel)
+    path: str = ""  # which forward runs it: "lean (FAMILY)" or Hugging Face's (CachedModel.path)
 
     def add(self, step: Step) -> None:
         self.new_tokens += len(step.tokens)
-        if step.from_prediction:
+        if step.source is DraftSource.PREDICTION:
             self.accepted_prediction_tokens += step.num_accepted
             self.rejected_prediction_tokens += step.num_drafted - step.num_accepted
         self.target_forwards += 1
-        if step.forced:  # not the drafter's guesses: kept out of its acceptance by position
+        if step.source is DraftSource.GRAMMAR:  # not the drafter's guesses: kept out of its acceptance
             self.forced_tokens += step.fates.count(Fate.FORCED)
             self.draft_seconds += step.draft_seconds
             self.verify_seconds += step.verify_seconds
@@ -235,7 +263,7 @@ class GenerationStats:
             total.accepted_prediction_tokens += s.accepted_prediction_tokens
             total.rejected_prediction_tokens += s.rejected_prediction_tokens
             total.forced_tokens += s.forced_tokens
-        for name in ("invariance", "dtype", "kernel"):
+        for name in ("invariance", "dtype", "kernel", "path"):
             setattr(total, name, "/".join(sorted({getattr(s, name) for s in all_stats})))
         return total
 
@@ -280,6 +308,7 @@ class GenerationStats:
             "invariance": self.invariance,
             "dtype": self.dtype,
             "kernel": self.kernel,
+            "path": self.path,
         }
 
 

@@ -37,8 +37,6 @@ from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.base import Drafter, DraftRequest
-from verispec.drafters.model import ModelDrafter
-from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.target.cached_model import CachedModel, forward_rows
 
 NEG = -1.0e9  # Hugging Face's "impossible" score offset
@@ -185,27 +183,13 @@ Slot = tuple[CachedModel, Drafter | None]  # one running beam's target cache and
 
 
 def check_drafter(drafter: Drafter | None) -> None:
-    """Beam search forks drafter state when beams split: prompt lookup (stateless) and model
-    drafters (their own KV cache, copied) drafting chains; anything else is refused."""
-    if drafter is None:
-        return
-    chain = getattr(drafter, "tree", None) is None
-    if isinstance(drafter, (PromptLookupDrafter, ModelDrafter)) and chain:
+    """Beam search forks drafter state when beams split: drafters that declare `forks` (prompt
+    lookup, model drafters) drafting chains; anything else is refused."""
+    if drafter is None or (drafter.forks and drafter.tree is None):
         return
     raise VerispecError(f"beam search drafts with prompt lookup or a model drafter (pld, self-*, "
                         f"draft, early-exit) drafting chains; {type(drafter).__name__}"
-                        f"{'' if chain else ' with a tree'} is not supported")
-
-
-def _copy_drafter(source: Drafter | None, target: Drafter | None) -> None:
-    if isinstance(source, ModelDrafter):
-        target.lm.copy_from(source.lm)
-
-
-def _truncate_drafter(drafter: Drafter | None, length: int) -> None:
-    """Keep at most the first `length` context tokens in the drafter's own cache."""
-    if isinstance(drafter, ModelDrafter):
-        drafter.lm.rewind(min(drafter.lm.length, length))
+                        f"{' with a tree' if drafter.forks else ''} is not supported")
 
 
 class _Prompt:
@@ -271,7 +255,7 @@ class BeamDecoder:
                 cache.copy_from(first)
             if drafter is not None:
                 drafter.reset()
-                if getattr(drafter, "adopts_prefill", False):
+                if drafter.adopts_prefill:
                     drafter.adopt_prefill(first)
         search = BeamSearch(settings, stopping.max_new_tokens, stopping.eos_token_ids, first.device)
         return _Prompt(prompt_ids, search, slots)
@@ -290,10 +274,7 @@ class BeamDecoder:
         if not requests:
             return
         drafters = [p.slots[beam][1] for p, beam, _ in requests]
-        if isinstance(drafters[0], ModelDrafter):
-            proposals = ModelDrafter.propose_batch(drafters, [r for _, _, r in requests])
-        else:
-            proposals = [d.propose(r) for d, (_, _, r) in zip(drafters, requests)]
+        proposals = type(drafters[0]).propose_batch(drafters, [r for _, _, r in requests])
         for (p, beam, _), proposal in zip(requests, proposals):
             p.drafts[beam] = proposal.tokens
             p.stats.drafted += len(proposal)
@@ -332,11 +313,13 @@ class BeamDecoder:
             if new[j] is None:
                 new[j] = self._slot()
                 new[j][0].copy_from(p.slots[o][0])
-                _copy_drafter(p.slots[o][1], new[j][1])
+                if new[j][1] is not None:
+                    new[j][1].copy_from(p.slots[o][1])
         self._release([slot for o, slot in enumerate(p.slots) if o not in taken])
         for cache, drafter in new:
             cache.rewind(cached + steps)  # the block's rows up to the last step's input
-            _truncate_drafter(drafter, context + steps - 1)  # context + drafts all beams share
+            if drafter is not None:  # the context and the drafts all beams share
+                drafter.truncate(context + steps - 1)
         p.slots = new
 
     def generate(self, prompts: list[list[int]], stopping: StoppingRules,

@@ -18,17 +18,18 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
-from verispec.core.grammar import Constraint, apply_masks
+from verispec.core.grammar import Constraint
 from verispec.core.policies import ConstantK, DraftLengthPolicy, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import check_parents
 from verispec.core.types import (
+    DraftSource,
     DraftTree,
     Fate,
     GenerationResult,
@@ -37,15 +38,12 @@ from verispec.core.types import (
     Step,
     TokenLogprob,
 )
+from verispec.decoding.constrained import GrammarStop, constrain
 from verispec.drafters.base import Drafter, DraftRequest
+from verispec.drafters.prediction import PredictionFirst
 from verispec.target.cached_model import CachedModel, forward_rows
+from verispec.target.models import check_prompt
 from verispec.verifiers import verifier_for
-
-
-def context_length(model: PreTrainedModel) -> int:
-    """The longest sequence the model's positions allow."""
-    config = model.config.get_text_config(decoder=True)
-    return int(getattr(config, "max_position_embeddings", None) or 2**31)
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +60,34 @@ class Speculation:
 
 
 @dataclass(frozen=True)
+class SequenceSpec:
+    """What one sequence decodes: its prompt, when it stops, how it samples, and what the caller
+    adds for it alone: a predicted output's token ids (drafted first wherever the output is in
+    it), a grammar the output must match (this sequence advances its own copy), and how many top
+    alternatives to report with each token's log-probability (None: no logprobs)."""
+
+    prompt_ids: list[int]
+    stopping: StoppingRules
+    sampling: SamplingParams = SamplingParams()
+    seed: int | None = None
+    prediction: list[int] | None = None
+    constraint: Constraint | None = None
+    logprobs: int | None = None
+
+    @staticmethod
+    def batch(prompts: list[list[int]], stopping: StoppingRules | list[StoppingRules],
+              sampling: SamplingParams = SamplingParams(), seed: int | None = None,
+              samples: int = 1) -> list[SequenceSpec]:
+        """Specs for several prompts (one stopping rule for all, or one each); prompt i is seeded
+        with seed + i * samples, so its `samples` sequences' seeds do not overlap the next's."""
+        rules = stopping if isinstance(stopping, list) else [stopping] * len(prompts)
+        if len(rules) != len(prompts):
+            raise VerispecError(f"{len(rules)} stopping rules for {len(prompts)} prompts")
+        return [SequenceSpec(prompt, rule, sampling, None if seed is None else seed + i * samples)
+                for i, (prompt, rule) in enumerate(zip(prompts, rules))]
+
+
+@dataclass(frozen=True)
 class RowFailure:
     """A sequence whose own part of a step raised (its drafter, its draft's checks, its
     verification): it has left the batch, and the other sequences' steps went on unchanged."""
@@ -70,45 +96,42 @@ class RowFailure:
 
 
 class _Row:
-    """One sequence being generated: its target cache, drafter, policy, randomness and tokens."""
+    """One sequence being generated: its target cache, drafter, policy, verifier, randomness and
+    tokens. A step: (1) draft, (2) the engine runs the shared target pass over `block()`, (3)
+    `settle`: verify, keep the accepted rows in the caches, commit, cut by the stopping rules."""
 
-    def __init__(self, speculation: Speculation, target: CachedModel, drafter: Drafter | None,
-                 hidden_size: int, prompt_ids: list[int], stopping: StoppingRules,
-                 sampling: SamplingParams, seed: int | None, prediction: Drafter | None = None,
-                 logprobs: int | None = None, constraint: Constraint | None = None) -> None:
+    def __init__(self, spec: SequenceSpec, speculation: Speculation, target: CachedModel,
+                 drafter: Drafter | None, hidden_size: int) -> None:
         device = target.device
-        self.speculation = speculation
-        self.target, self.drafter = target, drafter
+        self.speculation, self.target = speculation, target
+        self.pooled = drafter  # the speculation's own drafter (wrapped below), back to the pool after
         self.policy = copy.deepcopy(speculation.policy)
-        self.stopping, self.sampling = stopping, sampling
+        self.sampling, self.logprobs = spec.sampling, spec.logprobs
         self.generator = torch.Generator(device=device)
-        if seed is None:
+        if spec.seed is None:
             self.generator.seed()
-        else:
-            self.generator.manual_seed(seed % 2**64)  # as torch reads seeds < 0; seed + i may pass 2**64
-        self.logprobs = logprobs  # None: none reported; else how many top alternatives per token
-        self.verifier = verifier_for(sampling, speculation.acceptance)
-        tokens = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
+        else:  # as torch reads seeds < 0; seed + i may pass 2**64
+            self.generator.manual_seed(spec.seed % 2**64)
+        verifier = verifier_for(spec.sampling, speculation.acceptance)
+        stopping: StoppingRules | GrammarStop = spec.stopping
+        if spec.prediction is not None:
+            drafter = PredictionFirst(spec.prediction, drafter)
+        if spec.constraint is not None:
+            drafter, verifier, stopping = constrain(spec.constraint, drafter, verifier, stopping)
+        self.drafter, self.verifier, self.stopping = drafter, verifier, stopping
+        tokens = torch.tensor(spec.prompt_ids, dtype=torch.int64, device=device)
         self.buffer = torch.cat([tokens, tokens.new_zeros(stopping.max_new_tokens)])  # [prompt + new]
-        self.length = len(prompt_ids)
+        self.length = len(spec.prompt_ids)
         self.generated: list[int] = []
-        self.layers = tuple(getattr(drafter, "hidden_layers", ()))  # intermediate states wanted
+        self.layers = () if drafter is None else drafter.hidden_layers  # intermediate states wanted
         # The target's hidden state per committed position, for drafters that read it.
         self.hidden = None
-        if getattr(drafter, "needs_hidden", False):
+        if drafter is not None and drafter.needs_hidden:
             self.hidden = torch.empty(self.buffer.shape[0], hidden_size * (1 + len(self.layers)),
                                       device=device, dtype=target.model.dtype)  # [prompt + new, .]
         self.proposal = Proposal(self.buffer[:0])
+        self.asked = False  # the drafter proposed this step (commit follows)
         self.draft_seconds = 0.0
-        # The caller's predicted output, drafted before the row's own drafter while it has a draft.
-        self.predicted = prediction
-        self.from_prediction = False  # this step's draft came from the prediction
-        # The grammar the output must match (None: unconstrained), and this step's masks of the
-        # tokens it allows at the root and after each draft node [1 + k, vocab].
-        self.constraint = constraint
-        self.masks: torch.Tensor | None = None
-        self.forced = False  # this step's draft is the grammar's forced tokens
-        self.proposed = False  # this step's drafter proposed something
 
     def prefill(self, source: _Row | None = None) -> None:
         """Cache the prompt (all of it but the last token), or copy it from `source`, a row with
@@ -116,10 +139,6 @@ class _Row:
         self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
-        if self.predicted is not None:
-            self.predicted.reset()
-        if self.constraint is not None:
-            self.constraint.reset()
         if self.length == 1:
             return
         if source is None:
@@ -129,67 +148,33 @@ class _Row:
             prompt_hidden = None if source.hidden is None else source.hidden[: self.length - 1]
         if self.hidden is not None:
             self.hidden[: self.length - 1] = prompt_hidden
-        if getattr(self.drafter, "adopts_prefill", False):
+        if self.drafter is not None and self.drafter.adopts_prefill:
             self.drafter.adopt_prefill(self.target)
 
     def request(self, cap: int | None) -> DraftRequest | None:
-        """What to draft this step (None: nothing): the policy's k, within the budget and the
-        batch's cap."""
-        remaining = self.stopping.max_new_tokens - len(self.generated)
-        # Never draft past the budget: the step always adds one target token after the draft.
-        k = min(self.policy.next_k(), remaining - 1) if self.drafter is not None else 0
+        """What to ask the drafter this step (None: nothing): the policy's k within the room
+        left, which is the token budget (a step always adds one target token after the draft)
+        and the batch's cap. A drafter that `uses_room` is asked every step, even with no room
+        (a grammar computes its masks then)."""
+        room = self.stopping.max_new_tokens - len(self.generated) - 1
         if cap is not None:
-            k = min(k, cap)
-        if k <= 0:
+            room = min(room, cap)
+        k = min(self.policy.next_k(), room)
+        if self.drafter is None or (k < 1 and not self.drafter.uses_room):
             return None
         hidden = None if self.hidden is None else self.hidden[: self.length - 1]
-        return DraftRequest(self.buffer[: self.length], k, self.sampling, self.generator, hidden)
+        return DraftRequest(self.buffer[: self.length], k, self.sampling, self.generator, hidden, room)
 
-    def force(self, vocab_size: int) -> bool:
-        """Take the tokens the grammar forces as this step's draft, if there are any (free to
-        propose, always kept: within the budget, not the batch's cap); False: draft otherwise."""
-        if self.constraint is None:
-            return False
-        forced = self.constraint.forced()[: self.stopping.max_new_tokens - len(self.generated) - 1]
-        if not forced:
-            return False
-        self.take(Proposal(torch.tensor(forced, dtype=torch.int64, device=self.buffer.device)), 0.0,
-                  vocab_size, forced=True)
-        return True
-
-    def predict(self, cap: int | None, vocab_size: int) -> bool:
-        """Take the prediction's draft for this step if it has one (as long as it likes, within
-        the budget and the batch's cap); False: the row's own drafter drafts."""
-        if self.predicted is None:
-            return False
-        k = self.stopping.max_new_tokens - len(self.generated) - 1
-        if cap is not None:
-            k = min(k, cap)
-        if k <= 0:
-            return False
-        started = time.perf_counter()
-        proposal = self.predicted.propose(DraftRequest(self.buffer[: self.length], k, self.sampling,
-                                                       self.generator))
-        if not len(proposal):
-            return False
-        self.take(proposal, time.perf_counter() - started, vocab_size, from_prediction=True)
-        return True
-
-    def take(self, proposal: Proposal | None, seconds: float, vocab_size: int,
-             from_prediction: bool = False, forced: bool = False) -> None:
-        """This step's draft (None: none), and the seconds it took; under a grammar, cut where
-        it leaves it (verispec.core.grammar.Constraint.cut)."""
+    def take(self, proposal: Proposal | None, seconds: float, vocab_size: int) -> None:
+        """This step's draft (None: the drafter was not asked) and the seconds it took."""
+        self.asked = proposal is not None
         proposal = Proposal(self.buffer[:0]) if proposal is None else proposal
         if proposal.parents is not None:  # a drafter's tree must be well formed
             check_parents(proposal.parents)
         if len(proposal) and not 0 <= int(proposal.tokens.min()) <= int(proposal.tokens.max()) < vocab_size:
             # Caught here, a bad draft fails its own row, not the batch's shared forward.
             raise VerispecError(f"the drafter proposed a token outside the vocabulary (0..{vocab_size - 1})")
-        self.proposed = len(proposal) > 0  # the drafter has state to commit, even if cut to nothing
-        if self.constraint is not None:
-            proposal, self.masks = self.constraint.cut(proposal)
         self.proposal, self.draft_seconds = proposal, seconds
-        self.from_prediction, self.forced = from_prediction, forced
 
     def block(self) -> torch.Tensor:
         """The tokens the target scores this step: the last committed one, the draft, and the
@@ -207,43 +192,35 @@ class _Row:
         if proposal.side is not None:  # side rows go back to the drafter, never to the verifier
             self.drafter.observe_side(logits[len(proposal) + 1:])
             logits = logits[: len(proposal) + 1]
-        if self.masks is not None:  # the constrained target: its own distribution masked
-            logits = apply_masks(logits, self.masks.to(logits.device))
         verdict = self.verifier.verify(proposal, logits, self.sampling, self.generator)
         path, accepted = list(verdict.path), verdict.num_accepted
         rows = [0] + [node + 1 for node in path]  # block rows to keep: root + accepted path
         if self.hidden is not None:
             self.hidden[self.length - 1: self.length + accepted] = block_hidden[rows]
         self.target.keep(self.length - 1, rows)
-        if self.from_prediction:
-            self.predicted.commit(accepted)
-        elif self.proposed and not self.forced:
+        if self.asked:
             self.drafter.commit(accepted)
-            self.policy.update(proposal.depth, accepted)
+            if proposal.source is DraftSource.DRAFTER:
+                self.policy.update(proposal.depth, accepted)
 
         parents = proposal.tree_parents.tolist()
         drafted_tokens = proposal.tokens.tolist()
         end = path[-1] if path else -1
         alternatives = [drafted_tokens[i] for i, parent in enumerate(parents) if parent == end]
         block = [drafted_tokens[i] for i in path] + [verdict.next_token]
-        fates = ([Fate.FORCED if self.forced else Fate.ACCEPTED] * accepted
-                 + [Fate.RECOVERED if alternatives else Fate.BONUS])
+        kept = Fate.FORCED if proposal.source is DraftSource.GRAMMAR else Fate.ACCEPTED
+        fates = [kept] * accepted + [Fate.RECOVERED if alternatives else Fate.BONUS]
         keep, finished = self.stopping.cut(self.generated, block)
-        if self.constraint is not None:  # the grammar complete: nothing more may follow
-            complete = self.constraint.commit(block[:keep])
-            if complete is not None:
-                keep, finished = complete, True
         logprobs = None if self.logprobs is None else token_logprobs(logits[rows[:keep]], block[:keep],
                                                                      self.logprobs)
         self.buffer[self.length: self.length + keep] = torch.tensor(block[:keep])
         self.length += keep
         self.generated += block[:keep]
-        shown = None if proposal.parents is None else DraftTree(drafted_tokens, parents, path,
-                                                                  proposal.depth)
-        verify_seconds = forward_seconds + time.perf_counter() - started
-        return Step(block[:keep], fates[:keep], alternatives, len(proposal), accepted,
-                    self.draft_seconds, verify_seconds, finished, shown, self.from_prediction,
-                    logprobs, self.forced)
+        tree = None if proposal.parents is None else DraftTree(drafted_tokens, parents, path, proposal.depth)
+        return Step(tokens=block[:keep], fates=fates[:keep], rejected=alternatives,
+                    num_drafted=len(proposal), num_accepted=accepted, draft_seconds=self.draft_seconds,
+                    verify_seconds=forward_seconds + time.perf_counter() - started, finished=finished,
+                    tree=tree, source=proposal.source, logprobs=logprobs)
 
 
 class SpeculativeEngine:
@@ -269,7 +246,6 @@ class SpeculativeEngine:
         self.speculation = Speculation(drafter, policy or ConstantK(0 if drafter is None else 5),
                                        acceptance, spawn)
         self.load_cap = load_cap or LoadCap()
-        self.max_length = context_length(target)
         self.vocab_size = target.get_input_embeddings().num_embeddings
         self.hidden_size = int(target.config.get_text_config(decoder=True).hidden_size)
         # Per way of speculating: the target caches and drafters of sequences that have left.
@@ -281,24 +257,12 @@ class SpeculativeEngine:
         self._rows: dict[int, _Row] = {}
         self._next_id = 0
 
-    def check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        if not prompt_ids:
-            raise VerispecError("the prompt is empty: give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise VerispecError(
-                f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if len(prompt_ids) + max_new_tokens > self.max_length:
-            raise VerispecError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                f"the model's context of {self.max_length} tokens")
-
     # -- rows: a cache and a drafter each, taken from the pool and given back -------------------
 
-    def _open(self, prompt_ids: list[int], stopping: StoppingRules, sampling: SamplingParams,
-              seed: int | None, source: _Row | None = None,
-              speculation: Speculation | None = None, prediction: Drafter | None = None,
-              logprobs: int | None = None, constraint: Constraint | None = None) -> _Row:
+    def _open(self, spec: SequenceSpec, speculation: Speculation | None = None,
+              source: _Row | None = None) -> _Row:
+        """A row for `spec` with a cache and drafter from the pool of `speculation` (default: the
+        engine's), prefilled (or copied from `source`, a row with the same prompt)."""
         speculation = speculation or self.speculation
         if speculation not in self._free:  # first seen: its own drafter is the first to use
             self._free[speculation] = [(CachedModel(self.model), speculation.drafter)]
@@ -312,8 +276,7 @@ class SpeculativeEngine:
             target = CachedModel(self.model)
             drafter = None if speculation.drafter is None else speculation.spawn()
         try:
-            row = _Row(speculation, target, drafter, self.hidden_size, prompt_ids, stopping, sampling,
-                       seed, prediction, logprobs, constraint)
+            row = _Row(spec, speculation, target, drafter, self.hidden_size)
             row.prefill(source)
         except BaseException:  # a bad setting or a failed prefill: the cache and drafter go back
             free.append((target, drafter))
@@ -323,11 +286,11 @@ class SpeculativeEngine:
     def _close(self, row: _Row) -> None:
         """The row's cache and drafter go back to the pool, emptied: an idle one holds no KV."""
         row.target.reset()
-        if row.drafter is not None:
-            row.drafter.reset()
+        if row.pooled is not None:
+            row.pooled.reset()
         free = self._free[row.speculation]
         if len(free) < self.pool_limit.get(row.speculation, len(free) + 1):
-            free.append((row.target, row.drafter))
+            free.append((row.target, row.pooled))
 
     def forget(self, speculation: Speculation) -> bool:
         """Drop the pooled caches and drafters of a way of speculating (a server keeps a bounded
@@ -360,14 +323,12 @@ class SpeculativeEngine:
 
     def _draft(self, rows: list[_Row], cap: int | None) -> dict[int, RowFailure]:
         """Every row's draft; the rows whose drafting raised, by id(row). Rows whose drafters
-        batch (a `propose_batch` static method, as ModelDrafter has) draft together, one forward
+        declare `batches` (ModelDrafter does) draft together through `propose_batch`, one forward
         per drafting position for all of them (a failure there fails that group's rows)."""
         failed: dict[int, RowFailure] = {}
         groups: dict[type, list[tuple[_Row, DraftRequest]]] = {}
         for row in rows:
             try:
-                if row.force(self.vocab_size) or row.predict(cap, self.vocab_size):
-                    continue
                 request = row.request(cap)
                 if request is None:
                     row.take(None, 0.0, self.vocab_size)
@@ -376,7 +337,7 @@ class SpeculativeEngine:
             except Exception as error:
                 failed[id(row)] = RowFailure(error)
         for kind, members in groups.items():
-            if len(members) > 1 and hasattr(kind, "propose_batch"):
+            if len(members) > 1 and kind.batches:
                 started = time.perf_counter()
                 try:
                     proposals = kind.propose_batch([row.drafter for row, _ in members],
@@ -403,17 +364,15 @@ class SpeculativeEngine:
     # -- one sequence ----------------------------------------------------------------------------
 
     def steps(self, prompt_ids: list[int], stopping: StoppingRules,
-              sampling: SamplingParams = SamplingParams(),
-              seed: int | None = None, prediction: Drafter | None = None,
-              constraint: Constraint | None = None) -> Iterator[Step]:
+              sampling: SamplingParams = SamplingParams(), seed: int | None = None, *,
+              prediction: list[int] | None = None, constraint: Constraint | None = None,
+              logprobs: int | None = None) -> Iterator[Step]:
         """Run generation, yielding each step's emitted tokens as soon as they are committed.
-        prediction: a drafter for this sequence alone, asked before the engine's own each step
-        (verispec.drafters.prediction: the caller's predicted output); its steps are counted as
-        prediction tokens. constraint: a grammar the output must match (verispec.core.grammar; the
-        sequence's own, advanced as it goes)."""
-        self.check_prompt(prompt_ids, stopping.max_new_tokens)
-        row = self._open(prompt_ids, stopping, sampling, seed, prediction=prediction,
-                         constraint=constraint)
+        prediction, constraint, logprobs: see SequenceSpec (the constraint is advanced as the
+        sequence goes: pass a fresh copy)."""
+        spec = SequenceSpec(prompt_ids, stopping, sampling, seed, prediction, constraint, logprobs)
+        self.check(spec)
+        row = self._open(spec)
         try:
             while True:
                 (step,) = self._step([row])
@@ -426,16 +385,15 @@ class SpeculativeEngine:
             self._close(row)
 
     def generate(self, prompt_ids: list[int], stopping: StoppingRules,
-                 sampling: SamplingParams = SamplingParams(),
-                 seed: int | None = None,
-                 on_step: Callable[[Step], None] | None = None,
-                 prediction: Drafter | None = None,
-                 constraint: Constraint | None = None) -> GenerationResult:
-        """Run to completion and collect tokens, steps and statistics."""
+                 sampling: SamplingParams = SamplingParams(), seed: int | None = None, *,
+                 on_step: Callable[[Step], None] | None = None, prediction: list[int] | None = None,
+                 constraint: Constraint | None = None, logprobs: int | None = None) -> GenerationResult:
+        """Run to completion and collect tokens, steps and statistics (`steps`' arguments)."""
         stats = self.target.stats()
         steps: list[Step] = []
         started = time.perf_counter()
-        for step in self.steps(prompt_ids, stopping, sampling, seed, prediction, constraint):
+        for step in self.steps(prompt_ids, stopping, sampling, seed, prediction=prediction,
+                               constraint=constraint, logprobs=logprobs):
             steps.append(step)
             stats.add(step)
             if on_step is not None:
@@ -446,30 +404,31 @@ class SpeculativeEngine:
 
     # -- a batch ---------------------------------------------------------------------------------
 
-    def add(self, prompt_ids: list[int], stopping: StoppingRules,
-            sampling: SamplingParams = SamplingParams(), seed: int | None = None,
-            samples: int = 1, speculation: Speculation | None = None,
-            prediction: Drafter | None = None, logprobs: int | None = None,
-            constraint: Constraint | None = None) -> list[int]:
-        """Start `samples` sequences of one prompt (they share its prefill); each joins the batch
-        at the next `step`. Sample i is seeded with seed + i. speculation: how they draft
-        (default: the engine's own; see verispec.methods.build_speculation). logprobs: each Step
-        then reports its tokens' log-probabilities under the target (and this many top
-        alternatives each), read from the verification pass's logits. prediction, constraint: see
-        `steps` (each sample follows its own copy). Returns their ids."""
-        if logprobs is not None and not 0 <= logprobs <= self.vocab_size:
-            raise VerispecError(f"logprobs must be in 0..{self.vocab_size}, got {logprobs}")
-        self.check_prompt(prompt_ids, stopping.max_new_tokens)
+    def check(self, spec: SequenceSpec, samples: int = 1) -> None:
+        """Refuse a sequence the engine cannot run, before any work."""
+        check_prompt(self.model, spec.prompt_ids, spec.stopping.max_new_tokens)
+        if spec.logprobs is not None and not 0 <= spec.logprobs <= self.vocab_size:
+            raise VerispecError(f"logprobs must be in 0..{self.vocab_size}, got {spec.logprobs}")
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise VerispecError(f"the number of samples must be a positive integer, got {samples!r}")
+
+    def add(self, spec: SequenceSpec, samples: int = 1,
+            speculation: Speculation | None = None) -> list[int]:
+        """Start `samples` sequences of `spec` (they share its prefill; sample i is seeded with
+        seed + i and follows its own copy of the constraint); each joins the batch at the next
+        `step`. speculation: how they draft (default: the engine's own; see
+        verispec.methods.build_speculation). With spec.logprobs set, each Step reports its tokens'
+        log-probabilities under the target, read from the verification pass's logits. Returns
+        their ids."""
+        self.check(spec, samples)
         ids: list[int] = []
         first = None
         try:
             for i in range(samples):
-                own = prediction if i == 0 or prediction is None else copy.deepcopy(prediction)
-                grammar = constraint if i == 0 or constraint is None else constraint.copy()
-                row = self._open(prompt_ids, stopping, sampling, None if seed is None else seed + i,
-                                 first, speculation, own, logprobs, grammar)
+                own = spec if i == 0 else replace(
+                    spec, seed=None if spec.seed is None else spec.seed + i,
+                    constraint=None if spec.constraint is None else spec.constraint.copy())
+                row = self._open(own, speculation, first)
                 first = first or row
                 self._rows[self._next_id] = row
                 ids.append(self._next_id)
@@ -511,33 +470,19 @@ class SpeculativeEngine:
                 self.cancel(row_id)
         return list(zip(ids, steps))
 
-    def generate_batch(self, prompts: list[list[int]], stopping: StoppingRules | list[StoppingRules],
-                       sampling: SamplingParams = SamplingParams(), seed: int | None = None,
-                       samples: int = 1, predictions: list[Drafter | None] | None = None,
-                       constraints: list[Constraint | None] | None = None) -> list[GenerationResult]:
-        """Generate for every prompt together (`samples` each, one after another in the result);
-        each result is what that sequence would be alone. Sequence i is seeded with seed + i.
-        predictions, constraints: one per prompt (None: none), see `steps`."""
-        rules = stopping if isinstance(stopping, list) else [stopping] * len(prompts)
-        if len(rules) != len(prompts):
-            raise VerispecError(f"{len(rules)} stopping rules for {len(prompts)} prompts")
-        predictions = predictions or [None] * len(prompts)
-        if len(predictions) != len(prompts):
-            raise VerispecError(f"{len(predictions)} predictions for {len(prompts)} prompts")
-        constraints = constraints or [None] * len(prompts)
-        if len(constraints) != len(prompts):
-            raise VerispecError(f"{len(constraints)} constraints for {len(prompts)} prompts")
-        for prompt, rule in zip(prompts, rules):  # all valid before any work starts
-            self.check_prompt(prompt, rule.max_new_tokens)
+    def generate_batch(self, specs: list[SequenceSpec], samples: int = 1) -> list[GenerationResult]:
+        """Generate every sequence together (`samples` of each, one after another in the result;
+        sample i of a spec is seeded with its seed + i); each result is what that sequence would
+        be alone."""
+        for spec in specs:  # all valid before any work starts
+            self.check(spec, samples)
         if self._rows:
             raise VerispecError("generate_batch needs an idle engine; use add and step to join a batch")
         started = time.perf_counter()
         order: list[int] = []
         try:
-            for i, (prompt, rule, prediction, constraint) in enumerate(
-                    zip(prompts, rules, predictions, constraints)):
-                order += self.add(prompt, rule, sampling, None if seed is None else seed + i * samples,
-                                  samples, prediction=prediction, constraint=constraint)
+            for spec in specs:
+                order += self.add(spec, samples)
             collected: dict[int, list[Step]] = {row_id: [] for row_id in order}
             while self._rows:
                 for row_id, step in self.step():
@@ -549,13 +494,13 @@ class SpeculativeEngine:
                 self.cancel(row_id)
         seconds = time.perf_counter() - started
         results = []
-        for row_id, prompt in zip(order, (p for p in prompts for _ in range(samples))):
+        for row_id, spec in zip(order, (s for s in specs for _ in range(samples))):
             stats = self.target.stats()
             for step in collected[row_id]:
                 stats.add(step)
             stats.total_seconds = seconds
             tokens = [t for step in collected[row_id] for t in step.tokens]
-            results.append(GenerationResult(list(prompt), tokens, collected[row_id], stats))
+            results.append(GenerationResult(list(spec.prompt_ids), tokens, collected[row_id], stats))
         return results
 
 

@@ -19,7 +19,7 @@ from verispec.core.errors import VerispecError
 from verispec.core.sampling import sample, warp_probs
 from verispec.core.tree import TreeSettings, grow_tree
 from verispec.core.types import Proposal
-from verispec.drafters.base import DraftRequest
+from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.learned import ReducedHead, load_net
 from verispec.drafters.nn import DecoderLayer, KVCache, RMSNorm
 from verispec.target.packed import packed_view
@@ -69,7 +69,7 @@ def eagle_settings(target: PreTrainedModel) -> dict:
             "intermediate": int(config.intermediate_size)}
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Drafts a chain from predicted features (stopping early below `confidence_threshold`), or,
     with `tree` settings, an EAGLE-2 dynamic tree of depth k (see verispec.core.tree.grow_tree)."""
 

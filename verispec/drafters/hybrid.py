@@ -16,7 +16,7 @@ from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.ngram import PromptLookupDrafter
 
 
-class LookupThenModel:
+class LookupThenModel(Drafter):
     """Proposes the prompt-lookup draft (up to request.k tokens) when the context's last n-gram
     occurred before, else the model drafter's (up to min(request.k, model_k) tokens).
 
@@ -28,8 +28,9 @@ class LookupThenModel:
         self.lookup = lookup
         self.model = model
         self.model_k = model_k
-        self.needs_hidden = getattr(model, "needs_hidden", False)
-        self.hidden_layers = getattr(model, "hidden_layers", ())
+        self.needs_hidden = model.needs_hidden
+        self.hidden_layers = model.hidden_layers
+        self.tree = model.tree
         self.last: Drafter = lookup  # the drafter whose proposal is being verified
 
     def reset(self) -> None:

@@ -25,7 +25,7 @@ from verispec.core.errors import VerispecError
 from verispec.core.sampling import sample, warp_probs
 from verispec.core.tree import TreeSettings, grow_tree
 from verispec.core.types import Proposal
-from verispec.drafters.base import DraftRequest
+from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.learned import ReducedHead, load_net
 from verispec.drafters.nn import ResBlock
 from verispec.target.packed import packed_view
@@ -62,7 +62,7 @@ def hydra_settings(target: PreTrainedModel, heads: int = 4) -> dict:
     return {"hidden": int(config.hidden_size), "heads": heads}
 
 
-class HydraDrafter:
+class HydraDrafter(Drafter):
     """Drafts min(k, heads) tokens: a chain, head after head, or with `tree` settings a dynamic
     tree of depth min(k, heads). Trees are chosen by rank, so deterministic (q one-hot) under
     sampling too; chains under sampling draw each token from its head's warped q."""

@@ -124,10 +124,10 @@ _HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {vo
 class ReducedHead:
     """The target's LM head restricted to a fixed set of token ids (a frequency-ranked vocabulary).
 
-    A drafter scores only these tokens: on CPU the full SmolLM2 head costs ~4 ms a token, a
-    quarter of it ~1 ms. Tokens outside the set are never drafted, which costs acceptance, never
-    exactness (greedy verification keeps only the target's tokens; under sampling, q is exactly
-    the distribution the draft was drawn from, zero outside the set).
+    A drafter scores only these tokens, a fraction of the full head's cost. Tokens outside the set
+    are never drafted, which costs acceptance, never exactness (greedy verification keeps only the
+    target's tokens; under sampling, q is exactly the distribution the draft was drawn from, zero
+    outside the set).
     """
 
     @classmethod
@@ -147,8 +147,7 @@ class ReducedHead:
         self.vocab_size = int(head.shape[0])
         self.vocab_ids = vocab_ids.to(head.device)
         self.weight_t = head[self.vocab_ids].t().contiguous()  # [hidden, reduced]
-        # Prepacked for drafting on CPU: over 4 rows (Medusa's heads, a tree level) a plain
-        # product takes ~4 ms here, the packed one ~0.5 ms; over 1 row 0.6 against 0.4 ms.
+        # Prepacked for drafting on CPU (several times faster over a few rows: docs/performance.md).
         self.packed = pack_weight(self.weight_t.t()) if can_pack(target) else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from verispec.core.errors import VerispecError
 from verispec.core.types import Proposal, SideBranch
-from verispec.drafters.base import DraftRequest
+from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.ngram import trie
 
 
@@ -44,7 +44,7 @@ def lookahead_branch(levels: int, window: int, num_draft: int,
     return column + 1 + level, mask
 
 
-class LookaheadDrafter:
+class LookaheadDrafter(Drafter):
     """Lookahead decoding's drafter: a Jacobi window of `window` (W) guesses over the last
     `ngram` - 1 (N - 1) iterations, and an n-gram pool keeping up to `guesses` (G) n-grams per
     first token (least recently seen dropped first). With `pool_context` the committed text's

@@ -22,7 +22,7 @@ from verispec.core.errors import VerispecError
 from verispec.core.sampling import sample, warp_probs
 from verispec.core.tree import TreeSettings
 from verispec.core.types import Proposal
-from verispec.drafters.base import DraftRequest
+from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.learned import ReducedHead, load_net
 
 
@@ -71,7 +71,7 @@ def static_tree(rank_accuracy: list[list[float]], nodes: int) -> list[tuple[int,
     return chosen
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     """Drafts min(k, heads) tokens from the target's last hidden state in one shot: a chain of
     each head's top token, or with `tree` settings a static tree of `tree.nodes` nodes over each
     head's top `tree.topk` tokens, shaped by the heads' measured rank accuracies."""
@@ -85,6 +85,7 @@ class MedusaDrafter:
                  rank_accuracy: list[list[float]] | None = None) -> None:
         self.net = net.to(device=target.device, dtype=target.dtype).eval()
         self.head = head
+        self.tree = tree
         self.choices: list[tuple[int, ...]] | None = None
         if tree is not None:
             if rank_accuracy is None:

@@ -31,7 +31,7 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer) -> None:
             "a draft model must share the target's tokenizer")
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Drafts autoregressively with its own KV cache.
 
     Stops early when its confidence (its probability of the token it just drafted) falls below
@@ -46,6 +46,9 @@ class ModelDrafter:
     draws from q without x, so every token is still distributed as q) and drafts on from there.
     A lookup that matches saves most of this drafter's one-token forwards.
     """
+
+    batches = True
+    forks = True
 
     def __init__(self, model: PreTrainedModel | CachedModel, vocab_size: int,
                  confidence_threshold: float | None = None, tree: TreeSettings | None = None,
@@ -66,6 +69,12 @@ class ModelDrafter:
     def reset(self) -> None:
         self.lm.reset()
         self._context_length = 0
+
+    def copy_from(self, other: Drafter) -> None:
+        self.lm.copy_from(other.lm)
+
+    def truncate(self, length: int) -> None:
+        self.lm.rewind(min(self.lm.length, length))
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [..., vocab_d] -> [..., vocab_t]: padded ids of either model get no draft mass."""

@@ -7,7 +7,7 @@ import torch
 from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
 from verispec.core.types import Proposal
-from verispec.drafters.base import DraftRequest
+from verispec.drafters.base import Drafter, DraftRequest
 
 
 def find_continuations(tokens: torch.Tensor, k: int, max_ngram: int, min_ngram: int,
@@ -54,10 +54,12 @@ def trie(continuations: list[list[int]], max_nodes: int) -> tuple[list[int], lis
     return tokens, parents
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     """Deterministic and stateless: its q is one-hot, so it reports draft_probs=None. With `tree`
     settings it drafts the trie of the `tree.topk` most recent distinct matches (`tree.nodes`
     nodes at most) instead of the most recent match alone."""
+
+    forks = True  # stateless: nothing to copy or cut
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, tree: TreeSettings | None = None) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -67,7 +69,10 @@ class PromptLookupDrafter:
         self.min_ngram = min_ngram
         self.tree = tree
 
-    def reset(self) -> None:
+    def copy_from(self, other: Drafter) -> None:
+        pass
+
+    def truncate(self, length: int) -> None:
         pass
 
     def propose(self, request: DraftRequest) -> Proposal:
@@ -79,6 +84,3 @@ class PromptLookupDrafter:
         tokens, parents = trie(found, self.tree.nodes)
         device = request.tokens.device
         return Proposal(torch.tensor(tokens, device=device), parents=torch.tensor(parents, device=device))
-
-    def commit(self, num_accepted: int) -> None:
-        pass

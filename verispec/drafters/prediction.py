@@ -9,11 +9,13 @@ before it), as prompt lookup would but within the prediction alone. Deterministi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from verispec.core.errors import VerispecError
-from verispec.core.types import Proposal
-from verispec.drafters.base import DraftRequest
+from verispec.core.types import DraftSource, Proposal
+from verispec.drafters.base import Drafter, DraftRequest
 
 PREDICTION_K = 16  # most prediction tokens drafted per step
 
@@ -34,7 +36,7 @@ def realign(prediction: list[int], output: list[int], near: int, max_ngram: int 
     return None
 
 
-class PredictionDrafter:
+class PredictionDrafter(Drafter):
     """Drafts up to max_k tokens of `prediction` (token ids) where the output is in it."""
 
     def __init__(self, prediction: list[int], max_k: int = PREDICTION_K) -> None:
@@ -70,3 +72,47 @@ class PredictionDrafter:
 
     def commit(self, num_accepted: int) -> None:
         pass  # the committed tokens are followed at the next step, from the context
+
+
+class PredictionFirst(Drafter):
+    """The caller's prediction drafted first wherever the output is in it (as long a draft as the
+    step's room allows, up to PREDICTION_K), the sequence's own drafter (None: none) elsewhere.
+    Only the drafter that proposed is told what the target kept; a stateful drafter (a KV cache)
+    catches up on the steps it sat out at its next proposal."""
+
+    uses_room = True
+
+    def __init__(self, prediction: list[int], drafter: Drafter | None) -> None:
+        self.prediction = PredictionDrafter(prediction)
+        self.drafter = drafter
+        self.last: Drafter | None = None  # the drafter whose proposal is being verified
+        if drafter is not None:
+            self.needs_hidden, self.hidden_layers = drafter.needs_hidden, drafter.hidden_layers
+            self.adopts_prefill = drafter.adopts_prefill
+
+    def reset(self) -> None:
+        self.prediction.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        self.last = None
+
+    def adopt_prefill(self, target) -> None:
+        self.drafter.adopt_prefill(target)
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        proposal = self.prediction.propose(replace(request, k=request.limit))
+        if len(proposal):
+            self.last = self.prediction
+            return replace(proposal, source=DraftSource.PREDICTION)
+        if self.drafter is None or request.k < 1:
+            self.last = None
+            return proposal
+        self.last = self.drafter
+        return self.drafter.propose(request)
+
+    def observe_side(self, logits) -> None:
+        self.drafter.observe_side(logits)
+
+    def commit(self, num_accepted: int) -> None:
+        if self.last is not None:
+            self.last.commit(num_accepted)

@@ -1,6 +1,6 @@
 """Self-speculation in low precision: the target's own weights, stored in int4, int8 or bfloat16,
 draft for the float target (QSpec 2024, ML-SpecQD 2025). No training, any model the lean path
-runs (Llama-shaped decoders on CPU).
+runs (verispec.target.lean.FAMILIES: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3, on CPU).
 
 The drafter is a second lean decoder (verispec.target.lean) over a low-precision copy of every linear
 weight, the LM head included; it shares the target's embedding, norms and rotary tables (small,
@@ -23,7 +23,15 @@ from verispec.core.tree import TreeSettings
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.target.cached_model import CachedModel
-from verispec.target.lean import LeanDecoder, LeanWeights, Product, fused_rms_norm, lean_supported
+from verispec.target.lean import (
+    FAMILIES,
+    LeanDecoder,
+    LeanWeights,
+    Product,
+    fused_rms_norm,
+    lean_supported,
+    with_bias,
+)
 from verispec.target.lowbit import (
     FORMATS,
     INT4_GROUPS,
@@ -103,7 +111,7 @@ class SelfWeights:
                 kernel = RescoredHead(kernel, head.weight, settings.rescore)
             self.nbytes += kernel.nbytes
             self.names[part] = kernel.name
-            return kernel
+            return with_bias(kernel, modules)
 
         self.kept = [i for i in range(len(model.model.layers)) if i not in settings.skip]
         self.lean = LeanWeights(model, linear, self.kept, fused_rms_norm)
@@ -138,9 +146,9 @@ def check(target: LoadedModel, settings: SelfSettings) -> None:
         raise VerispecError(f"self-speculation runs on CPU (torch's low-precision CPU kernels); "
                             f"the target is on {model.device.type}")
     if not lean_supported(model):
-        raise VerispecError(f"self-speculation needs a Llama-shaped decoder (Llama, Mistral, Qwen2 "
-                            f"without sliding windows) in float32 or bfloat16; "
-                            f"{type(model).__name__} is not one")
+        families = ", ".join(family.name for family in FAMILIES)
+        raise VerispecError(f"self-speculation needs a decoder of a lean family ({families}) in "
+                            f"float32 or bfloat16 on CPU; {type(model).__name__} is not one")
     layers = len(model.model.layers)
     bad = [i for i in settings.skip if not 0 <= i < layers]
     if bad or len(set(settings.skip)) >= layers:

@@ -30,7 +30,7 @@ import torch
 from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
 from verispec.core.types import Proposal
-from verispec.drafters.base import DraftRequest
+from verispec.drafters.base import Drafter, DraftRequest
 
 ANCHOR = 2  # tokens a match must share at least (the index key)
 MAX_OCCURRENCES = 64  # most recent occurrences of the anchor examined per source and step
@@ -245,7 +245,7 @@ def frequency_tree(continuations: list[list[int]], depth: int, min_prob: float,
     return tokens, parents, score
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Deterministic (one-hot q). Each step: the occurrences of the context's suffix in the
     request's own tokens and in the shared cache (other sequences), then, for the few longest
     match lengths, the frequency tree of what followed the occurrences matching at least that

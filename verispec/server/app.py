@@ -34,12 +34,12 @@ from verispec.core.errors import VerispecError
 from verispec.core.types import GenerationStats, TokenLogprob
 from verispec.methods import METHODS, PLAIN, fastest_method
 from verispec.options import DraftOptions
+from verispec.request import Request as GenerationRequest
 from verispec.server.metrics import Metrics
-from verispec.server.requests import BadRequest, ChatBody, Common, CompletionBody, build_request, parse_body
+from verispec.server.requests import BadRequest, ChatBody, Common, CompletionBody, parse_body, to_request
 from verispec.server.scheduler import (
     Admitted,
     Failed,
-    GenerationRequest,
     QueueFull,
     Refused,
     Scheduler,
@@ -136,7 +136,7 @@ class _Output:
 
     def usage(self) -> dict:
         completion = sum(s.new_tokens for s in self.stats)
-        prompt = len(self.request.prompt_ids)
+        prompt = len(self.request.prompts[0])
         details = {"accepted_prediction_tokens": sum(s.accepted_prediction_tokens for s in self.stats),
                    "rejected_prediction_tokens": sum(s.rejected_prediction_tokens for s in self.stats)}
         return {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -323,8 +323,11 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
         raw = await read_body(http, max_body)
         # Parsing and tokenizing a big body takes milliseconds: off the event loop.
         body = await asyncio.to_thread(parse_body, raw, kind)
-        request = await asyncio.to_thread(build_request, body, target, methods, max_batch,
-                                          scheduler.check_prompt, scheduler.check_fits, options)
+        request = await asyncio.to_thread(to_request, body, target, methods, max_batch, options)
+        try:
+            scheduler.check_fits(request)
+        except VerispecError as error:
+            raise BadRequest(str(error), "max_tokens") from None
         try:
             ticket = scheduler.submit(request)
         except QueueFull:

@@ -19,7 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from verispec.core.types import GenerationStats, Step
+from verispec.core.types import DraftSource, GenerationStats, Step
 
 disable_created_metrics()  # no *_created series (process-wide, as vLLM does)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -73,7 +73,7 @@ class Metrics:
         totals.add(step)
         self.generation_tokens.labels(method).inc(len(step.tokens))
         self.forwards.labels(method).inc()
-        if step.num_drafted and not step.forced:  # forced tokens are the grammar's, not drafts
+        if step.num_drafted and step.source is not DraftSource.GRAMMAR:  # forced: the grammar's, not drafts
             drafts = totals.drafted_by_position[0]  # steps that drafted
             self.drafts.labels(method).inc()
             self.draft_tokens.labels(method).inc(step.num_drafted)

@@ -14,16 +14,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from verispec.api import encode_chat, encode_predictions, encode_prompt
 from verispec.core.errors import VerispecError
-from verispec.core.grammar import Constraint, Grammar
-from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import context_length
-from verispec.methods import resolve_tree
+from verispec.methods import TREE_METHODS
 from verispec.options import DraftOptions, parse_tree
-from verispec.server.scheduler import GenerationRequest, server_tree
+from verispec.request import Request, about, build_request, encode_chat, encode_prompt
 from verispec.target.models import LoadedModel
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (clipped to the room left in the context)
@@ -88,14 +84,16 @@ class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
-    def grammar(self) -> Grammar | None:
+    def schema(self) -> dict | None:
+        """The JSON schema the output matches (None: any text); json_object: any JSON object."""
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return Grammar("json_object")
+            return {"type": "object"}
         if self.json_schema is None:
-            raise VerispecError("response_format of type json_schema needs json_schema.schema")
-        return Grammar.of(json_schema=self.json_schema.json_schema)
+            raise BadRequest("response_format of type json_schema needs json_schema.schema",
+                             "response_format")
+        return self.json_schema.json_schema
 
 
 class Message(_Body):
@@ -130,14 +128,17 @@ class Common(_Body):
     regex: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None  # verispec
     grammar: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None  # Lark
 
-    def constraint_spec(self) -> Grammar | None:
-        """The one grammar the request names (None: unconstrained)."""
-        formatted = None if self.response_format is None else self.response_format.grammar()
-        named = [name for name, value in (("response_format", formatted), ("regex", self.regex),
-                                          ("grammar", self.grammar)) if value is not None]
+    def grammar_fields(self) -> tuple[str | None, dict]:
+        """The one body field naming a grammar (None: none) and verispec.request.build_request's
+        keyword for it."""
+        schema = None if self.response_format is None else self.response_format.schema()
+        named = {name: {key: value} for name, key, value in (
+            ("response_format", "json_schema", schema), ("regex", "regex", self.regex),
+            ("grammar", "grammar", self.grammar)) if value is not None}
         if len(named) > 1:
-            raise VerispecError(f"give one of response_format, regex and grammar, got {' and '.join(named)}")
-        return formatted or Grammar.of(regex=self.regex, grammar=self.grammar)
+            raise BadRequest(f"give one of response_format, regex and grammar, got {' and '.join(named)}",
+                             next(iter(named)))
+        return next(iter(named.items()), (None, {}))
 
     def logprobs_wanted(self) -> int | None:
         """None: no logprobs; else the top alternatives wanted per token."""
@@ -231,63 +232,52 @@ def parse_body(raw: bytes, kind: type[Common]) -> Common:
         raise BadRequest("; ".join(said[:3]), param) from None
 
 
-def build_request(body: Common, target: LoadedModel, methods: list[str], max_n: int,
-                  check_prompt, check_fits, defaults: DraftOptions = DraftOptions()) -> GenerationRequest:
-    """The engine's request for a parsed body; check_prompt(ids, max_new_tokens) is the engine's,
-    check_fits(request) the scheduler's KV budget check; defaults: the server's drafting options,
-    which a request's k and tree override."""
+# verispec.request's field names -> the body's (None: the same name)
+BODY_FIELDS = {"max_new_tokens": "max_tokens", "num_beams": None}
+
+
+def to_request(body: Common, target: LoadedModel, methods: list[str], max_n: int,
+               defaults: DraftOptions = DraftOptions()) -> Request:
+    """The request a parsed body asks for (verispec.request.build_request validates it); a
+    BadRequest naming the body field at fault. methods: those served, the first the default;
+    defaults: the server's drafting options, which a body's k and tree override."""
     method = body.method or methods[0]
-    if method not in methods:
-        raise BadRequest(f"method {method!r} is not served here; choose from {', '.join(methods)}",
-                         "method")
     if body.n > max_n:
         raise BadRequest(f"n is at most {max_n} (the server's --max-batch), got {body.n}", "n")
-    logprobs = body.logprobs_wanted()
-    param = "prompt"
+    chat = isinstance(body, ChatBody)
+    prompt_field = "messages" if chat else "prompt"
+    grammar_field, grammar = body.grammar_fields()
     try:
-        if isinstance(body, ChatBody):
-            param = "messages"
+        if chat:
             if not any(m.text().strip() for m in body.messages):
-                raise VerispecError("the messages are empty: give some text")
-            prompt_ids = encode_chat(target, [{"role": m.role, "content": m.text()} for m in body.messages])
+                raise VerispecError("the messages are empty: give some text", field="prompt")
+            with about("prompt"):
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                prompt_ids = encode_chat(target, messages)
         else:
-            prompt_ids = encode_prompt(target, body.prompt)
-        param = None  # SamplingParams names the field in its message
-        sampling = SamplingParams(do_sample=body.temperature > 0, temperature=body.temperature,
-                                  top_k=body.top_k, top_p=body.top_p)
-        param = "tree"
-        tree = (resolve_tree(method, parse_tree(body.tree)) if body.tree is not None
-                else server_tree(method, defaults))
-        if isinstance(tree, TreeSettings) and (tree.nodes > MAX_TREE_NODES or tree.topk > MAX_TREE_TOPK):
-            raise VerispecError(f"a tree has at most {MAX_TREE_TOPK} children per node and "
-                                f"{MAX_TREE_NODES} nodes here, got {body.tree}")
-        param = "max_tokens"
+            with about("prompt"):
+                prompt_ids = encode_prompt(target, body.prompt)
+        with about("tree"):
+            tree = (parse_tree(body.tree) if body.tree is not None
+                    else defaults.tree if method in TREE_METHODS else None)
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if max_tokens is None:
-            room = context_length(target.model) - len(prompt_ids)
-            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
-        check_prompt(prompt_ids, max_tokens)
-        param = "stop"
-        if any(len(stop) > MAX_STOP_CHARS for stop in ([body.stop] if isinstance(body.stop, str)
-                                                       else body.stop or [])):
-            raise VerispecError(f"a stop string has at most {MAX_STOP_CHARS} characters")
-        stopping = StoppingRules.build(max_tokens, target.eos_token_ids, body.stop, target.tokenizer)
-        param = "prediction"
-        prediction = None if body.prediction is None else encode_predictions(
-            target, body.prediction.text(), 1, False)[0]
-        param = "response_format" if body.response_format is not None else (
-            "regex" if body.regex is not None else "grammar")
-        spec = body.constraint_spec()
-        constraint = None if spec is None else Constraint.compile(spec, target.tokenizer, target.vocab_size,
-                                                                  target.eos_token_ids)
+            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, target.context_length - len(prompt_ids)))
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise VerispecError(f"a stop string has at most {MAX_STOP_CHARS} characters", field="stop")
+        request = build_request(
+            target, prompt_ids, method=method,
+            options=replace(defaults, k=defaults.k if body.k is None else body.k, tree=tree),
+            sampling=SamplingParams.of(body.temperature, body.top_k, body.top_p),
+            max_new_tokens=max_tokens, stop_strings=body.stop, seed=body.seed, n=body.n,
+            prediction=None if body.prediction is None else body.prediction.text(),
+            logprobs=body.logprobs_wanted(), methods=methods, **grammar)
+        tree = request.options.tree
+        if isinstance(tree, TreeSettings) and (tree.nodes > MAX_TREE_NODES or tree.topk > MAX_TREE_TOPK):
+            raise VerispecError(f"a tree has at most {MAX_TREE_TOPK} children per node and "
+                                f"{MAX_TREE_NODES} nodes here, got {body.tree}", field="tree")
     except VerispecError as error:
-        raise BadRequest(str(error), param) from None
-    request = GenerationRequest(prompt_ids, stopping, sampling, body.seed, body.n, method,
-                                replace(defaults, k=defaults.k if body.k is None else body.k, tree=tree),
-                                prediction=prediction,
-                                logprobs=logprobs, constraint=constraint)
-    try:
-        check_fits(request)
-    except VerispecError as error:
-        raise BadRequest(str(error), "max_tokens") from None
+        field = {"prompt": prompt_field, "grammar": grammar_field}.get(error.field, error.field)
+        raise BadRequest(str(error), BODY_FIELDS.get(field, field)) from None
     return request

@@ -18,16 +18,14 @@ from dataclasses import dataclass, field, replace
 import psutil
 
 from verispec.core.errors import VerispecError
-from verispec.core.grammar import Constraint
 from verispec.core.stopping import StoppingRules
-from verispec.core.tree import TreeSettings
-from verispec.core.types import SamplingParams, Step
-from verispec.decoding.engine import RowFailure, Speculation, context_length
-from verispec.drafters.prediction import PredictionDrafter
-from verispec.methods import METHODS, PLAIN, build_engine, build_speculation, resolve_tree
+from verispec.core.types import Step
+from verispec.decoding.engine import RowFailure, Speculation
+from verispec.methods import METHODS, PLAIN, build_engine, resolve, speculation_for
 from verispec.options import DraftOptions
+from verispec.request import Request
 from verispec.server.metrics import Metrics
-from verispec.target.models import LoadedModel
+from verispec.target.models import LoadedModel, context_length
 
 log = logging.getLogger("verispec.server")
 # Ways of speculating (method, k, tree) one server holds at most: each keeps a pool of drafters, so
@@ -72,30 +70,10 @@ def default_kv_tokens(target: LoadedModel, max_batch: int) -> int:
     return max(1, min(available, max_batch * (context_length(target.model) + BLOCK_ROOM)))
 
 
-def server_tree(method: str, defaults: DraftOptions) -> TreeSettings | None:
-    """The tree the server's --tree gives `method` (none for a method that drafts chains only)."""
-    return resolve_tree(method, defaults.tree) if METHODS[method].trees else None
 
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A validated generation request: n sequences of one prompt."""
-
-    prompt_ids: list[int]
-    stopping: StoppingRules
-    sampling: SamplingParams
-    seed: int | None
-    n: int
-    method: str
-    options: DraftOptions  # k and tree; the rest are the method's defaults
-    prediction: list[int] | None = None  # the predicted output's ids (OpenAI's `prediction`)
-    logprobs: int | None = None  # None: no logprobs; else top alternatives per token
-    constraint: Constraint | None = None  # the grammar the output matches (response_format, ...)
-
-    @property
-    def kv_tokens(self) -> int:
-        """The KV cache tokens its sequences may hold at most, together."""
-        return self.n * (len(self.prompt_ids) + self.stopping.max_new_tokens + BLOCK_ROOM)
+def kv_tokens(request: Request) -> int:
+    """The KV cache tokens a request's sequences (one prompt, n sequences) may hold at most."""
+    return request.n * (len(request.prompts[0]) + request.stopping.max_new_tokens + BLOCK_ROOM)
 
 
 # Events a ticket receives, in order: Admitted or Refused; then Stepped until every sequence has
@@ -130,7 +108,7 @@ Event = Admitted | Refused | Stepped | Failed
 class Ticket:
     """One request's link between the worker and its handler."""
 
-    request: GenerationRequest
+    request: Request
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.perf_counter)
@@ -193,31 +171,28 @@ class Scheduler:
         """Build each method's speculation (the server's options) now: the first requests do not
         wait for it, and a method the model cannot run fails before the server starts."""
         for method in methods:
-            self.speculation(method, replace(options, tree=server_tree(method, options)))
+            tree = options.tree if METHODS[method].trees else None  # --tree: for tree methods
+            self.speculation(method, resolve(method, replace(options, tree=tree)))
         self._pinned = set(self._speculations)
 
     def start(self) -> None:
         """Start stepping (on the worker thread)."""
         self._thread.start()
 
-    def check_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        """The engine's prompt checks (they read only the model's fixed sizes: thread-safe)."""
-        self._engine.check_prompt(prompt_ids, max_new_tokens)
-
-    def check_fits(self, request: GenerationRequest) -> None:
+    def check_fits(self, request: Request) -> None:
         """Refuse a request that could never fit the KV budget, even alone."""
-        if request.kv_tokens > self.max_kv_tokens:
+        if kv_tokens(request) > self.max_kv_tokens:
             raise VerispecError(
-                f"this request needs {request.kv_tokens} KV cache tokens (n {request.n} x (prompt "
-                f"{len(request.prompt_ids)} + max_tokens {request.stopping.max_new_tokens} + "
+                f"this request needs {kv_tokens(request)} KV cache tokens (n {request.n} x (prompt "
+                f"{len(request.prompts[0])} + max_tokens {request.stopping.max_new_tokens} + "
                 f"{BLOCK_ROOM} for drafts)), more than the server's --max-kv-tokens "
                 f"{self.max_kv_tokens}: lower max_tokens or n, or shorten the prompt")
 
-    def _fits(self, request: GenerationRequest, sequences: int, reserved: int) -> bool:
+    def _fits(self, request: Request, sequences: int, reserved: int) -> bool:
         return (sequences + request.n <= self.max_batch
-                and reserved + request.kv_tokens <= self.max_kv_tokens)
+                and reserved + kv_tokens(request) <= self.max_kv_tokens)
 
-    def submit(self, request: GenerationRequest) -> Ticket:
+    def submit(self, request: Request) -> Ticket:
         """Queue a request; its events arrive on the returned ticket."""
         ticket = Ticket(request, asyncio.get_running_loop())
         with self._cond:
@@ -272,7 +247,8 @@ class Scheduler:
     # -- the worker ------------------------------------------------------------------------------
 
     def speculation(self, method: str, options: DraftOptions) -> Speculation:
-        """One Speculation per (method, k, tree), so drafters are built once and reused; past
+        """The Speculation of (method, options) with options `resolve` has checked: one per
+        (method, k, tree), so drafters are built once and reused; past
         MAX_SPECULATIONS the least recently used one no sequence uses is dropped with its pool."""
         key = (method, options.k, options.tree)
         if key in self._speculations:
@@ -285,7 +261,7 @@ class Scheduler:
                 raise VerispecError(f"this server holds {MAX_SPECULATIONS} ways of speculating "
                                     "(method, k, tree), all in use; use the method's default k and tree")
             del self._speculations[unused]
-        self._speculations[key] = how = build_speculation(self.target, method, options)
+        self._speculations[key] = how = speculation_for(self.target, method, options)
         if self._pinned:  # one a client chose (not a --method default): keep one idle drafter
             self._engine.pool_limit[how] = IDLE_PER_CHOSEN
         return how
@@ -327,7 +303,7 @@ class Scheduler:
                     else:  # its room is taken now; _admit gives it back if the engine refuses
                         admitted.append(ticket)
                         self._sequences += ticket.request.n
-                        self._reserved += ticket.request.kv_tokens
+                        self._reserved += kv_tokens(ticket.request)
                 self.metrics.waiting.set(len(self._waiting))
             self._drop_cancelled()
             for ticket in admitted:
@@ -344,7 +320,7 @@ class Scheduler:
         with self._cond:
             self._sequences -= sequences
             if ticket.unfinished == 0:
-                self._reserved -= ticket.request.kv_tokens
+                self._reserved -= kv_tokens(ticket.request)
             self._cond.notify_all()
 
     def _drop_cancelled(self) -> None:
@@ -361,13 +337,8 @@ class Scheduler:
         ticket.unfinished = request.n
         try:
             speculation = self.speculation(request.method, request.options)
-            row_ids = self._engine.add(request.prompt_ids, request.stopping, request.sampling,
-                                       request.seed, samples=request.n, speculation=speculation,
-                                       prediction=None if request.prediction is None
-                                       else PredictionDrafter(request.prediction),
-                                       logprobs=request.logprobs,
-                                       constraint=None if request.constraint is None
-                                       else request.constraint.copy())
+            (spec,) = request.specs()
+            row_ids = self._engine.add(spec, request.n, speculation)
         except VerispecError as error:  # counted as a bad request by the handler
             self._release(ticket, request.n)
             ticket.post(Refused(str(error)))
@@ -380,7 +351,7 @@ class Scheduler:
             return
         for index, row_id in enumerate(row_ids):
             self._rows[row_id] = (ticket, index, 0)
-        self.metrics.prompt_tokens.inc(len(request.prompt_ids) * request.n)
+        self.metrics.prompt_tokens.inc(len(request.prompts[0]) * request.n)
         ticket.post(Admitted())
 
     def _fail(self, ticket: Ticket, error: BaseException) -> None:

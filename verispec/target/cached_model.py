@@ -13,6 +13,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from verispec.core.tree import attention_mask, chain_parents, is_chain, position_ids, side_block
 from verispec.core.types import GenerationStats, SideBranch
+from verispec.target.kernels import rows
 from verispec.target.lean import FIXED_ROWS, Block, LeanDecoder, lean_supported
 from verispec.target.lean import forward_rows as lean_forward_rows
 from verispec.target.lowbit import QuantLinear, weight_format
@@ -36,12 +37,11 @@ class CachedModel:
         copy of them, say: verispec.drafters.self_spec).
 
         On CPU through F.linear, matrix products over 2, 3, 7 or 11 rows take up to twice as long
-        as over 4, 8 or 12 (measured here: the LM head takes 15 ms for 2 rows, 12.5 ms for 4), so
-        by default a block of n > 1 tokens on CPU is padded to a multiple of 4 and the padding is
-        dropped from the cache and the logits. Padding comes after the real tokens, which cannot
-        attend to it. Prepacked, the row count hardly matters (2, 3 and 4 tokens within 1% of each
-        other here), and the padding costs as little. The lean path is not padded: there 2 and 3
-        tokens cost less than 4 (51, 54 and 57 ms for SmolLM2-135M here).
+        as over 4, 8 or 12, so by default a block of n > 1 tokens on CPU is padded to a multiple of
+        4 and the padding is dropped from the cache and the logits. Padding comes after the real
+        tokens, which cannot attend to it. Prepacked, the row count hardly matters and the padding
+        costs as little; the lean path is not padded (there 2 and 3 tokens cost less than 4).
+        Figures: docs/performance.md, "Figures behind the target's design".
         """
         self.model = model
         if lean is None and pack and lean_supported(model):
@@ -85,20 +85,35 @@ class CachedModel:
     @property
     def kernel(self) -> str:
         """How the target's linear products run, for stats and reports."""
+        lean = self.lean
+        attention = ("; attention verispec rows (float32)"
+                     if lean is not None and lean.invariant and lean.weights.row_kernel_attention else "")
         quantized = {m.kernel.name: None for m in self.model.modules() if isinstance(m, QuantLinear)}
         if quantized:  # a 4-bit target: its layers', then its head's
-            return "; ".join(quantized)
+            return "; ".join(quantized) + attention
         dtype = str(self.model.dtype).removeprefix("torch.")
         if self.lean is not None and self.model.device.type != "cpu":
             return f"{dtype} (fused F.linear at {FIXED_ROWS} rows)"
         if self.lean is not None:
-            return f"{dtype} (oneDNN prepacked, fused)"
+            dense_rows = isinstance(self.lean.weights.layers[0].qkv, rows.DenseProduct)
+            runs = rows.NAME if dense_rows else "oneDNN prepacked"
+            return f"{dtype} ({runs}, fused){attention}"
         packed = "oneDNN prepacked, " if self.runner is not self.model else ""
         return f"{dtype} ({packed}Hugging Face forward)"
 
+    @property
+    def path(self) -> str:
+        """Which forward runs the target: "lean (FAMILY)" (verispec.target.lean: batch-invariant by
+        construction) or "Hugging Face forward (CLASS)" (a model of no lean family, or one that
+        cannot run lean here)."""
+        if self.lean is not None:
+            return f"lean ({self.lean.weights.family.name})"
+        return f"Hugging Face forward ({type(self.model).__name__})"
+
     def stats(self) -> GenerationStats:
-        """Empty statistics naming this target's dtype, kernel and invariance mode."""
-        return GenerationStats(invariance=self.invariance, dtype=self.precision, kernel=self.kernel)
+        """Empty statistics naming this target's path, dtype, kernel and invariance mode."""
+        return GenerationStats(invariance=self.invariance, dtype=self.precision, kernel=self.kernel,
+                               path=self.path)
 
     def reset(self) -> None:
         if self.lean is not None:

@@ -4,18 +4,19 @@ preallocated KV cache instead of Hugging Face's forward.
 For a small model on a 2-core CPU, what surrounds the matrix products is a large share of a step:
 Hugging Face's forward builds position ids, masks and cache objects per call, runs q, k, v and
 gate, up as separate products, repeats keys and values for grouped-query attention, and its
-DynamicCache appends by concatenation, copying every cached key and value at every step.
-Measured on this project's 2-core AMD machine (SmolLM2-135M, float32, 300 cached tokens): the
-linear layers alone take 43 ms for one token and 50 ms for four, the whole forward 55 and 78 ms.
-This module runs the same weights with the same arithmetic (RMSNorm in float32, rotary
-embeddings from the model's own rotary module, scaled dot-product attention) and none of that
-glue: keys and values are written into place, q/k/v and gate/up are one product each.
+DynamicCache appends by concatenation, copying every cached key and value at every step (on
+SmolLM2-135M that glue was a fifth of a one-token forward and a third of a four-token one:
+docs/performance.md, "Figures behind the target's design"). This module runs the same weights
+with the same arithmetic (RMSNorm in float32, rotary embeddings from the model's own rotary
+module, scaled dot-product attention) and none of that glue: keys and values are written into
+place, q/k/v and gate/up are one product each.
 
-It applies to decoders of the plain Llama shape (Llama, Mistral and Qwen2 without sliding
-windows) whose linear layers can be prepacked (`packed.can_pack`); every other model runs
-through its own forward (verispec.target.cached_model). On a GPU the products are plain fused F.linear
-calls (`DenseLinear`), at a fixed row count when invariant (`FIXED_ROWS`: cuBLAS picks its kernel
-by row count; docs/invariance.md, CUDA).
+It runs the decoder families in `FAMILIES` (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3), each
+described as data (`Family`: its norms, activation, biases, attention windows, embedding scale,
+rotary tables), with one forward for all of them; every other model runs through its own forward
+(verispec.target.cached_model). On a GPU the products are plain fused F.linear calls
+(`DenseLinear`), at a fixed row count when invariant (`FIXED_ROWS`: cuBLAS picks its kernel by row
+count; docs/invariance.md, CUDA).
 """
 
 from __future__ import annotations
@@ -28,11 +29,50 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from verispec.core.errors import VerispecError
+from verispec.target.kernels import rows
 from verispec.target.kv_cache import KVCache
-from verispec.target.lowbit import DenseKernel, QuantLinear
+from verispec.target.lowbit import DenseKernel, Int4Groups, QuantLinear, RowsInt4Kernel
 from verispec.target.packed import can_pack, cpu_packs, pack_weight, packed_linear, per_model
 
-LEAN_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+
+@dataclass(frozen=True)
+class Family:
+    """What sets a decoder family apart on the lean path, as data. Every family here is a stack
+    of pre-norm decoder layers (attention, then a gated MLP) over rotary positions; the fields say
+    what differs.
+
+    The forward runs the model's own norm, embedding and rotary modules (their arithmetic is the
+    model's); the fields say which of them exist and where they go, and `lean_supported` checks
+    a model against them."""
+
+    name: str
+    classes: frozenset[str]  # the Hugging Face classes of the family
+    activation: str = "silu"  # the MLP gate's (config.hidden_act / hidden_activation): ACTIVATIONS
+    qkv_bias: bool = False  # q, k and v carry biases (Qwen2); Llama's config may add them too
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before the rotary (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm scales by offset + weight (Gemma: 1 + weight)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden) (Gemma)
+    # Sliding-window attention: "none"; "model" (config.sliding_window on every layer: Mistral);
+    # "layers" (config.layer_types names each layer full_attention or sliding_attention).
+    windows: str = "none"
+    rope_per_kind: bool = False  # each attention kind its own rotary base (Gemma 3: local 10k)
+
+
+FAMILIES = (
+    Family("llama", frozenset({"LlamaForCausalLM"})),
+    Family("mistral", frozenset({"MistralForCausalLM"}), windows="model"),
+    Family("qwen2", frozenset({"Qwen2ForCausalLM"}), qkv_bias=True, windows="layers"),
+    Family("qwen3", frozenset({"Qwen3ForCausalLM"}), qk_norm=True, windows="layers"),
+    Family("gemma3", frozenset({"Gemma3ForCausalLM"}), activation="gelu_pytorch_tanh", qk_norm=True,
+           sandwich_norms=True, norm_offset=1.0, embed_scale=True, windows="layers",
+           rope_per_kind=True),
+)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": nn.functional.silu,
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+}
 
 # Off the CPU (cuBLAS) a product's kernel and reduction split may depend on its row count (not
 # yet measured on a GPU: docs/invariance.md, CUDA), so an invariant forward runs every product and
@@ -43,31 +83,62 @@ FIXED_ROWS = 32
 _WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def family_of(model: PreTrainedModel) -> Family | None:
+    """The lean family of `model`'s class, or None."""
+    return next((f for f in FAMILIES if type(model).__name__ in f.classes), None)
+
+
 def lean_supported(model: PreTrainedModel) -> bool:
-    """Whether `model` has the plain Llama shape this module runs, on a CPU that packs its dtype
-    or on a GPU (float weights: fused F.linear at a fixed row count, docs/invariance.md)."""
+    """Whether `model` is of a family this module runs (and has that family's shape), on a CPU
+    that packs its dtype or on a GPU (float weights: fused F.linear at a fixed row count,
+    docs/invariance.md)."""
+    family = family_of(model)
     parameter = next(model.parameters(), None)
     on_gpu = (parameter is not None and parameter.device.type == "cuda"
               and parameter.dtype in (torch.float32, torch.bfloat16, torch.float16))
-    if type(model).__name__ not in LEAN_CLASSES or not (can_pack(model) or on_gpu):
+    if family is None or not (can_pack(model) or on_gpu):
         return False
     config = model.config.get_text_config(decoder=True)
-    if getattr(config, "hidden_act", None) != "silu":
+    if (activation_name(config) != family.activation
+            or getattr(config, "final_logit_softcapping", None) is not None
+            or getattr(config, "attn_logit_softcapping", None) is not None):
         return False
-    if type(model).__name__ == "MistralForCausalLM" and getattr(config, "sliding_window", None):
-        return False  # Mistral's window is model-wide; Qwen2 sets it per layer (checked below)
     body = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if body is None or not all(hasattr(body, name) for name in needed):
         return False
+    if hasattr(body.embed_tokens, "embed_scale") != family.embed_scale:
+        return False
+    bias = family.qkv_bias or bool(getattr(config, "attention_bias", False))
+    norms = ("input_layernorm", "post_attention_layernorm",
+             *(("pre_feedforward_layernorm", "post_feedforward_layernorm") if family.sandwich_norms else ()))
     for layer in body.layers:
         attention = getattr(layer, "self_attn", None)
-        if (attention is None or getattr(attention, "sliding_window", None) is not None
+        if (attention is None
                 or not all(hasattr(attention, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
-                or hasattr(attention, "q_norm")
+                or (attention.q_proj.bias is not None) != bias
+                or hasattr(attention, "q_norm") != family.qk_norm
+                or not all(hasattr(layer, name) for name in norms)
                 or not all(hasattr(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))):
             return False
     return True
+
+
+def activation_name(config) -> str | None:
+    """The MLP activation a config names (Gemma calls it hidden_activation)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+
+
+def windows(family: Family, config) -> list[int | None]:
+    """Each layer's sliding window (the keys a query sees, its own included), None: all."""
+    layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    if family.windows == "model" and window:
+        return [int(window)] * layers
+    kinds = getattr(config, "layer_types", None)
+    if family.windows == "layers" and window and kinds:
+        return [int(window) if kind == "sliding_attention" else None for kind in kinds[:layers]]
+    return [None] * layers
 
 
 @dataclass(frozen=True)
@@ -82,7 +153,7 @@ class Linear:
         """One product for several linear layers over the same input (outputs concatenated): a
         prepacked float weight, or one 4-bit kernel over the layers of a 4-bit target."""
         if isinstance(layers[0], QuantLinear):
-            return QuantLinear.fused(layers)
+            return with_bias(QuantLinear.fused(layers), layers)
         weight = torch.cat([layer.weight.detach() for layer in layers])
         biases = [layer.bias for layer in layers]
         bias = None
@@ -91,6 +162,8 @@ class Linear:
                               for b, layer in zip(biases, layers)])
         if weight.device.type != "cpu":
             return DenseLinear(weight, bias)
+        if weight.dtype == torch.bfloat16 and rows.available() and rows.fits(*weight.shape):
+            return with_bias(rows.DenseProduct(weight), layers)  # a bfloat16 target: the row kernel
         return cls(pack_weight(weight), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,12 +197,25 @@ def at_fixed_rows(f: Product, h: torch.Tensor, rows: int = FIXED_ROWS) -> torch.
 
 @dataclass(frozen=True)
 class Layer:
+    """One decoder layer's products and norms, and how its attention sees the keys."""
+
     attn_norm: Product
     qkv: Product
     out: Product
     mlp_norm: Product
     gate_up: Product
     down: Product
+    q_norm: Product | None = None  # over each head of q / k (Family.qk_norm)
+    k_norm: Product | None = None
+    attn_post_norm: Product | None = None  # after attention / after the MLP (Family.sandwich_norms)
+    mlp_post_norm: Product | None = None
+    window: int | None = None  # sliding window: a query sees the last `window` positions (its own included)
+    kind: str | None = None  # the rotary table it reads (Family.rope_per_kind: its attention kind)
+
+
+# The products a forward runs, by role (LeanWeights.paired names those that multiply a lone row
+# as two).
+ROLES = ("qkv", "out", "gate_up", "down", "head")
 
 
 class LeanWeights:
@@ -138,53 +224,90 @@ class LeanWeights:
     linear: builds one product from linear layers over the same input (default: their float
     weights prepacked; verispec.drafters.self_spec stores them in low precision). layers: the
     decoder layers kept, in order (default: all; fewer skips the others, Draft & Verify style).
-    norm: what runs each RMSNorm module (default: the module itself, as the model computes it; for
-    a 4-bit target, whose arithmetic is verispec's own, torch's fused rms_norm, one op for seven).
+    norm: what runs each RMSNorm module, given the family's weight offset (default: the module
+    itself, as the model computes it; for a 4-bit target, whose arithmetic is verispec's own,
+    torch's fused rms_norm, one op for seven).
     """
 
     def __init__(self, model: PreTrainedModel, linear: Callable[[list[nn.Linear]], Product] = Linear.fuse,
                  layers: Sequence[int] | None = None,
-                 norm: Callable[[nn.Module], Product] | None = None) -> None:
+                 norm: Callable[[nn.Module, float], Product] | None = None) -> None:
         config = model.config.get_text_config(decoder=True)
+        family = family_of(model)
+        if family is None:
+            raise VerispecError(f"{type(model).__name__} is of no lean family (lean_supported)")
+        self.family = family
         body = model.model
-        four_bit = isinstance(body.layers[0].mlp.down_proj, QuantLinear)
+        four_bit = isinstance(body.layers[0].mlp.down_proj, QuantLinear) and isinstance(
+            body.layers[0].mlp.down_proj.stored, Int4Groups)
         if norm is None:
-            norm = fused_rms_norm if four_bit else (lambda module: module)
+            norm = fused_rms_norm if four_bit else (lambda module, offset: module)
         attention = body.layers[0].self_attn
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(attention.head_dim)
         self.scaling = float(attention.scaling)
+        self.activation = ACTIVATIONS[family.activation]
         self.embed = body.embed_tokens
         self.rotary = body.rotary_emb
-        self.norm = norm(body.norm)
+        self.norm = norm(body.norm, family.norm_offset)
         self.head = linear([model.get_output_embeddings()])
         kept = range(len(body.layers)) if layers is None else layers
-        # Prepacked float32 products over 1536 inputs (the MLP's down projection) round a lone
-        # row differently from the same row among 2..17 (scripts/invariance_probe.py; every other
-        # shape of the built-in model agrees), so invariant one-row passes multiply two copies of
-        # the row there. The 4-bit kernel is row-invariant from one row on: it needs nothing.
+        layer_windows = windows(family, config)
+        kinds = list(getattr(config, "layer_types", None) or [None] * len(body.layers))
         on_cpu = model.get_output_embeddings().weight.device.type == "cpu"
-        self.pair_lone_rows = (on_cpu and linear == Linear.fuse
-                               and not isinstance(body.layers[0].mlp.down_proj, QuantLinear))
         # Off the CPU every product and norm of an invariant forward runs at FIXED_ROWS rows.
         self.fixed_rows = not on_cpu
+        # Rows attend through the row kernel's attention where it runs (kernels/rows.py): one
+        # call for a block's rows, the same arithmetic for a row whatever came with it.
+        self.row_kernel_attention = (on_cpu and rows.available() and self.head_dim in rows.HEAD_DIMS
+                                     and self.embed.weight.dtype in (torch.float32, torch.bfloat16))
+
         def stack(product: Callable[[list[nn.Linear]], Product]) -> list[Layer]:
-            return [Layer(
-                norm(layer.input_layernorm),
-                product([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                product([layer.self_attn.o_proj]),
-                norm(layer.post_attention_layernorm),
-                product([layer.mlp.gate_proj, layer.mlp.up_proj]),
-                product([layer.mlp.down_proj])) for layer in (body.layers[i] for i in kept)]
+            def one(i: int) -> Layer:
+                layer = body.layers[i]
+                attention, mlp = layer.self_attn, layer.mlp
+                sandwich = family.sandwich_norms
+                return Layer(
+                    norm(layer.input_layernorm, family.norm_offset),
+                    product([attention.q_proj, attention.k_proj, attention.v_proj]),
+                    product([attention.o_proj]),
+                    norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm,
+                         family.norm_offset),
+                    product([mlp.gate_proj, mlp.up_proj]),
+                    product([mlp.down_proj]),
+                    norm(attention.q_norm, family.norm_offset) if family.qk_norm else None,
+                    norm(attention.k_norm, family.norm_offset) if family.qk_norm else None,
+                    norm(layer.post_attention_layernorm, family.norm_offset) if sandwich else None,
+                    norm(layer.post_feedforward_layernorm, family.norm_offset) if sandwich else None,
+                    layer_windows[i], kinds[i] if family.rope_per_kind else None)
+            return [one(i) for i in kept]
 
         self.layers = stack(linear)
+        # A product may round a lone row differently from the same row among 2..17 (prepacked
+        # float32 over SmolLM2's 1536 inputs, the MLP's down projection: scripts/invariance_probe.py),
+        # so invariant one-row passes multiply two copies of the row through those products. Which
+        # ones is probed here, per role, on this model's shapes (drafters need no invariance).
+        self.paired: frozenset[str] = frozenset()
+        if on_cpu and linear == Linear.fuse:
+            first = self.layers[0]
+            products = {"qkv": first.qkv, "out": first.out, "gate_up": first.gate_up,
+                        "down": first.down, "head": self.head}
+            widths = {"qkv": int(config.hidden_size), "out": attention.o_proj.in_features,
+                      "gate_up": int(config.hidden_size), "down": body.layers[0].mlp.down_proj.in_features,
+                      "head": int(config.hidden_size)}
+            dtype = self.embed.weight.dtype
+            # the head reads the most bytes (Gemma 3's: 671 MB in float32): fewer rows
+            self.paired = frozenset(role for role in ROLES if lone_row_differs(
+                products[role], widths[role], dtype, 16 if role == "head" else 64))
         # A 4-bit target's prompts go through bfloat16 copies of its layers: the int4 kernel is a
         # matrix-vector kernel, slow on many rows (a 300-token prefill: 277 ms against 151 ms in
         # bfloat16, docs/int4.md). Plain and speculative decoding both prefill that way, so the
-        # guarantee holds; it costs 2 bytes a weight.
+        # guarantee holds; it costs 2 bytes a weight. The row kernel (lowbit.RowsInt4Kernel) takes
+        # a prompt's rows as fast as those copies (300 tokens: 310 against 299 ms), so it needs none.
         self.prompt_layers: list[Layer] | None = None
-        if linear == Linear.fuse and four_bit and cpu_packs(torch.bfloat16):
+        if (linear == Linear.fuse and four_bit and cpu_packs(torch.bfloat16)
+                and not isinstance(body.layers[0].mlp.down_proj.kernel, RowsInt4Kernel)):
             self.prompt_layers = stack(bfloat16_copy)
 
     @classmethod
@@ -192,18 +315,53 @@ class LeanWeights:
         """The (cached) weights of `model`; renewed when a linear weight was replaced or changed."""
         return per_model(_WEIGHTS, model, cls)
 
+    def cos_sin(self, x: torch.Tensor, positions: torch.Tensor, kind: str | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables at positions [rows] (of one attention kind where the family has one
+        per kind): cos, sin [rows, head_dim]."""
+        tables = self.rotary(x, positions[None]) if kind is None else self.rotary(x, positions[None], kind)
+        return tables[0][0], tables[1][0]
+
+
+@torch.inference_mode()
+def lone_row_differs(product: Product, width: int, dtype: torch.dtype, rows: int = 64) -> bool:
+    """Whether `product` gives any of `rows` random rows of `width` inputs (a fixed seed)
+    different bits alone than among 2 or `rows` rows. A difference in the float32 sum shows in a
+    bfloat16 output only where it crosses a rounding boundary, so many rows are tried."""
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(0)).to(dtype)
+    alone = torch.cat([product(x[i: i + 1]) for i in range(rows)])
+    pairs = torch.cat([product(x[i: i + 2])[:1] for i in range(rows - 1)])
+    return not (torch.equal(product(x), alone) and torch.equal(pairs, alone[:-1]))
+
 
 def bfloat16_copy(layers: list[nn.Linear]) -> Product:
     """One product over the layers' weights (a 4-bit target's: the values its codes stand for)
-    rounded to bfloat16 and prepacked; float activations in and out."""
-    return DenseKernel(torch.cat([layer.weight.detach() for layer in layers]), torch.bfloat16, True)
+    rounded to bfloat16 and prepacked; float activations in and out (their biases added)."""
+    kernel = DenseKernel(torch.cat([layer.weight.detach() for layer in layers]), torch.bfloat16, True)
+    return with_bias(kernel, layers)
 
 
-def fused_rms_norm(module: nn.Module) -> Product:
-    """A Llama RMSNorm as one fused op (torch's rms_norm) instead of the module's seven: about
-    twice as fast for one row. Rounding may differ from the module's, so only drafters use it."""
-    weight, eps = module.weight.detach(), float(module.variance_epsilon)
-    return lambda x: nn.functional.rms_norm(x, weight.shape, weight, eps)
+def with_bias(product: Product, layers: Sequence[nn.Module]) -> Product:
+    """`product` (over the layers' weights, fused) plus the layers' biases, if any have one."""
+    biases = [layer.bias for layer in layers]
+    if all(b is None for b in biases):
+        return product
+    bias = torch.cat([b.detach().float() if b is not None else torch.zeros(layer.out_features)
+                      for b, layer in zip(biases, layers)])
+
+    def biased(x: torch.Tensor) -> torch.Tensor:
+        out = product(x)
+        return out + bias.to(out.dtype)
+    return biased
+
+
+def fused_rms_norm(module: nn.Module, offset: float = 0.0) -> Product:
+    """An RMSNorm as one fused op (torch's rms_norm) instead of the module's seven: about twice
+    as fast for one row. It scales by offset + weight (Gemma: 1 + weight). Rounding may differ
+    from the module's, so only drafters and the 4-bit target (verispec's own arithmetic) use it."""
+    weight = module.weight.detach() + offset
+    eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+    return lambda x: nn.functional.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -219,6 +377,36 @@ class Block:
     tokens: torch.Tensor  # [n] int64
     positions: torch.Tensor | None = None  # [n]; None: the next n positions
     mask: torch.Tensor | None = None  # [n, length + n] bool (True = attend); None: causal
+
+
+@dataclass(frozen=True)
+class Sight:
+    """Which cached keys one block's rows see in a layer of a given window (None: all)."""
+
+    mask: torch.Tensor | None  # [n, length] bool for SDPA; None: causal (is_causal) or one row
+    causal: bool  # SDPA's is_causal: a whole block, no window cutting into it
+    whole: bool  # a first block over an empty cache (a prompt), attended as one block
+    rows: torch.Tensor | None  # [n, length] bool per row for row_attention; None: a chain
+
+
+def sight(past: int, block: Block, positions: torch.Tensor, window: int | None) -> Sight:
+    """What the rows of `block` (after `past` cached tokens, at `positions` [n]) see in a layer
+    whose window is `window`: the block's mask (causal by default), less keys `window` or more
+    positions back (Hugging Face's sliding window: key > query - window).
+
+    A first block over an empty cache that no window cuts into is plain causal attention, which
+    SDPA runs without materialising a mask (its flash kernel: ~35% less attention time on long
+    prompts)."""
+    n = block.tokens.shape[0]
+    end, device = past + n, block.tokens.device
+    whole = block.mask is None and n > 1 and past == 0
+    mask = block.mask
+    if mask is None and n > 1 and (past > 0 or window is not None and n > window):
+        mask = torch.ones(n, end, dtype=torch.bool, device=device).tril(past)
+    if window is not None and mask is not None:
+        key_positions = torch.cat([torch.arange(past, device=device), positions])
+        mask = mask & (key_positions[None] > positions[:, None] - window)
+    return Sight(mask, whole and mask is None, whole, None if block.mask is None else mask)
 
 
 def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
@@ -240,62 +428,72 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
     prompts_only = all(decoder.length == 0 and block.mask is None and block.tokens.shape[0] > 1
                        for decoder, block in zip(decoders, blocks))
     stack = w.prompt_layers if prompts_only and w.prompt_layers is not None else w.layers
-    attention = []  # per block: (mask, is_causal)
-    positions = []
-    for decoder, block, n in zip(decoders, blocks, sizes):
-        past = decoder.length
-        end = past + n
-        positions.append(torch.arange(past, end, device=block.tokens.device)
-                         if block.positions is None else block.positions)
-        # A first block over an empty cache is plain causal attention, which SDPA runs without
-        # materialising a mask (its flash kernel: ~35% less attention time on long prompts).
-        mask = block.mask
-        if mask is None and n > 1 and past > 0:
-            mask = torch.ones(n, end, dtype=torch.bool, device=block.tokens.device).tril(past)
-        attention.append((mask, block.mask is None and n > 1 and past == 0))
+    positions = [torch.arange(decoder.length, decoder.length + n, device=block.tokens.device)
+                 if block.positions is None else block.positions
+                 for decoder, block, n in zip(decoders, blocks, sizes)]
+    sights = {window: [sight(decoder.length, block, where, window)
+                       for decoder, block, where in zip(decoders, blocks, positions)]
+              for window in {layer.window for layer in stack}}
     tokens = blocks[0].tokens if len(blocks) == 1 else torch.cat([b.tokens for b in blocks])
     x = w.embed(tokens)[None]  # [1, rows, hidden]
-    cos, sin = (t[0] for t in w.rotary(x, (positions[0] if len(blocks) == 1
-                                           else torch.cat(positions))[None]))  # each [rows, head_dim]
-    rotary = list(zip(cos.split(sizes), sin.split(sizes)))
+    every = positions[0] if len(blocks) == 1 else torch.cat(positions)
+    rotary = {}  # kind -> per block (cos, sin), each [n, head_dim]
+    for kind in {layer.kind for layer in stack}:
+        cos, sin = w.cos_sin(x, every, kind)
+        rotary[kind] = list(zip(cos.split(sizes), sin.split(sizes)))
     q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
-    widen = invariant and x.shape[1] == 1 and w.pair_lone_rows
+    widen = invariant and x.shape[1] == 1
     fixed = invariant and w.fixed_rows and not prompts_only  # prompts are cached alike anyway
 
-    def run(f: Product, h: torch.Tensor, pair: bool = False) -> torch.Tensor:  # h: [1, rows, in]
+    def run(f: Product | None, h: torch.Tensor, role: str = "") -> torch.Tensor:  # h: [1, rows, in]
+        if f is None:
+            return h
         if fixed:
             return at_fixed_rows(f, h)
-        return f(torch.cat([h, h], dim=1))[:, :1] if pair and widen else f(h)
+        return f(torch.cat([h, h], dim=1))[:, :1] if widen and role in w.paired else f(h)
+
+    def heads(t: torch.Tensor, n: int, count: int, norm: Product | None) -> torch.Tensor:
+        # [1, n, count * head_dim] -> [1, count, n, head_dim], each head normed where the family
+        # says (as n * count rows, so that a fixed-row forward chunks rows, not heads)
+        rows = run(norm, t.reshape(1, n * count, w.head_dim))
+        return rows.view(1, n, count, w.head_dim).transpose(1, 2)
 
     captured = []
     for index, layer in enumerate(stack):
         if index in layers:
             captured.append(x[0])
         attended = []
-        for decoder, block, qkv, n, (cos, sin), (mask, causal) in zip(
-                decoders, blocks, run(layer.qkv, run(layer.attn_norm, x)).split(sizes, dim=1), sizes, rotary,
-                attention):
+        for decoder, qkv, n, (cos, sin), seen in zip(
+                decoders, run(layer.qkv, run(layer.attn_norm, x), "qkv").split(sizes, dim=1),
+                sizes, rotary[layer.kind], sights[layer.window]):
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = rotate(q.view(1, n, w.heads, w.head_dim).transpose(1, 2), cos, sin)
-            k = rotate(k.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2), cos, sin)
-            keys, values = decoder.caches[index].append(
-                k, v.view(1, n, w.kv_heads, w.head_dim).transpose(1, 2))
-            if invariant and n > 1 and not causal:  # a chain slices its keys; a tree gathers them
-                attended.append(row_attention(q, keys, values, block.mask, w.scaling,
-                                              w.kv_heads != w.heads))
+            q = rotate(heads(q, n, w.heads, layer.q_norm), cos, sin)
+            k = rotate(heads(k, n, w.kv_heads, layer.k_norm), cos, sin)
+            cache = decoder.caches[index]
+            keys, values = cache.append(k, heads(v, n, w.kv_heads, None))
+            if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:
+                attended.append(rows.attention(q, cache.keys, cache.values, cache.length, seen.rows,
+                                               w.scaling))
+                continue
+            if n == 1 and seen.mask is None and layer.window is not None:  # one row: the last keys
+                keys, values = keys[:, :, -layer.window:], values[:, :, -layer.window:]
+            if invariant and n > 1 and not seen.whole:  # a chain slices its keys; a tree gathers them
+                attended.append(row_attention(q, keys, values, seen.rows, w.scaling,
+                                              w.kv_heads != w.heads, layer.window))
                 continue
             attended.append(nn.functional.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=causal, scale=w.scaling,
+                q, keys, values, attn_mask=seen.mask, is_causal=seen.causal, scale=w.scaling,
                 enable_gqa=w.kv_heads != w.heads).transpose(1, 2).reshape(1, n, q_size))
-        x = x + run(layer.out, attended[0] if len(attended) == 1 else torch.cat(attended, dim=1))
-        gate, up = run(layer.gate_up, run(layer.mlp_norm, x)).chunk(2, dim=-1)
-        x = x + run(layer.down, nn.functional.silu(gate) * up, pair=True)
+        x = x + run(layer.attn_post_norm, run(layer.out, attended[0] if len(attended) == 1
+                                                  else torch.cat(attended, dim=1), "out"))
+        gate, up = run(layer.gate_up, run(layer.mlp_norm, x), "gate_up").chunk(2, dim=-1)
+        x = x + run(layer.mlp_post_norm, run(layer.down, w.activation(gate) * up, "down"))
     normed = run(w.norm, x)[0]
     return torch.cat([normed, *captured], dim=-1) if captured else normed
 
 
 def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float, gqa: bool) -> torch.Tensor:
+                  scale: float, gqa: bool, window: int | None = None) -> torch.Tensor:
     """Attention of each query row over exactly the keys it sees, in cache order, one row at a
     time: the same call, on the same keys, as the one-token step at that position makes.
 
@@ -303,14 +501,16 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     query (measured here, float32: scripts/invariance_probe.py); the linear products (prepacked,
     int4) are row-invariant already, so this makes the whole forward independent of the block.
     q: [1, heads, n, head_dim]; keys, values: [1, kv_heads, length, head_dim]; mask: [n, length]
-    bool (True = attend) or None (causal: row i sees the first length - n + i + 1 keys).
-    Returns [1, n, heads * head_dim].
+    bool (True = attend; its window applied) or None (causal: row i sees the first
+    length - n + i + 1 keys, of which the last `window` where given). Returns [1, n, heads * head_dim].
     """
     n, length = q.shape[2], keys.shape[2]
     rows = []
     for i in range(n):
         if mask is None:
-            seen_keys, seen_values = keys[:, :, : length - n + i + 1], values[:, :, : length - n + i + 1]
+            end = length - n + i + 1
+            start = 0 if window is None else max(0, end - window)
+            seen_keys, seen_values = keys[:, :, start:end], values[:, :, start:end]
         else:
             seen_keys, seen_values = keys[:, :, mask[i]], values[:, :, mask[i]]
         rows.append(nn.functional.scaled_dot_product_attention(
@@ -355,6 +555,8 @@ class LeanDecoder:
         """hidden [n, hidden] -> logits [n, vocab] through the model's LM head."""
         if self.invariant and self.weights.fixed_rows:
             return at_fixed_rows(self.weights.head, hidden)
+        if self.invariant and hidden.shape[0] == 1 and "head" in self.weights.paired:
+            return self.weights.head(torch.cat([hidden, hidden]))[:1]
         return self.weights.head(hidden)
 
     def rewind(self, length: int) -> None:

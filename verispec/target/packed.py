@@ -3,9 +3,7 @@
 `F.linear` on CPU hands each call to a GEMM that lays the weight out in its blocked format
 again, so a product over several rows reads the weight twice. A verification pass multiplies
 every weight by a block of 4-16 rows, and that repacking is what made it cost up to twice a
-one-token step here. Measured on this project's 2-core machine (SmolLM2-135M's 210 linear layers
-alone, float32): 40 ms for one row and 50-74 ms for 4-16 rows through `F.linear`; 26 ms and
-25-37 ms with prepacked weights (bfloat16: 38 -> 15 ms and 31-41 -> 19-21 ms). Prepacked
+one-token step (figures: docs/performance.md, "Prepacked weights"). Prepacked
 products are also independent of the number of rows (each row's result is bit-identical whether
 it is multiplied alone or in a block), which `F.linear` is not.
 
@@ -26,8 +24,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-# Block height the packed layout is tuned for: a typical verification block (measured: 4-16 rows
-# all within a few percent of the best layout for each).
+# Block height the packed layout is tuned for: a typical verification block (4-16 rows all run
+# within a few percent of the best layout for each: docs/performance.md).
 PACK_ROWS = 8
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 Module = TypeVar("Module", bound=nn.Module)

@@ -32,10 +32,10 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaForCausalLM
 
-from verispec.api import encode_prompt
 from verispec.core.errors import VerispecError
 from verispec.drafters.learned import save_drafter
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
+from verispec.request import encode_prompt
 from verispec.target.bytes import ASSISTANT, BOS, EOS, PAD, USER, VOCAB_SIZE, byte_config, byte_tokenizer
 from verispec.target.models import LoadedModel
 from verispec.training.data import answer

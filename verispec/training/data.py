@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from verispec.api import encode_prompt
 from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
+from verispec.decoding.engine import SequenceSpec
 from verispec.drafters.early_exit import decoder_layers, default_exit_layer
 from verispec.methods import PLAIN, build_engine
+from verispec.request import encode_prompt
 from verispec.target.hf_generate import hf_generate_batch
 from verispec.target.lean import lean_supported
 from verispec.target.models import LoadedModel
@@ -51,12 +52,13 @@ def answer(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -
     """The target's greedy answers (prompt + answer ids, ending at the first EOS), batched.
 
     Where the target runs on verispec's lean path, through verispec's own batched engine (plain
-    decoding, no padding, finished rows leave the batch): 3.2x faster than Hugging Face's
-    generate() on 64 prompts here, with the same tokens. Other models use generate().
+    decoding, no padding, finished rows leave the batch: faster than Hugging Face's generate(),
+    docs/training.md), with the same tokens. Other models use generate().
     """
     if lean_supported(target.model):
         rules = StoppingRules.build(max_new_tokens, sorted(target.eos_token_ids))
-        return [r.sequence for r in build_engine(target, PLAIN).generate_batch(prompts, rules)]
+        specs = SequenceSpec.batch(prompts, rules)
+        return [r.sequence for r in build_engine(target, PLAIN).generate_batch(specs)]
     return [p + new for p, new in zip(prompts, hf_generate_batch(target, prompts, max_new_tokens))]
 
 

@@ -31,8 +31,8 @@ class TrainConfig:
     checkpoint_every: int = 100
     eval_every: int = 250
     seed: int = 0
-    # bfloat16 autocast for the matrix products; None: where it is fast (bf16_is_fast). On a CPU
-    # with AVX512-BF16 it trained 1.7x faster; on one without, bfloat16 products ran 8x slower.
+    # bfloat16 autocast for the matrix products; None: where it is fast (bf16_is_fast; the
+    # measurements: docs/training.md).
     bf16: bool | None = None
 
 

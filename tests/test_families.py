@@ -1,0 +1,190 @@
+"""The lean path on every family it runs (verispec.target.lean.FAMILIES), on tiny models the tests
+build (tests/tiny.py: windows of 6 positions, random norms and biases): its forward is the
+family's own Hugging Face forward to float tolerance; it is batch-invariant bitwise in float32,
+bfloat16 and on the 4-bit target (one token against blocks 2..17, a tree, batch rows of other
+lengths); greedy speculation with the methods that need no training gives plain decoding's tokens;
+and on Gemma 3 sampling follows the target's law. A model of no family runs its own forward, and
+its stats say so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import test_invariance as invariance
+from tests.distribution import assert_follows, exact_marginals, sample_runs
+from tests.tiny import FAMILY_NAMES, WINDOW, tiny_family, tiny_foreign
+from verispec.core.policies import ConstantK, LoadCap
+from verispec.core.stopping import StoppingRules
+from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.drafters.ngram import PromptLookupDrafter
+from verispec.drafters.self_spec import SelfDrafter, SelfSettings
+from verispec.methods import FALLBACK, FASTEST, MODEL_DEFAULTS, build_engine, fastest_method
+from verispec.request import encode_prompt
+from verispec.target.cached_model import CachedModel
+from verispec.target.gguf_blocks import stored_types
+from verispec.target.lean import LeanDecoder, LeanWeights, family_of, lean_supported, windows
+from verispec.target.lowbit import int4_target
+from verispec.target.models import BUILTIN_MODELS, LoadedModel, load_model
+
+DTYPES = ("float32", "bfloat16", "int4")
+
+
+def build(name: str, dtype: str, seed: int = 1, vocab: int = 64) -> torch.nn.Module:
+    """A tiny model of family `name` in `dtype` (int4: the 4-bit target over it)."""
+    model = tiny_family(name, seed=seed, hidden=64, vocab=vocab)
+    if dtype == "int4":
+        int4_target(model, None)
+        return model
+    return model.to(getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_each_family_is_described_and_lean(name):
+    model = tiny_family(name)
+    family = family_of(model)
+    assert family is not None and family.name == name and lean_supported(model)
+    expected = {"llama": [None] * 3, "mistral": [WINDOW] * 3, "qwen2": [None, WINDOW, WINDOW],
+                "qwen3": [None, None, WINDOW], "gemma3": [WINDOW, None, WINDOW]}[name]
+    assert windows(family, model.config) == expected
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+@torch.no_grad()
+def test_lean_forward_is_the_familys_own(name):
+    """A prompt longer than the window, one-token steps, then a block: the logits of Hugging
+    Face's forward over the whole sequence, to float tolerance."""
+    model = tiny_family(name, seed=2)
+    tokens = torch.randint(3, 64, (32,), generator=torch.Generator().manual_seed(1))
+    expected = model(tokens[None]).logits[0]
+    decoder = LeanDecoder(LeanWeights.of(model), torch.device("cpu"))
+    pieces = [tokens[:12], *tokens[12:20].split(1), tokens[20:]]
+    got = torch.cat([decoder.logits(decoder.forward(piece)) for piece in pieces])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+@torch.no_grad()
+def test_4bit_lean_forward_is_its_own_modules(name):
+    """The 4-bit target's lean forward (fused norms with the family's weight offset, fused
+    products with their biases, bfloat16 prompt layers) against the same QuantLinear modules run
+    through Hugging Face's forward: equal up to bfloat16 rounding."""
+    model = build(name, "int4", seed=2)
+    tokens = torch.randint(3, 64, (24,), generator=torch.Generator().manual_seed(1))
+    expected = model(tokens[None]).logits[0]
+    decoder = LeanDecoder(LeanWeights.of(model), torch.device("cpu"))
+    got = torch.cat([decoder.logits(decoder.forward(tokens[:12])),
+                     *[decoder.logits(decoder.forward(t)) for t in tokens[12:].split(1)]])
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+@pytest.fixture(scope="module", params=[(n, d) for n in FAMILY_NAMES if n != "llama" for d in DTYPES],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def weights(request) -> LeanWeights:
+    """The lean weights of each family's tiny model in each dtype (the tiny Llama is in
+    tests/test_invariance.py)."""
+    return LeanWeights.of(build(*request.param))
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(3, 64, (invariance.PREFIX + 17,), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def test_blocks_of_every_length_match_one_token_steps(weights, tokens):
+    assert invariance.blocks_differing(weights, tokens, invariant=True) == []
+
+
+def test_tree_nodes_match_their_paths(weights, tokens):
+    invariance.test_tree_nodes_match_their_paths(weights, tokens)
+
+
+def test_batch_rows_match_alone(weights, tokens):
+    invariance.test_batch_rows_match_alone(weights, tokens)
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILY_NAMES if n != "llama"])
+@torch.no_grad()
+def test_switched_off_float32_blocks_differ(name, tokens):
+    """Without the invariance some block lengths round differently: the checks above bite."""
+    assert invariance.blocks_differing(LeanWeights.of(build(name, "float32")), tokens, invariant=False) != []
+
+
+PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5, 17, 42, 9, 33, 17], [1, 60, 7]]
+METHODS = ("pld", "suffix", "lookahead", "self-int4")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", [n for n in FAMILY_NAMES if n != "llama"])
+def test_methods_without_training_are_exact_on_each_family(name, dtype):
+    """Greedy pld, suffix, lookahead and self-int4 give `ar`'s tokens, and drafts were kept."""
+    target = LoadedModel(build(name, dtype, seed=3), None, f"tiny-{name}")
+    plain = build_engine(target, "ar")
+    assert plain.target.lean is not None
+    references = [plain.generate(p, StoppingRules.build(40)).token_ids for p in PROMPTS]
+    for method in METHODS:
+        engine = build_engine(target, method)
+        results = [engine.generate(p, StoppingRules.build(40)) for p in PROMPTS]
+        assert [r.token_ids for r in results] == references, method
+        assert sum(step.num_accepted for r in results for step in r.steps) > 0, method
+    if dtype == "float32":
+        assert fastest_method(target) == FASTEST  # the self drafters run on every family
+
+
+def test_a_model_of_no_family_runs_its_own_forward_and_says_so():
+    model = tiny_foreign(seed=1)
+    assert family_of(model) is None and not lean_supported(model)
+    stats = CachedModel(model).stats()
+    assert stats.invariance == "none" and "Hugging Face forward" in stats.kernel
+    assert fastest_method(LoadedModel(model, None, "olmo2")) == FALLBACK
+
+
+V = 16
+PROMPT = [1, 5, 9, 1, 1, 5, 9]
+
+
+def test_sampling_on_gemma3_follows_the_targets_law():
+    """Staged int4 self drafting on a tiny Gemma 3 (windows, sandwich norms, GeGLU): the first
+    three sampled tokens follow the target's exact law (its own forward), within the bound."""
+    model = tiny_family("gemma3", seed=2, vocab=V, hidden=64)
+    loaded = LoadedModel(model, None, "tiny-gemma3")
+
+    def make():
+        return SelfDrafter(loaded, SelfSettings("int4", skip=(2,)), lookup=PromptLookupDrafter(3, 1))
+
+    engine = SpeculativeEngine(model, make(), ConstantK(3), spawn=make, load_cap=LoadCap(()))
+    assert engine.target.lean is not None
+    sampling = SamplingParams(do_sample=True, temperature=0.8)
+    sampled = sample_runs(engine, PROMPT, 3, sampling, 3000)
+    sampled.check_drafting(positions=2)
+    assert_follows(sampled, exact_marginals(model, PROMPT, 3, sampling), "gemma3")
+
+
+# ---- the built-in Gemma 3 270M (the `gemma` extra; slow) -------------------------------------
+
+GEMMA = "gemma3-270m"
+GEMMA_PROMPTS = ["The history of the printing press begins", "Question: Why is the sky blue?\nAnswer:"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "gguf"])
+def test_builtin_gemma3_runs_lean_and_every_method_is_exact(dtype):
+    """Gemma 3 270M runs lean (as stored: each tensor in its file's type, Q5_0 81, Q4_K 27,
+    Q8_0 10 with the head, Q6_K 9), and greedy pld, suffix, lookahead and self-int4 give `ar`'s
+    tokens on it."""
+    pytest.importorskip(BUILTIN_MODELS[GEMMA].package, reason="the gemma extra is not installed")
+    target = load_model(GEMMA, dtype)
+    stats = CachedModel(target.model).stats()
+    assert stats.path == "lean (gemma3)" and stats.invariance == "row-attention"
+    if dtype == "gguf":
+        assert stored_types(target.model) == {"Q5_0": 81, "Q4_K": 27, "Q8_0": 10, "Q6_K": 9}
+        assert stats.dtype == "gguf" and "Q4_K: its values in float32" in stats.kernel
+    assert fastest_method(target) == MODEL_DEFAULTS[GEMMA]  # measured: scripts/choose_default.py
+    prompts = [encode_prompt(target, text) for text in GEMMA_PROMPTS]
+    plain = build_engine(target, "ar")
+    references = [plain.generate(p, StoppingRules.build(24)).token_ids for p in prompts]
+    for method in METHODS:
+        engine = build_engine(target, method)
+        assert [engine.generate(p, StoppingRules.build(24)).token_ids for p in prompts] == references, method

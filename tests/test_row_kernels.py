@@ -1,0 +1,185 @@
+"""The row kernels (verispec/target/kernels): each row's result is the same bits whatever rows
+came with it (blocks of 1..17 rows at any offset, torch.equal), and the values are the products
+and attention they stand for. The check is shown to catch a product whose rounding depends on
+the row count, so a passing run means something. The lean targets' own invariance (blocks 2..17,
+trees, batches) is tests/test_invariance.py, which runs on these kernels where they run; a test
+here checks that they do. Skipped, with the reason, where the kernels do not run (a CPU without
+AVX512-BF16, no compiler)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from tests.tiny import tiny_llama
+from verispec.target.cached_model import CachedModel
+from verispec.target.kernels import rows
+from verispec.target.lean import LeanWeights
+from verispec.target.lowbit import Int4Groups, Int8Groups, RowsInt4Kernel, RowsInt8Kernel, int4_target
+from verispec.target.models import DEFAULT_MODEL, load_model
+
+pytestmark = pytest.mark.skipif(not rows.available(), reason=f"row kernels: {rows.unavailable_reason()}")
+
+ROWS = 17
+
+
+def rows_differing(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, count) of every block x[start: start + count] (count 1..17) whose rows do not
+    give the bits those rows give among all 17. x: [17, in]."""
+    whole = product(x)
+    return [(start, count) for count in range(1, ROWS + 1) for start in range(ROWS - count + 1)
+            if not torch.equal(product(x[start: start + count]), whole[start: start + count])]
+
+
+def weight(out_features: int = 96, in_features: int = 128, seed: int = 0) -> torch.Tensor:
+    return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+
+
+def activations(in_features: int = 128, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(ROWS, in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+def int8_groups(w: torch.Tensor) -> Int8Groups:
+    """w rounded to a Q8_0 grid (groups of 32, float16 scales, codes -127..127), as its blocks."""
+    grouped = w.reshape(w.shape[0], -1, 32)
+    scales = (grouped.abs().amax(-1, keepdim=True) / 127).half().float()
+    on_grid = ((grouped / scales).round().clamp(-127, 127) * scales).reshape(w.shape)
+    found = Int8Groups.exact(on_grid)
+    assert found is not None
+    return found
+
+
+def codes(q: Int4Groups) -> rows.CodesProduct:
+    return rows.CodesProduct(q.codes, q.scales, q.mins)
+
+
+def products() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]:
+    """Each kind of product the kernels run, with the weights [out, in] it stands for."""
+    w = weight()
+    g32, g16, g64 = (Int4Groups.quantize(w, group) for group in (32, 16, 64))
+    half = Int4Groups(g32.codes, g32.scales.half().float(), g32.mins.half().float())  # a GGUF's own
+    q8 = int8_groups(w)
+    return {
+        "int4 g32 float32 scales": (codes(g32), g32.dequantize()),
+        "int4 g32 float16 scales": (codes(half), half.dequantize()),
+        "int4 g16": (codes(g16), g16.dequantize()),
+        "int4 g64 (as g32)": (codes(g64), g64.dequantize()),
+        "int8 g32 no minimums": (rows.CodesProduct(q8.codes, q8.scales, None, bits=8), q8.dequantize()),
+        "bfloat16 dense": (rows.DenseProduct(w), w.to(torch.bfloat16).float()),
+    }
+
+
+@pytest.mark.parametrize("kind", list(products()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_give_each_row_its_own_bits(kind, dtype):
+    product, _ = products()[kind]
+    assert rows_differing(product, activations(dtype=dtype)) == []
+
+
+@pytest.mark.parametrize("kind", list(products()))
+def test_products_compute_the_weights_they_stand_for(kind):
+    product, dense = products()[kind]
+    x = activations()
+    expected = x.to(torch.bfloat16).double() @ dense.double().T  # activations rounded to bfloat16
+    got = product(x)
+    assert got.shape == (ROWS, dense.shape[0])
+    assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_the_check_catches_a_product_that_rounds_by_row_count():
+    """A product that sums a lone row in another order than a block (as float32 F.linear did,
+    docs/invariance.md) is caught: the test above would see a kernel that did so."""
+    w = weight()
+
+    def by_count(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return (x.double() @ w.double().T).float()
+        return x @ w.T
+
+    assert {(start, 1) for start in range(ROWS)} <= set(rows_differing(by_count, activations()))
+
+
+def attention_inputs(dtype: torch.dtype, head_dim: int = 64):
+    """q [1, 9, 5, head_dim], a cache's buffers [1, 3, 64, head_dim] with 40 valid slots."""
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 9, 5, head_dim, generator=generator).to(dtype)
+    keys, values = (torch.randn(1, 3, 64, head_dim, generator=generator).to(dtype) for _ in range(2))
+    return q, keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_attention_rows_match_one_query_each(dtype, head_dim):
+    """A causal block's row i is the one-query call over the first 40 - 5 + i + 1 keys; a tree
+    row over its mask's keys is the one-query call over those keys gathered in order."""
+    q, keys, values = attention_inputs(dtype, head_dim)
+    block = rows.attention(q, keys, values, 40, None, 0.125)
+    for i in range(5):
+        alone = rows.attention(q[:, :, i: i + 1], keys, values, 40 - 5 + i + 1, None, 0.125)
+        assert torch.equal(block[:, i], alone[:, 0])
+    mask = torch.ones(5, 40, dtype=torch.bool)
+    mask[:, 35:] = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0],
+                                 [1, 1, 0, 0, 1]], dtype=torch.bool)
+    tree = rows.attention(q, keys, values, 40, mask, 0.125)
+    for i in range(5):
+        seen = mask[i].nonzero()[:, 0]
+        gathered = [t[:, :, seen].contiguous() for t in (keys, values)]
+        alone = rows.attention(q[:, :, i: i + 1], *gathered, len(seen), None, 0.125)
+        assert torch.equal(tree[:, i], alone[:, 0])
+    reference = F.scaled_dot_product_attention(
+        q.double(), keys[:, :, :40].double(), values[:, :, :40].double(), attn_mask=mask, scale=0.125,
+        enable_gqa=True).transpose(1, 2).reshape(1, 5, -1)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding
+    assert (tree.double() - reference).abs().max() < tolerance
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int4"])
+def test_the_lean_targets_run_on_the_row_kernels(dtype):
+    """The built-in model's 4-bit and bfloat16 targets multiply and attend through the row
+    kernels (so tests/test_invariance.py's blocks, trees and batches test them), and say so."""
+    model = load_model(DEFAULT_MODEL, dtype).model
+    weights = LeanWeights.of(model)
+    assert weights.row_kernel_attention
+    if dtype == "int4":
+        assert isinstance(weights.layers[0].qkv, RowsInt4Kernel)
+        assert isinstance(weights.head, RowsInt8Kernel)  # the GGUF's Q8_0 head, its own blocks
+    else:
+        assert isinstance(weights.layers[0].qkv, rows.DenseProduct)
+    kernel = CachedModel(model).kernel
+    assert rows.NAME in kernel and "attention verispec rows" in kernel
+
+
+def test_turned_off_the_previous_kernels_run():
+    """VERISPEC_KERNELS=off: torch's int4 kernel, oneDNN and row-by-row SDPA, named as such."""
+    code = ("from tests.tiny import tiny_llama; from verispec.target.lowbit import int4_target;"
+            "from verispec.target.cached_model import CachedModel; import torch;"
+            "m = tiny_llama(hidden=64); int4_target(m, None); c = CachedModel(m);"
+            "c.forward(torch.tensor([3, 4, 5])); c.forward(torch.tensor([6, 7])); print(c.kernel)")
+    env = dict(os.environ, VERISPEC_KERNELS="off")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "aten int4pack" in out.stdout and rows.NAME not in out.stdout
+
+
+def test_a_tiny_int4_target_computes_its_weights():
+    """The tiny 4-bit target's lean forward through the row kernels gives the logits of a float
+    model holding the weights its codes stand for, up to bfloat16 activations: the kernels compute
+    the model, not merely something row-invariant."""
+    model = tiny_llama(hidden=64)
+    int4_target(model, None)
+    target = CachedModel(model)
+    assert isinstance(target.lean.weights.layers[0].qkv, RowsInt4Kernel)
+    tokens = torch.tensor([3, 9, 27, 5, 8])
+    logits = torch.cat([target.forward(tokens[:3]), target.forward(tokens[3:4]), target.forward(tokens[4:])])
+    plain = tiny_llama(hidden=64)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if hasattr(module, "stored"):  # a QuantLinear: its weights as float32
+                plain.get_submodule(name).weight.copy_(module.weight)
+        reference = plain(tokens[None]).logits[0]
+    assert (logits - reference).abs().max() < 0.02 * reference.abs().max()

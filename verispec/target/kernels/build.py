@@ -1,0 +1,90 @@
+"""Builds rows.cpp once per machine into the user's cache and loads it; says why not where it
+cannot (no compiler, no ninja, not x86-64, a CPU without AVX512-BF16).
+
+The library goes to $XDG_CACHE_HOME/verispec/kernels/<name>/ (default ~/.cache), named by a
+hash of the source and of torch's version, so an edited source or another torch builds anew;
+nothing is downloaded. The first use builds it (about a minute on 2 cores, through
+torch.utils.cpp_extension and ninja); `make install` builds it ahead. Everything else loads
+the built file directly (milliseconds). VERISPEC_KERNELS=off turns the kernels off (the
+previous kernels run), for comparisons.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("rows.cpp")
+# What the kernels need from the CPU (rows.cpp's `features()` reports what this one has).
+NEEDED = "avx512_bf16"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "verispec" / "kernels"
+
+
+# -ffp-contract=off: the compiler fuses no multiply and add on its own, so a row's arithmetic is
+# exactly the instructions rows.cpp spells, whatever function it was inlined into.
+FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+
+
+def library_name() -> str:
+    digest = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode())
+    return f"verispec_rows_{digest.hexdigest()[:12]}"
+
+
+def _build(name: str, directory: Path) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"verispec: building the row kernels once (cached in {directory})", file=sys.stderr)
+    return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
+                              extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                              verbose=False)
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_loader(name, loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def load() -> tuple[ModuleType | None, str]:
+    """The row-kernel library and "" where this machine runs it, else None and why not."""
+    if os.environ.get("VERISPEC_KERNELS", "").lower() in ("off", "0", "no"):
+        return None, "turned off (VERISPEC_KERNELS=off)"
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        return None, "built for x86-64 Linux only"
+    name = library_name()
+    directory = cache_dir() / name
+    built = directory / f"{name}.so"  # what torch.utils.cpp_extension writes
+    try:
+        library = _import(name, built) if built.is_file() else _build(name, directory)
+    except (OSError, RuntimeError, ImportError, ValueError) as error:
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        return None, f"could not be built ({reason[:200]})"
+    if NEEDED not in library.features():
+        return None, f"this CPU lacks {NEEDED.upper().replace('_', '-')}"
+    return library, ""
+
+
+def library() -> ModuleType | None:
+    """The loaded row kernels, or None where they do not run here (`load` says why)."""
+    return load()[0]
+
+
+if __name__ == "__main__":  # `python -m verispec.target.kernels.build` (make install)
+    found, why = load()
+    print("verispec: row kernels " + ("ready" if found is not None else f"not used: {why}"))

@@ -1,0 +1,562 @@
+// Row-invariant CPU kernels for verispec's lean forward (verispec/target/kernels/rows.py).
+//
+// A verification block multiplies every weight by 2..17 rows; torch's int4 kernel is a
+// matrix-vector kernel and costs nearly a full pass per row. These kernels read (and for 4-bit
+// codes, unpack) each weight tile once and apply it to every row of the block, and each row's
+// arithmetic is the same sequence of instructions whatever the number of rows, the row's place
+// in the block, or the thread that runs it: a row's result is a function of that row alone
+// (row invariance by construction, docs/invariance.md).
+//
+// Products (x [M, K] -> [M, N], float32 accumulation):
+//   * codes: weights w[n, k] = code[n, k] * scale[n, g] + min[n, g] over groups g of G = 16 or 32
+//     input columns, codes stored as 4-bit nibbles (GGUF Q4_0 / Q4_1 / Q4_K) or signed bytes
+//     (up to 8-bit codes: Q5_0, Q6_K, Q8_0). The codes are exact in bfloat16, so each group's
+//     sum(code * x) is a chain of bfloat16 dot products (AVX512-BF16 vdpbf16ps) on x rounded to
+//     bfloat16; then y += sum * scale + sum(x over the group) * min, in float32.
+//   * dense: bfloat16 weights (a bfloat16 target's layers, LM heads), the same dot products.
+// Attention: each query row over exactly the keys it sees, in cache order (a causal row i over
+// the first L - n + i + 1 keys, a tree row over its mask's keys), float32 arithmetic.
+//
+// Layouts (made once at load by rows.py): output columns come in tiles of 16 (one 512-bit lane
+// each). For tile t and group g, codes are 16 * G / 2 bytes: byte 32 q + 2 j + e holds, in its
+// low nibble, the code of output 16 t + j at input g G + 4 q + e, and in its high nibble the one
+// at g G + 4 q + 2 + e (byte codes: G * 16 bytes, byte 32 p + 2 j + e the code at g G + 2 p + e).
+// Scales and minimums: [tiles, groups, 16] float32. Dense weights: [tiles, K / 32, 16, 16, 2]
+// bfloat16, element [t, c, p, j, e] the weight of output 16 t + j at input 32 c + 2 p + e.
+//
+// The kernels are compiled for AVX-512 with BF16 (function attributes); the rest of the file
+// is plain x86-64, so the library loads anywhere and `features()` says what this CPU can run.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define VERISPEC_X86 1
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+#else
+#define VERISPEC_X86 0
+#endif
+
+namespace {
+
+// Rows whose accumulators a product keeps at once (a larger M runs in chunks of this many rows;
+// a row's arithmetic does not depend on its chunk).
+constexpr int64_t ROW_CHUNK = 32;
+constexpr int64_t TILE = 16;
+// How far ahead (bytes) the products prefetch the weights they stream: the hardware prefetcher
+// alone left a 16-row product over weights from memory at a fifth of its in-cache speed.
+constexpr int64_t PREFETCH = 4096;
+
+bool avx512_bf16() {
+#if VERISPEC_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "verispec row kernels: ", what); }
+
+#if VERISPEC_X86
+
+// x [M, K] (float32 or bfloat16) -> bfloat16 bits [M, K], rounded to nearest even.
+AVX512_BF16 void to_bf16(const at::Tensor& x, uint16_t* out) {
+  const int64_t numel = x.numel();
+  if (x.scalar_type() == at::kBFloat16) {
+    std::memcpy(out, x.data_ptr(), numel * 2);
+    return;
+  }
+  const float* src = x.data_ptr<float>();
+  int64_t i = 0;
+  for (; i + 16 <= numel; i += 16) {
+    __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)h);
+  }
+  if (i < numel) {
+    __mmask16 tail = (__mmask16)((1u << (numel - i)) - 1);
+    __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, src + i));
+    _mm256_mask_storeu_epi16(out + i, tail, (__m256i)h);
+  }
+}
+
+// Sum of each group of G bfloat16 values of a row, in float32 (pairs, then a fixed tree).
+template <int G>
+AVX512_BF16 void group_sums(const uint16_t* xb, int64_t M, int64_t K, float* sums) {
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < K / G; ++g) {
+      const uint16_t* p = xb + r * K + g * G;
+      __m512 pairs = _mm512_setzero_ps();
+      for (int i = 0; i < G; i += 32) {
+        __m512i v = G >= 32 ? _mm512_loadu_si512(p + i)
+                            : _mm512_maskz_loadu_epi16(0xffff, p + i);
+        pairs = _mm512_dpbf16_ps(pairs, (__m512bh)v, ones);
+      }
+      sums[r * (K / G) + g] = _mm512_reduce_add_ps(pairs);
+    }
+  }
+}
+
+// One row's sum over a tile-group: P pair registers against the row's G inputs, four chains.
+template <int P>
+AVX512_BF16 inline __m512 dot_rows(const __m512bh* w, const uint32_t* x) {
+  __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
+  __m512 c2 = _mm512_setzero_ps(), c3 = _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int i = 0; i < P; i += 4) {
+    c0 = _mm512_dpbf16_ps(c0, w[i], (__m512bh)_mm512_set1_epi32(x[i]));
+    c1 = _mm512_dpbf16_ps(c1, w[i + 1], (__m512bh)_mm512_set1_epi32(x[i + 1]));
+    c2 = _mm512_dpbf16_ps(c2, w[i + 2], (__m512bh)_mm512_set1_epi32(x[i + 2]));
+    c3 = _mm512_dpbf16_ps(c3, w[i + 3], (__m512bh)_mm512_set1_epi32(x[i + 3]));
+  }
+  return _mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3));
+}
+
+// Unpacks one tile-group of codes into P registers of bfloat16 pairs.
+template <int P, bool NIBBLES>
+AVX512_BF16 inline void unpack(const uint8_t* codes, __m512bh* w) {
+  if constexpr (NIBBLES) {
+    // bfloat16 of 0..15 in words 0..15: the codes index it
+    const __m512i table = _mm512_set_epi16(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    const __m512i low = _mm512_set1_epi16(0x0f);
+#pragma GCC unroll 8
+    for (int q = 0; q < P / 2; ++q) {
+      __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * q)));
+      w[2 * q] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, low), table);
+      w[2 * q + 1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * p));
+      __m128i b2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * p + 16));
+      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+      __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b2));
+      w[p] = _mm512_cvtne2ps_pbh(hi, lo);  // exact: codes are small integers
+    }
+  }
+}
+
+template <bool HALF>
+AVX512_BF16 inline __m512 load_scales(const void* p, int64_t at) {
+  if constexpr (HALF) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + at)));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(p) + at);
+  }
+}
+
+// NIBBLES: 4-bit codes (else bytes); HALF: scales and minimums stored as float16 (exactly the
+// float32 values: a GGUF block's own); MINS: w = code * scale + min (else code * scale).
+template <int G, bool NIBBLES, bool HALF, bool MINS>
+AVX512_BF16 void codes_tiles(const uint16_t* xb, const float* xsum, int64_t M, int64_t K,
+                             const uint8_t* codes, const void* scales, const void* mins,
+                             float* out, int64_t N, int64_t t0, int64_t t1) {
+  constexpr int P = G / 2;
+  constexpr int64_t BYTES = NIBBLES ? TILE * G / 2 : TILE * G;
+  const int64_t groups = K / G;
+  alignas(64) float acc[ROW_CHUNK * TILE];
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
+      const int64_t rows = std::min(ROW_CHUNK, M - r0);
+      for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(acc + r * TILE, _mm512_setzero_ps());
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t tg = t * groups + g;
+        for (int64_t line = 0; line < BYTES; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(codes + tg * BYTES + PREFETCH + line), _MM_HINT_T0);
+        _mm_prefetch(static_cast<const char*>(scales) + (tg * TILE) * (HALF ? 2 : 4) + PREFETCH / 4, _MM_HINT_T0);
+        if constexpr (MINS)
+          _mm_prefetch(static_cast<const char*>(mins) + (tg * TILE) * (HALF ? 2 : 4) + PREFETCH / 4, _MM_HINT_T0);
+        __m512bh w[P];
+        unpack<P, NIBBLES>(codes + tg * BYTES, w);
+        const __m512 s = load_scales<HALF>(scales, tg * TILE);
+        __m512 m = _mm512_setzero_ps();
+        if constexpr (MINS) m = load_scales<HALF>(mins, tg * TILE);
+        for (int64_t r = 0; r < rows; ++r) {
+          const uint32_t* x = reinterpret_cast<const uint32_t*>(xb + (r0 + r) * K + g * G);
+          __m512 sum = dot_rows<P>(w, x);
+          __m512 a = _mm512_load_ps(acc + r * TILE);
+          a = _mm512_fmadd_ps(sum, s, a);
+          if constexpr (MINS) a = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(r0 + r) * groups + g]), m, a);
+          _mm512_store_ps(acc + r * TILE, a);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        _mm512_storeu_ps(out + (r0 + r) * N + t * TILE, _mm512_load_ps(acc + r * TILE));
+    }
+  }
+}
+
+using CodesKernel = void (*)(const uint16_t*, const float*, int64_t, int64_t, const uint8_t*,
+                             const void*, const void*, float*, int64_t, int64_t, int64_t);
+
+template <int G, bool NIBBLES>
+CodesKernel pick_codes(bool half, bool mins) {
+  if (half) return mins ? codes_tiles<G, NIBBLES, true, true> : codes_tiles<G, NIBBLES, true, false>;
+  return mins ? codes_tiles<G, NIBBLES, false, true> : codes_tiles<G, NIBBLES, false, false>;
+}
+
+template <bool BF16_OUT>
+AVX512_BF16 void dense_tiles(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* weight,
+                             void* out, int64_t N, int64_t t0, int64_t t1) {
+  constexpr int P = 16;
+  const int64_t chunks = K / 32;
+  alignas(64) float acc[ROW_CHUNK * TILE];
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
+      const int64_t rows = std::min(ROW_CHUNK, M - r0);
+      for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(acc + r * TILE, _mm512_setzero_ps());
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint16_t* tile = weight + (t * chunks + c) * (TILE * 32);
+        for (int64_t line = 0; line < TILE * 32 * 2; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(tile) + PREFETCH + line, _MM_HINT_T0);
+        __m512bh w[P];
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) w[p] = (__m512bh)_mm512_loadu_si512(tile + 32 * p);
+        for (int64_t r = 0; r < rows; ++r) {
+          const uint32_t* x = reinterpret_cast<const uint32_t*>(xb + (r0 + r) * K + c * 32);
+          __m512 a = _mm512_load_ps(acc + r * TILE);
+          _mm512_store_ps(acc + r * TILE, _mm512_add_ps(a, dot_rows<P>(w, x)));
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        __m512 a = _mm512_load_ps(acc + r * TILE);
+        if constexpr (BF16_OUT) {
+          uint16_t* o = static_cast<uint16_t*>(out) + (r0 + r) * N + t * TILE;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(a));
+        } else {
+          _mm512_storeu_ps(static_cast<float*>(out) + (r0 + r) * N + t * TILE, a);
+        }
+      }
+    }
+  }
+}
+
+// ---- attention -------------------------------------------------------------------------------
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum): Cody-Waite reduction, a degree-6
+// polynomial, 2^n by scalef. The same lane arithmetic for every element.
+AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename T>
+AVX512_BF16 inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// Lane i of the result: the sum of v[i]'s 16 lanes, by the same tree for every i (so a key's
+// score does not depend on its slot among 16).
+AVX512_BF16 inline __m512 lane_sums(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xee));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+
+// GB query heads (of one kv head's group) of one row over the keys index[0..count) (cache
+// slots, in order; the index is padded to a multiple of 16 with its last slot), loading each key
+// and value once for the GB heads. q[b]: [16 C]; keys, values: one kv head's cache rows
+// [slots, 16 C]; scores: scratch [GB][count rounded up to 16]; out[b]: [16 C].
+// A head's arithmetic does not depend on GB or on the other heads.
+template <int C, int GB, typename T>
+AVX512_BF16 void attend(const T* const* q, const T* keys, const T* values, const int32_t* index,
+                        int64_t count, int64_t stride, float scale, float* scores, T* const* out) {
+  constexpr int64_t D = 16 * C;
+  __m512 qv[GB][C];
+  for (int b = 0; b < GB; ++b)
+    for (int c = 0; c < C; ++c) qv[b][c] = load16(q[b] + 16 * c);
+  const __m512 scaling = _mm512_set1_ps(scale);
+  __m512 top[GB];
+  for (int b = 0; b < GB; ++b) top[b] = _mm512_set1_ps(-INFINITY);
+  alignas(64) __m512 dots[GB][16];
+  for (int64_t j0 = 0; j0 < count; j0 += 16) {
+    for (int i = 0; i < 16; ++i) {
+      const T* k = keys + static_cast<int64_t>(index[j0 + i]) * D;
+      _mm_prefetch(reinterpret_cast<const char*>(keys + static_cast<int64_t>(index[std::min<int64_t>(j0 + i + 16, stride - 1)]) * D), _MM_HINT_T0);
+      __m512 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load16(k + 16 * c);
+      for (int b = 0; b < GB; ++b) {
+        __m512 a = _mm512_mul_ps(qv[b][0], kv[0]);
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[b][c], kv[c], a);
+        dots[b][i] = a;
+      }
+    }
+    const __mmask16 valid = count - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - j0)) - 1);
+    for (int b = 0; b < GB; ++b) {
+      const __m512 s = _mm512_mul_ps(lane_sums(dots[b]), scaling);
+      _mm512_storeu_ps(scores + b * stride + j0, s);
+      top[b] = _mm512_mask_max_ps(top[b], valid, top[b], s);
+    }
+  }
+  __m512 inverse[GB];
+  for (int b = 0; b < GB; ++b) {
+    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top[b]));
+    float* sc = scores + b * stride;
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < count; j0 += 16) {
+      const __mmask16 valid = count - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - j0)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sc + j0), peak)));
+      _mm512_storeu_ps(sc + j0, e);
+      total = _mm512_add_ps(total, e);
+    }
+    inverse[b] = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+  }
+  __m512 o[GB][C];
+  for (int b = 0; b < GB; ++b)
+    for (int c = 0; c < C; ++c) o[b][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < count; ++j) {
+    const T* v = values + static_cast<int64_t>(index[j]) * D;
+    _mm_prefetch(reinterpret_cast<const char*>(values + static_cast<int64_t>(index[std::min<int64_t>(j + 16, stride - 1)]) * D), _MM_HINT_T0);
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
+    for (int b = 0; b < GB; ++b) {
+      const __m512 e = _mm512_set1_ps(scores[b * stride + j]);
+      for (int c = 0; c < C; ++c) o[b][c] = _mm512_fmadd_ps(e, vv[c], o[b][c]);
+    }
+  }
+  for (int b = 0; b < GB; ++b)
+    for (int c = 0; c < C; ++c) {
+      const __m512 r = _mm512_mul_ps(o[b][c], inverse[b]);
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_storeu_ps(out[b] + 16 * c, r);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b] + 16 * c), (__m256i)_mm512_cvtneps_pbh(r));
+      }
+    }
+}
+
+// Heads attended together: as many as keep their queries and sums in registers (at most 4).
+template <int C>
+constexpr int head_block() { return C >= 8 ? 1 : C >= 4 ? 3 : 4; }
+
+template <int C, typename T>
+void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                    const at::Tensor& mask, int64_t length, double scale, at::Tensor& out) {
+  // q: [heads, n, D] (any strides but D's); keys, values: [kv_heads, capacity, D] contiguous
+  constexpr int64_t D = 16 * C;
+  constexpr int BLOCK = head_block<C>();
+  const int64_t heads = q.size(0), n = q.size(1), kv_heads = keys.size(0);
+  const int64_t group = heads / kv_heads, capacity = keys.size(1);
+  const bool causal = !mask.defined();
+  const bool* m = causal ? nullptr : mask.data_ptr<bool>();
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(keys.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(values.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t padded = (length + 15) / 16 * 16;
+  // Few rows (a one-token step): a task per query head, so that every thread has work; else a
+  // task per kv head, its keys loaded once for a block of its heads. A head's arithmetic is the
+  // same either way.
+  const int64_t per_task = n * kv_heads < 2 * at::get_num_threads() ? 1 : group;
+  const int64_t tasks_per_row = heads / per_task;
+  at::parallel_for(0, n * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> index(padded);
+    std::vector<float> scores(BLOCK * padded);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / tasks_per_row, first = task % tasks_per_row * per_task;
+      const int64_t h = first / group;
+      int64_t count = 0;
+      if (causal) {
+        count = length - n + i + 1;
+        for (int64_t j = 0; j < count; ++j) index[j] = static_cast<int32_t>(j);
+      } else {
+        for (int64_t j = 0; j < length; ++j)
+          if (m[i * length + j]) index[count++] = static_cast<int32_t>(j);
+      }
+      check(count > 0, "a row that sees no key");
+      for (int64_t j = count; j < padded; ++j) index[j] = index[count - 1];
+      for (int64_t g0 = 0; g0 < per_task; g0 += BLOCK) {
+        const T* qs[BLOCK];
+        T* os[BLOCK];
+        const int64_t block = std::min<int64_t>(BLOCK, per_task - g0);
+        for (int64_t b = 0; b < block; ++b) {
+          const int64_t head = first + g0 + b;
+          qs[b] = qp + head * q.stride(0) + i * q.stride(1);
+          os[b] = op + i * heads * D + head * D;
+        }
+        auto run = [&](auto kernel) {
+          kernel(qs, kp + h * capacity * D, vp + h * capacity * D, index.data(), count, padded,
+                 static_cast<float>(scale), scores.data(), os);
+        };
+        if (block == BLOCK) run(attend<C, BLOCK, T>);
+        else if (block == 1) run(attend<C, 1, T>);
+        else if (block == 2) run(attend<C, BLOCK >= 2 ? 2 : 1, T>);
+        else run(attend<C, BLOCK >= 3 ? 3 : 1, T>);
+      }
+    }
+  });
+}
+
+template <typename T>
+void attention_dispatch(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                        const at::Tensor& mask, int64_t length, double scale, at::Tensor& out) {
+  switch (q.size(2) / 16) {
+    case 1: attention_rows<1, T>(q, keys, values, mask, length, scale, out); break;
+    case 2: attention_rows<2, T>(q, keys, values, mask, length, scale, out); break;
+    case 4: attention_rows<4, T>(q, keys, values, mask, length, scale, out); break;
+    case 5: attention_rows<5, T>(q, keys, values, mask, length, scale, out); break;
+    case 6: attention_rows<6, T>(q, keys, values, mask, length, scale, out); break;
+    case 8: attention_rows<8, T>(q, keys, values, mask, length, scale, out); break;
+    case 16: attention_rows<16, T>(q, keys, values, mask, length, scale, out); break;
+    default: check(false, "head_dim of 16, 32, 64, 80, 96, 128 or 256");
+  }
+}
+
+#endif  // VERISPEC_X86
+
+// Tiles per task: enough work to amortise a fork (a one-row product over 8 tiles is a few
+// microseconds), so small products run on one thread.
+int64_t tiles_per_task(int64_t rows) { return std::max<int64_t>(1, 8 / std::max<int64_t>(rows, 1)); }
+
+}  // namespace
+
+std::vector<std::string> features() {
+  std::vector<std::string> found;
+  if (avx512_bf16()) found.push_back("avx512_bf16");
+  return found;
+}
+
+// x [M, K] float32 or bfloat16 -> x @ w.T [M, N] float32, w given as group codes; scales and
+// mins float32 or float16 alike, mins None for w = code * scale.
+at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t group, bool nibbles, int64_t N) {
+#if VERISPEC_X86
+  check(avx512_bf16(), "this CPU lacks AVX512-BF16");
+  check(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] matrix");
+  check(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1);
+  check(group == 16 || group == 32, "groups of 16 or 32 inputs");
+  check(K % 32 == 0 && N % TILE == 0, "in % 32 == 0 and out % 16 == 0");
+  const bool has_mins = mins.has_value() && mins->defined();
+  const bool half = scales.scalar_type() == at::kHalf;
+  check(half || scales.scalar_type() == at::kFloat, "float32 or float16 scales");
+  check(codes.is_contiguous() && scales.is_contiguous() && codes.numel() == N * K / (nibbles ? 2 : 1) &&
+            scales.numel() == N * K / group, "codes and scales of this shape");
+  check(!has_mins || (mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
+                      mins->numel() == scales.numel()), "minimums like the scales");
+  at::Tensor xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+  uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr());
+  to_bf16(x, xbp);
+  at::Tensor sums;
+  if (has_mins) {
+    sums = at::empty({M, K / group}, x.options().dtype(at::kFloat));
+    if (group == 32) group_sums<32>(xbp, M, K, sums.data_ptr<float>());
+    else group_sums<16>(xbp, M, K, sums.data_ptr<float>());
+  }
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const int64_t tiles = N / TILE;
+  CodesKernel kernel = group == 32 ? (nibbles ? pick_codes<32, true>(half, has_mins) : pick_codes<32, false>(half, has_mins))
+                                   : (nibbles ? pick_codes<16, true>(half, has_mins) : pick_codes<16, false>(half, has_mins));
+  const float* sp = has_mins ? sums.data_ptr<float>() : nullptr;
+  const void* mp = has_mins ? mins->data_ptr() : nullptr;
+  at::parallel_for(0, tiles, tiles_per_task(M), [&](int64_t t0, int64_t t1) {
+    kernel(xbp, sp, M, K, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(), mp,
+           out.data_ptr<float>(), N, t0, t1);
+  });
+  return out;
+#else
+  check(false, "x86-64 only");
+  return x;
+#endif
+}
+
+// x [M, K] -> x @ w.T [M, N] in `out_dtype` (float32 or bfloat16), w packed bfloat16.
+at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& weight, int64_t N, bool bf16_out) {
+#if VERISPEC_X86
+  check(avx512_bf16(), "this CPU lacks AVX512-BF16");
+  check(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] matrix");
+  check(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1);
+  check(K % 32 == 0 && N % TILE == 0 && weight.numel() == N * K, "a packed weight of this shape");
+  at::Tensor xb = x;
+  if (x.scalar_type() != at::kBFloat16) {
+    xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+    to_bf16(x, reinterpret_cast<uint16_t*>(xb.data_ptr()));
+  }
+  const uint16_t* xbp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  const int64_t tiles = N / TILE;
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  at::parallel_for(0, tiles, tiles_per_task(M), [&](int64_t t0, int64_t t1) {
+    if (bf16_out) dense_tiles<true>(xbp, M, K, w, out.data_ptr(), N, t0, t1);
+    else dense_tiles<false>(xbp, M, K, w, out.data_ptr(), N, t0, t1);
+  });
+  return out;
+#else
+  check(false, "x86-64 only");
+  return x;
+#endif
+}
+
+// q [heads, n, D] (after rotary), keys / values [kv_heads, capacity, D] (a cache's buffers),
+// the first `length` slots valid; mask [n, length] bool or None (causal: row i sees the first
+// length - n + i + 1). Returns [n, heads * D] in q's dtype.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                     const c10::optional<at::Tensor>& mask, int64_t length, double scale) {
+#if VERISPEC_X86
+  check(avx512_bf16(), "this CPU lacks AVX512-BF16");
+  check(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "q [heads, n, D], keys/values [kv_heads, slots, D]");
+  check(q.stride(2) == 1 && keys.is_contiguous() && values.is_contiguous(), "contiguous head dims and caches");
+  check(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(), "one dtype");
+  const int64_t D = q.size(2);
+  check(q.size(0) % keys.size(0) == 0 && D % 16 == 0, "heads % kv_heads == 0, head_dim % 16 == 0");
+  check(length <= keys.size(1) && length >= q.size(1), "length within the cache");
+  at::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    m = mask->contiguous();
+    check(m.scalar_type() == at::kBool && m.size(0) == q.size(1) && m.size(1) == length, "mask [n, length] bool");
+  }
+  at::Tensor out = at::empty({q.size(1), q.size(0) * D}, q.options());
+  if (q.scalar_type() == at::kFloat) attention_dispatch<float>(q, keys, values, m, length, scale, out);
+  else if (q.scalar_type() == at::kBFloat16) attention_dispatch<at::BFloat16>(q, keys, values, m, length, scale, out);
+  else check(false, "float32 or bfloat16 attention");
+  return out;
+#else
+  check(false, "x86-64 only");
+  return q;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("features", &features, "instruction sets this CPU offers the kernels");
+  module.def("linear_codes", &linear_codes, "x @ w.T for group-coded weights");
+  module.def("linear_dense", &linear_dense, "x @ w.T for packed bfloat16 weights");
+  module.def("attention", &attention, "row attention over a cache");
+}
