@@ -224,9 +224,36 @@ def test_train_bytes_command_writes_a_model_and_its_heads(tmp_path, capsys):
     assert training["corpus"]["code_train"]["documents"] > 100
     assert {"bits_head1", "bits_head3", "bits_code", "bits_chat"} <= set(training["held_out_bits"])
     assert MTPDrafter.load(out / "mtp", loaded.model).net.num_heads == 2
+    assert training["step"] == 2
     capsys.readouterr()
     assert main([*args, "--text", str(tmp_path / "corpus.txt")]) == 2
     assert "--text: drafter training options" in capsys.readouterr().err
+
+
+def test_train_bytes_stops_at_a_step_of_its_schedule_and_resumes_past_it(tmp_path, capsys):
+    """--stop-at exports what an interrupted run reached, on the --steps schedule; the command
+    without it resumes from there and ends where one uninterrupted run ends, on the same learning
+    rates."""
+    from tests.tiny import save_tiny
+
+    writer = save_tiny(tmp_path / "writer")
+    base = ["train", "bytes", "--target", str(writer), "--data", str(tmp_path / "data"), "--steps",
+            "4", "--batch-size", "2", "--hidden", "32", "--layers", "2", "--heads", "1",
+            "--context", "64", "--prompts", "64", "--max-new-tokens", "4"]
+    assert main([*base, "--out", str(tmp_path / "a"), "--stop-at", "2"]) == 0
+    assert json.loads((tmp_path / "a" / "model" / "training.json").read_text())["step"] == 2
+    assert main([*base, "--out", str(tmp_path / "a")]) == 0
+    assert main([*base, "--out", str(tmp_path / "b")]) == 0
+    resumed, whole = (json.loads((tmp_path / run / "run" / "history.json").read_text())
+                      for run in ("a", "b"))
+    assert [h["step"] for h in resumed] == [h["step"] for h in whole] == [1, 2, 3, 4]
+    assert [h["lr"] for h in resumed] == [h["lr"] for h in whole]
+    assert json.loads((tmp_path / "a" / "model" / "training.json").read_text())["step"] == 4
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "a"), "--stop-at", "3"]) == 2  # past it already
+    assert "past 3" in capsys.readouterr().err
+    assert main([*base, "--out", str(tmp_path / "c"), "--stop-at", "5"]) == 2
+    assert "--stop-at" in capsys.readouterr().err
 
 
 def test_held_out_split_is_by_name_and_never_holds_out_quoted_modules():

@@ -52,6 +52,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        help=f"answer length in the data (default: 160; {bytes_.max_new_tokens})")
     train.add_argument("--steps", type=int,
                        help=f"default: {TrainConfig.steps}; {BYTE_TRAINING.steps}")
+    train.add_argument("--stop-at", type=int, metavar="STEP",
+                       help=f"{BYTES_KIND}: stop and export at this step of the --steps schedule "
+                       "(resuming OUT/run's checkpoint: what an interrupted run reached)")
     train.add_argument("--lr", type=float, help=f"default: {TrainConfig.lr}; {BYTE_TRAINING.lr}")
     train.add_argument("--batch-size", type=int,
                        help=f"default: {TrainConfig.batch_size}; {BYTE_TRAINING.batch_size}")
@@ -111,6 +114,9 @@ def run_command(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise VerispecError(f"--out {out} exists and is not a directory")
     bf16 = {"auto": None, "on": True, "off": False}[args.bf16]
+    if args.stop_at is not None and not (byte_model and 1 <= args.stop_at <= steps):
+        raise VerispecError(f"--stop-at is a {BYTES_KIND} option and must lie in 1..--steps "
+                            f"({steps}), got {args.stop_at}")
     if byte_model:
         return train_bytes(args, out, replace(defaults, steps=steps, lr=lr, batch_size=batch_size,
                                               seed=args.seed, bf16=bf16))
@@ -173,7 +179,7 @@ def train_bytes(args: argparse.Namespace, out: Path, config) -> int:
         max_new_tokens=defaults.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens,
         answer_batches=args.data_batches)
     writer = load_model(args.target, args.dtype, args.device)
-    saved = train_byte_model(writer, out, args.data, options, config)
+    saved = train_byte_model(writer, out, args.data, options, config, stop_at=args.stop_at)
     heads = f"; its {options.heads} extra heads: {saved / HEADS_DIR}" if options.heads else ""
     print(f"verispec: byte model written to {saved / MODEL_DIR} (use it with --model "
           f"{saved / MODEL_DIR}){heads}", file=sys.stderr)

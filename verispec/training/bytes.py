@@ -319,11 +319,13 @@ def held_out_bits(model: ByteLM, windows: list[Window], batch_size: int = 8) -> 
 
 def train_byte_model(writer: LoadedModel, out_dir: str | Path, data_dir: str | Path | None = None,
                      options: ByteModelOptions = ByteModelOptions(),
-                     config: TrainConfig = BYTE_TRAINING, stdlib: str | Path | None = None) -> Path:
+                     config: TrainConfig = BYTE_TRAINING, stdlib: str | Path | None = None,
+                     stop_at: int | None = None) -> Path:
     """Write the writer's answers (resumable), train a byte model on them and the standard
     library's source (default: this Python's; resumable), and export out_dir/model (a Hugging
     Face model directory with the byte tokenizer) and, with extra heads, out_dir/mtp (the heads
-    as a trained MTP drafter, which `--method mtp` finds when it ships). Returns out_dir."""
+    as a trained MTP drafter, which `--method mtp` finds when it ships). stop_at: train and export
+    only up to this step of config's schedule (trainer.train's until). Returns out_dir."""
     out = Path(out_dir)
     data = Path(data_dir) if data_dir else out / "data"
     write_answers(writer, data, options.prompts, config.seed, options.max_new_tokens,
@@ -336,9 +338,9 @@ def train_byte_model(writer: LoadedModel, out_dir: str | Path, data_dir: str | P
     torch.manual_seed(config.seed)
     module = new_byte_model(options)
     history = train(module, module.loss, train_items, eval_items, config, out / "run",
-                    desc=f"byte model, n = {module.num_heads}")
+                    desc=f"byte model, n = {module.num_heads}", until=stop_at)
     training = {"corpus": corpus.sources, "options": asdict(options), "config": asdict(config),
-                "train_windows": {k: len(v) for k, v in windows.items()},
+                "step": history[-1]["step"], "train_windows": {k: len(v) for k, v in windows.items()},
                 "seconds": history[-1]["seconds"]}
     export_byte_model(module, out, training, eval_items)
     return out

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from verispec.core.errors import VerispecError
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -62,13 +64,17 @@ def learning_rate(step: int, config: TrainConfig) -> float:
 
 def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor | None, dict]],
           train_items: list, eval_items: list, config: TrainConfig, work_dir: Path,
-          desc: str = "training") -> list[dict]:
+          desc: str = "training", until: int | None = None) -> list[dict]:
     """Minimise loss_fn(batch) over random batches of train_items; returns the history.
 
     loss_fn returns (loss to minimise, metrics to log), or (None, metrics) where it has run the
     backward pass itself (MTP's head-by-head order, see losses.multi_head_backward). Resumes from
-    work_dir/checkpoint.pt.
+    work_dir/checkpoint.pt. until: stop after this step (checkpointed there), on the schedule of
+    config.steps: what a run interrupted at that step holds.
     """
+    last = config.steps if until is None else until
+    if not 1 <= last <= config.steps:
+        raise VerispecError(f"until must lie in 1..{config.steps} (the run's steps), got {until}")
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / "checkpoint.pt"
     params = [p for p in module.parameters() if p.requires_grad]
@@ -85,6 +91,8 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
         module.load_state_dict(state["module"])
         optimizer.load_state_dict(state["optimizer"])
         history, step = state["history"], state["step"]
+        if step > last:
+            raise VerispecError(f"{checkpoint} is at step {step}, past {last}: it cannot stop there")
         seconds = history[-1].get("seconds", 0.0) if history else 0.0
     rng = random.Random(config.seed * 1_000_003 + step)
     torch.manual_seed(config.seed * 1_000_003 + step)
@@ -112,7 +120,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
     module.train()
     started = time.perf_counter() - seconds
     bar = tqdm(total=config.steps, initial=step, desc=desc, unit="step")
-    while step < config.steps:
+    while step < last:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, config)
         optimizer.zero_grad(set_to_none=True)
@@ -130,7 +138,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
         history.append(record)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-        if step % config.checkpoint_every == 0 or step == config.steps:
+        if step % config.checkpoint_every == 0 or step in (last, config.steps):
             save()
             plot_history(history, work_dir / "loss.png", desc)
     bar.close()
