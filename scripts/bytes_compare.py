@@ -30,6 +30,7 @@ import torch
 from verispec.bench.machine import machine_info
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
+from verispec.core.types import SamplingParams
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import build_engine
 from verispec.options import DraftOptions
@@ -80,8 +81,10 @@ def text_prompts(count: int, longest: int, writer_prompts: int, seed: int) -> li
 
 
 def run_all(models: dict[str, LoadedModel], prompts: dict[str, list[str]], methods: list[str],
-            budgets: dict[str, int]) -> dict:
-    """seconds, tokens, bytes and target forwards per (model, kind, method), summed over prompts."""
+            budgets: dict[str, int], sampling: SamplingParams = SamplingParams()) -> dict:
+    """seconds, tokens, bytes and target forwards per (model, kind, method), summed over prompts.
+    Greedy: every output must equal ar's. Sampled (seed = the prompt's index): outputs differ by
+    method, so only tau and speed are compared (tests/test_bytes.py holds the law exact)."""
     totals: dict = collections.defaultdict(collections.Counter)
     engines = {(m, label): build_engine(models[m], *METHOD_SET[label]) for m in models for label in methods}
     for (m, _), engine in engines.items():  # warm-up
@@ -97,7 +100,7 @@ def run_all(models: dict[str, LoadedModel], prompts: dict[str, list[str]], metho
                 forget_outputs(target.model)  # suffix drafts from its own earlier outputs only
                 rules = StoppingRules.build(budgets[m], target.eos_token_ids)
                 started = time.perf_counter()
-                result = engine.generate(ids, rules)
+                result = engine.generate(ids, rules, sampling, seed=i)
                 seconds = time.perf_counter() - started
                 out = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
                 row = totals[(m, kind, label)]
@@ -106,7 +109,7 @@ def run_all(models: dict[str, LoadedModel], prompts: dict[str, list[str]], metho
                 row["bytes"] += len(out.encode())
                 row["forwards"] += result.stats.target_forwards
                 outputs[(m, label)] = result.token_ids
-            for m in models:
+            for m in models if sampling.greedy else ():
                 differing = [label for label in methods if outputs[(m, label)] != outputs[(m, "ar")]]
                 if differing:
                     raise SystemExit(f"{m}, {kind} prompt {i}: {', '.join(differing)} differ from ar")
@@ -197,6 +200,9 @@ def main() -> None:
     parser.add_argument("--max-bytes", type=int, default=384, help="the byte model's budget")
     parser.add_argument("--max-tokens", type=int, default=96, help="the token model's budget")
     parser.add_argument("--methods", default=",".join(METHOD_SET))
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature (0: greedy, outputs checked against ar); "
+                        "an undertrained model's greedy output loops, which drafts flatter")
     parser.add_argument("--data", help="the byte model's training answers (for --ablation too)")
     parser.add_argument("--ablation", help="a byte model trained without extra heads")
     parser.add_argument("--out", help="write the figures as JSON here")
@@ -216,7 +222,8 @@ def main() -> None:
     writer = ByteModelOptions()
     prompts = {"code": code_prompts(args.prompts, 400),
                "text": text_prompts(args.prompts, 400, writer.prompts, 0)}
-    totals = run_all(models, prompts, methods, {"bytes": args.max_bytes, "tokens": args.max_tokens})
+    totals = run_all(models, prompts, methods, {"bytes": args.max_bytes, "tokens": args.max_tokens},
+                     SamplingParams.of(temperature=args.temperature))
     report = {"machine": machine_info("cpu"), "date": time.strftime("%Y-%m-%d"),
               "settings": vars(args), "totals": totals}
     for kind in prompts:
