@@ -195,7 +195,8 @@ def plot_histories(histories: dict[str, Path], path: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bytes", default="bytes", help="the byte model (default: the shipped one)")
-    parser.add_argument("--tokens", default=DEFAULT_MODEL, help="the token model")
+    parser.add_argument("--tokens", default=DEFAULT_MODEL,
+                        help="the token model ('': the byte model alone)")
     parser.add_argument("--prompts", type=int, default=6, help="prompts of each kind")
     parser.add_argument("--max-bytes", type=int, default=384, help="the byte model's budget")
     parser.add_argument("--max-tokens", type=int, default=96, help="the token model's budget")
@@ -218,7 +219,11 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     methods = args.methods.split(",")
-    models = {"bytes": load_model(args.bytes), "tokens": load_model(args.tokens)}
+    if args.data and not args.tokens:
+        parser.error("--data compares bits per byte with the token model: give --tokens")
+    models = {"bytes": load_model(args.bytes)}
+    if args.tokens:
+        models["tokens"] = load_model(args.tokens)
     writer = ByteModelOptions()
     prompts = {"code": code_prompts(args.prompts, 400),
                "text": text_prompts(args.prompts, 400, writer.prompts, 0)}
