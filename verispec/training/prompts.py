@@ -206,6 +206,17 @@ MATH_MORE = ["{a1} buys {x} notebooks at {p} dollars each and a pen for {q} doll
              "The sum of two numbers is {z} and their difference is {x}. What are the numbers?"]
 
 
+# Standard-library modules the prompts quote: functions' source as code to explain or review,
+# docstrings as passages to summarize or answer from.
+SNIPPET_MODULES = ("textwrap", "string", "heapq", "bisect", "statistics", "fractions", "colorsys",
+                   "fnmatch", "shlex", "difflib", "calendar", "html", "base64", "glob", "keyword")
+PASSAGE_MODULES = ("json", "random", "statistics", "collections", "pathlib", "datetime", "csv",
+                   "textwrap", "itertools", "functools", "heapq", "bisect", "fractions", "decimal",
+                   "string", "shutil", "tempfile", "argparse", "logging", "calendar", "difflib",
+                   "zipfile", "gzip", "sqlite3", "email", "http.client", "urllib.parse", "uuid",
+                   "hashlib", "threading", "queue", "subprocess", "socket", "unittest", "doctest")
+
+
 def _records(rng: random.Random) -> str:
     """A made-up business text (email, receipt, meeting notes) to extract fields from."""
     name, other = rng.sample(NAMES, 2)
@@ -226,8 +237,7 @@ def _records(rng: random.Random) -> str:
 def _snippets() -> list[str]:
     """Short functions from the standard library's source, as code to explain or review."""
     found = []
-    for name in ["textwrap", "string", "heapq", "bisect", "statistics", "fractions", "colorsys",
-                 "fnmatch", "shlex", "difflib", "calendar", "html", "base64", "glob", "keyword"]:
+    for name in SNIPPET_MODULES:
         try:
             module = importlib.import_module(name)
         except ImportError:
@@ -245,11 +255,7 @@ def _snippets() -> list[str]:
 def _passages(rng: random.Random, count: int) -> list[str]:
     """Prose paragraphs from the docstrings of standard-library modules and their functions."""
     found: list[str] = []
-    for name in ["json", "random", "statistics", "collections", "pathlib", "datetime", "csv",
-                 "textwrap", "itertools", "functools", "heapq", "bisect", "fractions", "decimal",
-                 "string", "shutil", "tempfile", "argparse", "logging", "calendar", "difflib",
-                 "zipfile", "gzip", "sqlite3", "email", "http.client", "urllib.parse", "uuid",
-                 "hashlib", "threading", "queue", "subprocess", "socket", "unittest", "doctest"]:
+    for name in PASSAGE_MODULES:
         try:
             module = importlib.import_module(name)
         except ImportError:

@@ -11,12 +11,15 @@ import json
 import math
 import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from verispec.core.errors import VerispecError
 
 
 @dataclass(frozen=True)
@@ -61,13 +64,17 @@ def learning_rate(step: int, config: TrainConfig) -> float:
 
 def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor | None, dict]],
           train_items: list, eval_items: list, config: TrainConfig, work_dir: Path,
-          desc: str = "training") -> list[dict]:
+          desc: str = "training", until: int | None = None) -> list[dict]:
     """Minimise loss_fn(batch) over random batches of train_items; returns the history.
 
     loss_fn returns (loss to minimise, metrics to log), or (None, metrics) where it has run the
     backward pass itself (MTP's head-by-head order, see losses.multi_head_backward). Resumes from
-    work_dir/checkpoint.pt.
+    work_dir/checkpoint.pt. until: stop after this step (checkpointed there), on the schedule of
+    config.steps: what a run interrupted at that step holds.
     """
+    last = config.steps if until is None else until
+    if not 1 <= last <= config.steps:
+        raise VerispecError(f"until must lie in 1..{config.steps} (the run's steps), got {until}")
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / "checkpoint.pt"
     params = [p for p in module.parameters() if p.requires_grad]
@@ -76,6 +83,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     history: list[dict] = []
     step = 0
+    seconds = 0.0  # spent by earlier sessions of this run (resumed)
     if checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
         if state["config"] != asdict(config):
@@ -83,6 +91,9 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
         module.load_state_dict(state["module"])
         optimizer.load_state_dict(state["optimizer"])
         history, step = state["history"], state["step"]
+        if step > last:
+            raise VerispecError(f"{checkpoint} is at step {step}, past {last}: it cannot stop there")
+        seconds = history[-1].get("seconds", 0.0) if history else 0.0
     rng = random.Random(config.seed * 1_000_003 + step)
     torch.manual_seed(config.seed * 1_000_003 + step)
 
@@ -107,8 +118,9 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
         return {f"eval_{name}": value for name, value in totals.items()}
 
     module.train()
+    started = time.perf_counter() - seconds
     bar = tqdm(total=config.steps, initial=step, desc=desc, unit="step")
-    while step < config.steps:
+    while step < last:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, config)
         optimizer.zero_grad(set_to_none=True)
@@ -122,10 +134,11 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
         record = {"step": step, "lr": learning_rate(step - 1, config), **metrics}
         if eval_items and (step % config.eval_every == 0 or step == config.steps):
             record.update(evaluate())
+        record["seconds"] = time.perf_counter() - started
         history.append(record)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-        if step % config.checkpoint_every == 0 or step == config.steps:
+        if step % config.checkpoint_every == 0 or step in (last, config.steps):
             save()
             plot_history(history, work_dir / "loss.png", desc)
     bar.close()
@@ -153,13 +166,19 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
     left.set_yscale("log")
     left.legend()
     evals = [h for h in history if any(k.startswith("eval_") for k in h)]
-    for name in sorted({k for h in evals for k in h if k.startswith("eval_top1")}):
+    # A drafter's agreement with its target, else (a model trained from scratch) its bits.
+    agreement = any(k.startswith("eval_top1") for h in evals for k in h)
+    prefix = "eval_top1" if agreement else "eval_bits"
+    for name in sorted({k for h in evals for k in h if k.startswith(prefix)}):
         right.plot([h["step"] for h in evals], [h[name] for h in evals], marker="o",
                    linestyle="--" if name.endswith("_answer") else "-",  # answer positions only
                    label=name.removeprefix("eval_"))
     right.set_xlabel("step")
-    right.set_ylabel("held-out top-1 agreement with the target")
-    right.set_ylim(0, 1)
+    if agreement:
+        right.set_ylabel("held-out top-1 agreement with the target")
+        right.set_ylim(0, 1)
+    else:
+        right.set_ylabel("held-out bits per token")
     if evals:
         right.legend()
     fig.suptitle(title)
