@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from tests.distribution import assert_follows, exact_marginals, sample_runs
+from tests.distribution import POWER, assert_follows, exact_marginals, runs_for, sample_runs
 from verispec.api import generate, stream
 from verispec.cli import main
 from verispec.core.policies import ConstantK, LoadCap
@@ -191,7 +191,8 @@ def test_drafts_and_stream_chunks_split_characters_and_the_text_stays_whole(tiny
         assert result.text == data.decode(errors="replace"), method
 
 
-def test_mtp_sampling_on_bytes_follows_the_target(tiny):
+@pytest.mark.parametrize("skew", POWER)
+def test_mtp_sampling_on_bytes_follows_the_target(tiny, skew):
     """Drafts sampled from the byte heads' warped q (top-k 6, so the exact law of three bytes is
     enumerated; a high temperature, so that the recited text's laws are far from one-hot): drafts
     made, kept and refused, and each position's law the target's."""
@@ -204,9 +205,10 @@ def test_mtp_sampling_on_bytes_follows_the_target(tiny):
         return MTPDrafter.load(heads, model)
 
     engine = SpeculativeEngine(model, make(), ConstantK(3), spawn=make, load_cap=LoadCap(()))
-    sampled = sample_runs(engine, prompt, 3, sampling, 3000)
+    exact = exact_marginals(model, prompt, 3, sampling)
+    sampled = sample_runs(engine, prompt, 3, sampling, runs_for(exact, skew))
     sampled.check_drafting(positions=2)
-    assert_follows(sampled, exact_marginals(model, prompt, 3, sampling), "byte mtp")
+    assert_follows(sampled, exact, "byte mtp", skew)
 
 
 def test_train_bytes_command_writes_a_model_and_its_heads(tmp_path, capsys):
