@@ -63,7 +63,7 @@ GREEDY = "tests/test_greedy_equality.py::test_every_drafter_matches_plain_decodi
 CROSS = "tests/test_cross_tokenizer.py"
 CROSS_GREEDY = f"{CROSS}::test_a_draft_in_another_vocabulary_matches_plain_decoding[3]"
 CROSS_SAMPLING = f"{CROSS}::test_drafting_across_tokenizers_samples_the_targets_distribution"
-CROSS_TLI = (f"{CROSS_SAMPLING}[tli-t1]", f"{CROSS_SAMPLING}[tli-t0.7-p0.9]")
+CROSS_TLI = (f"{CROSS_SAMPLING}[fast-tli-t1]", f"{CROSS_SAMPLING}[fast-tli-t0.7-p0.9]")
 CROSS_CHAIN_END = f"{CROSS}::test_a_chain_that_ends_inside_a_target_token_proposes_whole_tokens_only"
 
 MUTANTS = (
@@ -200,7 +200,7 @@ MUTANTS = (
            "foreign_tokens=len(draft.tokens), boundary_lost=lost)",
            "torch.full((len(tokens), self.vocab_size), 1 / self.vocab_size), "
            "foreign_tokens=len(draft.tokens), boundary_lost=lost)",
-           (f"{CROSS_SAMPLING}[string-t0.8]",),
+           (f"{CROSS_SAMPLING}[fast-string-t0.8]",),
            "string match under sampling reports a q other than one-hot on its (deterministic) guess"),
     Mutant("cross-merge-across-boundary", "verispec/drafters/cross.py",
            "if found is not None and found[0][: len(window)] == window:", "if found is not None:",

@@ -21,10 +21,9 @@ import torch
 from openai import OpenAI
 
 import verispec
-from tests.distribution import assert_follows, exact_marginals, sample_runs
+from tests.distribution import POWER, assert_follows, exact_marginals, runs_for, sample_runs, tv, tv_threshold
 from tests.drafters import TextOracle
 from tests.serving import LiveServer
-from tests.test_rejection_distribution import tv, tv_bound
 from tests.tiny import (
     char_tokenizer,
     piece_tokenizer,
@@ -357,7 +356,6 @@ def test_the_server_drafts_across_tokenizers_through_the_openai_client(saved):
 # -- sampling: the target's law --------------------------------------------------------------------
 
 SAMPLE_WORDS = ["\u2581a", "\u2581b", "ab", "ba", "aa", "bb", "\u2581ab", "\u2581ba", "\u2581aa", "\u2581bb"]
-RUNS = 3000
 
 
 @pytest.mark.parametrize("sampled,sampling", [
@@ -365,7 +363,8 @@ RUNS = 3000
     ("tli", SamplingParams(do_sample=True, temperature=0.7, top_p=0.9)),
     ("string", SamplingParams(do_sample=True, temperature=0.8)),
 ], ids=["tli-t1", "tli-t0.7-p0.9", "string-t0.8"])
-def test_drafting_across_tokenizers_samples_the_targets_distribution(sampled, sampling):
+@pytest.mark.parametrize("skew", POWER)
+def test_drafting_across_tokenizers_samples_the_targets_distribution(sampled, sampling, skew):
     """A 16-token target of SentencePiece's kind (▁, a, b and words of two letters), a 10-token
     byte-level character draft sharing eight tokens with it (▁ a b ▁a ▁b, and the three specials
     by name; not its a␠ and ␠␠): token-level intersection samples among those with q
@@ -380,9 +379,10 @@ def test_drafting_across_tokenizers_samples_the_targets_distribution(sampled, sa
         return CrossDrafter(draft, crossing, len(target_tokenizer), sampled=sampled)
 
     engine = SpeculativeEngine(target, make(), ConstantK(3), spawn=make, load_cap=LoadCap(()))
-    sampled_runs = sample_runs(engine, prompt, 3, sampling, RUNS)
+    exact = exact_marginals(target, prompt, 3, sampling)
+    sampled_runs = sample_runs(engine, prompt, 3, sampling, runs_for(exact, skew))
     sampled_runs.check_drafting(positions=2)
-    assert_follows(sampled_runs, exact_marginals(target, prompt, 3, sampling), f"{sampled} {sampling}")
+    assert_follows(sampled_runs, exact, f"{sampled} {sampling}", skew)
 
 
 def sample_pair() -> tuple:
@@ -421,7 +421,7 @@ def test_token_level_intersection_draws_from_the_q_it_reports():
     q = reported[0].double()  # [target vocab]
     assert all(torch.allclose(r, reported[0], atol=1e-6) for r in reported)  # the cache read again
     support = q > 0
-    bound = tv_bound(runs, int(support.sum()) + 1)
+    bound = tv_threshold(runs, int(support.sum()) + 1)
     empirical = counts / runs
     assert tv(torch.cat([empirical[support], empirical[~support].sum()[None]]),
               torch.cat([q[support], torch.zeros(1, dtype=torch.float64)])) <= bound
