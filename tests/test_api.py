@@ -110,6 +110,14 @@ def test_empty_prompt_and_unknown_model_are_refused(tiny_dir, tmp_path):
         verispec.generate(str(tmp_path / "nowhere"), "w5")
 
 
+def test_a_lone_surrogate_in_the_text_is_refused_by_name(tiny_dir):
+    """Python strings may hold what UTF-8 cannot (JSON's "\\ud800"): a VerispecError naming it,
+    raw or through the chat template, not the tokenizer's TypeError."""
+    for chat in (False, True):
+        with pytest.raises(verispec.VerispecError, match="lone surrogate"):
+            verispec.generate(str(tiny_dir), "w5 \ud800 w6", chat=chat, max_new_tokens=2)
+
+
 def test_draft_with_another_vocabulary_unreadable_as_text_is_refused(tiny_dir, tmp_path):
     """A draft model with another vocabulary drafts through its text (docs/cross-tokenizer.md);
     the tiny tokenizer joins words with spaces on decoding, so its tokens are not text pieces

@@ -150,6 +150,7 @@ def encode_prompt(target: LoadedModel, inputs: str | list[int] | torch.Tensor,
     if isinstance(inputs, str):
         if not inputs.strip():
             raise VerispecError("the prompt is empty")
+        check_text(inputs, "the prompt")
         if target.tokenizer is None:
             raise VerispecError(f"{target.name} has no tokenizer: pass token ids instead of text")
         if chat is None:
@@ -160,6 +161,17 @@ def encode_prompt(target: LoadedModel, inputs: str | list[int] | torch.Tensor,
     return list(inputs)
 
 
+def check_text(text: object, what: str) -> None:
+    """Text that UTF-8 can hold: a lone UTF-16 surrogate (from JSON's "\\ud800", say) is
+    refused by name instead of failing inside the tokenizer."""
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise VerispecError(f"{what} holds a lone surrogate {text[error.start]!r} at "
+                                f"character {error.start}: not text") from None
+
+
 def encode_chat(target: LoadedModel, messages: list[dict[str, str]]) -> list[int]:
     """Token ids for a conversation ({"role", "content"} dicts) through the model's chat template,
     ready for the assistant's turn."""
@@ -167,6 +179,8 @@ def encode_chat(target: LoadedModel, messages: list[dict[str, str]]) -> list[int
         raise VerispecError(f"{target.name} has no tokenizer: pass token ids instead of text")
     if not getattr(target.tokenizer, "chat_template", None):
         raise VerispecError(f"{target.name} has no chat template: use a raw prompt")
+    for message in messages:
+        check_text(message.get("content"), "a message's content")
     return list(target.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                      tokenize=True, return_dict=False))
 
