@@ -20,7 +20,7 @@ from verispec.core.types import SamplingParams
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
-from verispec.methods import FALLBACK, FASTEST, MODEL_DEFAULTS, build_engine, fastest_method
+from verispec.methods import FASTEST, build_engine, fastest_method
 from verispec.request import encode_prompt
 from verispec.target.cached_model import CachedModel
 from verispec.target.gguf_blocks import stored_types
@@ -129,8 +129,6 @@ def test_methods_without_training_are_exact_on_each_family(name, dtype):
         results = [engine.generate(p, StoppingRules.build(40)) for p in PROMPTS]
         assert [r.token_ids for r in results] == references, method
         assert sum(step.num_accepted for r in results for step in r.steps) > 0, method
-    if dtype == "float32":
-        assert fastest_method(target) == FASTEST  # the self drafters run on every family
 
 
 def test_a_model_of_no_family_runs_its_own_forward_and_says_so():
@@ -138,7 +136,7 @@ def test_a_model_of_no_family_runs_its_own_forward_and_says_so():
     assert family_of(model) is None and not lean_supported(model)
     stats = CachedModel(model).stats()
     assert stats.invariance == "none" and "Hugging Face forward" in stats.kernel
-    assert fastest_method(LoadedModel(model, None, "olmo2")) == FALLBACK
+    assert fastest_method(LoadedModel(model, None, "olmo2")) == FASTEST
 
 
 V = 16
@@ -183,8 +181,8 @@ def test_builtin_gemma3_runs_lean_and_every_method_is_exact(dtype):
     assert stats.path == "lean (gemma3)" and stats.invariance == "row-attention"
     if dtype == "gguf":
         assert stored_types(target.model) == {"Q5_0": 81, "Q4_K": 27, "Q8_0": 10, "Q6_K": 9}
-        assert stats.dtype == "gguf" and "Q4_K: its values in float32" in stats.kernel
-    assert fastest_method(target) == MODEL_DEFAULTS[GEMMA]  # measured: scripts/choose_default.py
+        assert stats.dtype == "gguf" and "Q4_K:" in stats.kernel
+    assert fastest_method(target) == FASTEST  # measured: scripts/choose_default.py
     prompts = [encode_prompt(target, text) for text in GEMMA_PROMPTS]
     plain = build_engine(target, "ar")
     references = [plain.generate(p, StoppingRules.build(24)).token_ids for p in prompts]

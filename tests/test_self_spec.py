@@ -300,8 +300,14 @@ def test_drafter_starts_from_the_targets_prompt_cache(loaded):
         assert torch.equal(mine.values[:, :, : mine.length], theirs.values[:, :, : theirs.length])
 
 
-def test_default_method_falls_back_off_the_lean_path(loaded):
-    from verispec.methods import FALLBACK, FASTEST, fastest_method
+def test_default_method_by_target(loaded):
+    """FASTEST anywhere (suffix needs no lean path), the built-in model's grid default only where
+    its self drafter can run, and a chain drafter for beam search."""
+    from verispec.methods import BEAM_DEFAULT, FASTEST, GRID_DEFAULTS, fastest_method
 
-    assert fastest_method(loaded) == FASTEST
-    assert fastest_method(LoadedModel(tiny_foreign(seed=1), None, "olmo2")) == FALLBACK
+    assert fastest_method(loaded) == FASTEST and fastest_method(loaded, beams=True) == BEAM_DEFAULT
+    foreign = LoadedModel(tiny_foreign(seed=1), None, "olmo2")
+    assert fastest_method(foreign) == FASTEST
+    (builtin, method), = GRID_DEFAULTS.items()
+    assert fastest_method(LoadedModel(loaded.model, loaded.tokenizer, builtin)) == method
+    assert fastest_method(LoadedModel(foreign.model, None, builtin)) == FASTEST  # no self drafter

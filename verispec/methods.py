@@ -192,8 +192,8 @@ def _self_methods() -> list[Method]:
                      _self(fmt, False), advice[fmt], Needs.SELF, trees=True) for fmt in FORMATS]
     staged = [Method(f"self-{fmt}-pld", f"staged: prompt lookup guesses, the target's own weights "
                      f"in {fmt} check and extend them, the target verifies", 10, _self(fmt, True),
-                     "the default of `generate` and `demo`: the fastest measured on the built-in "
-                     "model" if fmt == "int4" else "for comparison with self-int4-pld",
+                     "the default of `generate` and `demo` on the built-in model in float32, the "
+                     "fastest measured there" if fmt == "int4" else "for comparison with self-int4-pld",
                      Needs.SELF, bench=fmt == "int4") for fmt in FORMATS]
     return [staged[0], *single, *staged[1:]]
 
@@ -209,7 +209,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("suffix", "suffix decoding: the most frequent continuations of the context's longest "
            "matching suffix, in the request and in the model's earlier outputs (SuffixDecoding)",
            16, _suffix, "repeated or agentic workloads (the same questions, tools, formats again); "
-           "any model; the default on a 4-bit target (`--dtype int4`)", trees=True),
+           "any model; the default everywhere but the built-in model in float32 (measured)", trees=True),
     Method("lookahead", "lookahead decoding: Jacobi iterations in the verifying forward fill an "
            "n-gram pool whose n-grams after the last token are the draft", 2, _lookahead,
            "any model, no training, where a wider forward costs little (GPU); about break-even "
@@ -261,19 +261,20 @@ METHODS: dict[str, Method] = {m.name: m for m in [
 
 TREE_METHODS = tuple(name for name, method in METHODS.items() if method.trees)
 
-# The fastest combination measured on the built-in model (README "Results"), and what models that
-# cannot run it (off the lean CPU path) get instead.
-FASTEST = "self-int4-pld"
-FALLBACK = "pld"
-# On a 4-bit target an int4 self drafter costs about what the target does: the
-# fastest on held-out prompts there was suffix decoding (docs/int4.md).
-FASTEST_4BIT = "suffix"
-# Defaults measured per built-in model where FASTEST is not its fastest (scripts/choose_default.py,
-# held-out prompts, float32, ms per token against ar). Gemma 3 270M (2026-11-25, 6 prompts x 96
-# tokens, loaded 2-core AMD EPYC, 1 thread): suffix 1.94x (tau 3.02), pld 1.91x (2.94), lookahead
-# 1.59x, self-int4-pld 1.50x (tau 7.78: its int4 drafter pays for a 262,144-row head each token),
-# self-int4 1.38x; all 36 outputs identical to ar. In bfloat16 (4 prompts): suffix 2.02x, pld 1.88x.
-MODEL_DEFAULTS = {"gemma3-270m": "suffix"}
+# Default methods, chosen by measurement on held-out prompts (scripts/choose_default.py: 8
+# training-family prompts, seed 39, 128 new tokens, ms per token against ar, every output
+# identical to ar's; 2026-11-25, 2-core AMD EPYC, 2 threads, idle; docs/tuning.md). Suffix decoding
+# needs no training and runs on any model: it was fastest on the 4-bit target (1.38x ar; pld 1.31x,
+# self-int4-pld 1.04x: an int4 drafter costs what this target does), on the bfloat16 target (1.34x;
+# self-int4-pld 0.98x: the row kernels made the target nearly as cheap as its int4 drafter), on a
+# float32 model whose weights are off their 4-bit grid (scripts/offgrid_model.py: 1.52x; pld 1.49x,
+# self-int4-pld 1.03x) and on Gemma 3 270M (1.94x; self-int4-pld 1.50x).
+FASTEST = "suffix"
+# Where the int4 drafter loses nothing to quantization, it wins: the built-in SmolLM2's float32
+# weights are its GGUF's own Q4_1 grid (self-int4-pld 1.96x ar, tau 10.56; suffix 1.36x).
+GRID_DEFAULTS = {"smollm2-135m-instruct": "self-int4-pld"}
+# What beam search drafts with where the default cannot (beam search drafts chains only).
+BEAM_DEFAULT = "pld"
 PLAIN = "ar"  # no speculation
 # Hugging Face generate()'s keywords that choose a method (verispec.generate takes them too).
 HF_SELECTORS = {"assistant_model": "draft", "prompt_lookup_num_tokens": "pld",
@@ -309,19 +310,16 @@ def resolve_tree(method: str, tree: TreeSettings | str | None) -> TreeSettings |
     return default
 
 
-def fastest_method(target: LoadedModel) -> str:
-    """The default method for `target`: FASTEST_4BIT on a 4-bit target (or a GGUF file as
-    stored); a built-in model's measured default (MODEL_DEFAULTS); else FASTEST where it can run
-    it, else FALLBACK."""
-    if weight_format(target.model) in ("int4", "gguf"):
-        return FASTEST_4BIT
-    if target.name in MODEL_DEFAULTS:
-        return MODEL_DEFAULTS[target.name]
-    try:
-        check_self(target, SelfSettings())
-    except VerispecError:
-        return FALLBACK
-    return FASTEST
+def fastest_method(target: LoadedModel, beams: bool = False) -> str:
+    """The default method for `target` (for beam search if `beams`): GRID_DEFAULTS for a built-in
+    model in float32 whose weights are their own 4-bit grid, FASTEST otherwise."""
+    if weight_format(target.model) == "float32" and target.name in GRID_DEFAULTS:
+        try:
+            check_self(target, SelfSettings())
+            return GRID_DEFAULTS[target.name]
+        except VerispecError:
+            pass
+    return BEAM_DEFAULT if beams else FASTEST
 
 
 def resolve(method: str, options: DraftOptions = DraftOptions()) -> DraftOptions:

@@ -101,7 +101,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.num_return_sequences != 1 and args.num_beams == 1:
         raise VerispecError("--num-return-sequences N prints beam search's N best: give --num-beams B >= N")
     target = load_model(args.model, args.dtype, args.device)
-    args.method = args.method or fastest_method(target)
+    args.method = args.method or fastest_method(target, beams=args.num_beams > 1)
     request = build_request(
         target, args.prompt, chat=False if args.raw else None, method=args.method,
         options=draft_options(args),

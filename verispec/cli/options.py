@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from verispec.core.errors import VerispecError
-from verispec.methods import FALLBACK, FASTEST, FASTEST_4BIT, METHODS, MODEL_DEFAULTS
+from verispec.methods import BEAM_DEFAULT, FASTEST, GRID_DEFAULTS, METHODS
 from verispec.options import DraftOptions, option_flags
 from verispec.target.models import ALIASES, DEFAULT_MODEL, PRECISIONS, builtin_names
 
@@ -26,10 +26,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def method_help() -> str:
     return ("; ".join(f"{m.name}: {m.description}" for m in METHODS.values())
-            + f" (default: {FASTEST}, the fastest measured here, where the model can run it "
-            f"({FASTEST_4BIT} on a 4-bit target; "
-            + ", ".join(f"{method} on {model}" for model, method in MODEL_DEFAULTS.items())
-            + f", measured there); else {FALLBACK})")
+            + f" (default: {FASTEST}, the fastest measured on held-out prompts; "
+            + ", ".join(f"{method} for {model} in float32" for model, method in GRID_DEFAULTS.items())
+            + f", whose weights are their own 4-bit grid; {BEAM_DEFAULT} with --num-beams)")
 
 
 # Registry facts appended to a derived flag's help.
