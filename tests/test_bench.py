@@ -98,7 +98,8 @@ def test_compare_prints_the_change(tiny_dir, questions, tmp_path, capsys):
 
 
 DEFAULT_SET = {"hf", "ar", "pld", "hf-pld", "early-exit", "hf-early-exit", "lookahead", "eagle", "eagle-pld",
-               "eagle3", "medusa", "draft", "self-int4", "self-int8", "self-bf16", "self-int4-pld", "suffix"}
+               "eagle3", "medusa", "draft", "self-int4", "self-int8", "self-bf16", "self-int4-pld", "suffix",
+               "block"}
 
 
 def test_the_default_set_is_the_registrys(tmp_path, monkeypatch):
