@@ -38,7 +38,7 @@ from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
 from verispec.request import encode_prompt
 from verispec.target.bytes import ASSISTANT, BOS, EOS, PAD, USER, VOCAB_SIZE, byte_config, byte_tokenizer
 from verispec.target.models import LoadedModel
-from verispec.training.data import answer
+from verispec.training.data import answer, claim_directory
 from verispec.training.losses import multi_head_backward
 from verispec.training.prompts import PASSAGE_MODULES, SNIPPET_MODULES, make_prompts
 from verispec.training.trainer import TrainConfig, train
@@ -101,12 +101,7 @@ def write_answers(target: LoadedModel, out_dir: str | Path, count: int = 2000, s
         raise VerispecError(f"{target.name} has no tokenizer to write answers with")
     out = Path(out_dir)
     meta = {"writer": target.name, "count": count, "seed": seed, "max_new_tokens": max_new_tokens}
-    meta_file = out / "answers.json"
-    if meta_file.exists() and json.loads(meta_file.read_text()) != meta:
-        raise VerispecError(f"{out} holds answers written with other settings ({meta_file}); "
-                            "use another --data directory")
-    out.mkdir(parents=True, exist_ok=True)
-    meta_file.write_text(json.dumps(meta, indent=1))
+    claim_directory(out, "answers.json", meta, "answers written")
     prompts = make_prompts(count, seed)
     eos = target.eos_token_ids
     batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]

@@ -137,13 +137,18 @@ def _start(target: LoadedModel, out_dir: str | Path, exit_layer: int | None,
             "dtype": str(target.model.dtype).removeprefix("torch.")}
     if aux_layers:
         meta["aux_layers"] = list(aux_layers)
-    meta_file = out / "meta.json"
+    claim_directory(out, "meta.json", meta, "data built")
+    return out, exit_layer
+
+
+def claim_directory(out: Path, name: str, meta: dict, what: str) -> None:
+    """Create `out` with `meta` in its file `name`, refusing a directory whose file says other
+    settings (what was written there under the same settings is kept, to resume)."""
+    meta_file = out / name
     if meta_file.exists() and json.loads(meta_file.read_text()) != meta:
-        raise VerispecError(f"{out} holds data built with other settings ({meta_file}); "
-                            "use another directory")
+        raise VerispecError(f"{out} holds {what} with other settings ({meta_file}); use another directory")
     out.mkdir(parents=True, exist_ok=True)
     meta_file.write_text(json.dumps(meta, indent=1))
-    return out, exit_layer
 
 
 def _write_shard(shard: Path, records: list[Sequence], prompt_lens: list[int]) -> None:
