@@ -14,8 +14,8 @@ Run: PYTHONPATH=$PWD python3 scripts/lossy_curve.py OUT_DIR [method] [prompts] [
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -102,6 +102,11 @@ def main(out_dir: str, method: str = "eagle", count: int = 8, seed: int = 797) -
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        raise SystemExit(__doc__)
-    main(sys.argv[1], *(sys.argv[2:3]), *(int(a) for a in sys.argv[3:]))
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", help="where the table, JSON and plot go")
+    parser.add_argument("method", nargs="?", default="eagle")
+    parser.add_argument("count", type=int, nargs="?", default=8, help="held-out prompts")
+    parser.add_argument("seed", type=int, nargs="?", default=797, help="which held-out prompts")
+    args = parser.parse_args()
+    main(args.out_dir, args.method, args.count, args.seed)

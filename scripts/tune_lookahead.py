@@ -10,7 +10,7 @@ setting found here.
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 from held_out import compare, held_out
 
@@ -32,4 +32,11 @@ def main(count: int = 4, seed: int = 801, new: int = 96, settings: str = FIRST_R
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:4]), *sys.argv[4:5])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("count", type=int, nargs="?", default=4, help="held-out prompts")
+    parser.add_argument("seed", type=int, nargs="?", default=801, help="which held-out prompts")
+    parser.add_argument("new", type=int, nargs="?", default=96, help="new tokens per prompt")
+    parser.add_argument("settings", nargs="?", default=FIRST_ROUND, help="WxNxG[c],...")
+    args = parser.parse_args()
+    main(args.count, args.seed, args.new, args.settings)

@@ -14,7 +14,7 @@ Each spec is METHOD[@K][/skip=I,J,...].
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 from held_out import compare, held_out
 
@@ -29,16 +29,19 @@ def engine_for(target, spec: str):
     return build_engine(target, method, DraftOptions(k=int(k) if k else None, skip_layers=layers))
 
 
-def main(count: int, seed: int, specs: list[str]) -> None:
-    dtypes = [s.removeprefix("--dtype=") for s in specs if s.startswith("--dtype=")]
-    specs = [s for s in specs if not s.startswith("--dtype=")]
-    target, prompts = held_out(count, seed, *dtypes[-1:])
+def main(count: int, seed: int, specs: list[str], dtype: str = "float32") -> None:
+    target, prompts = held_out(count, seed, dtype)
     engines = {"ar": build_engine(target, "ar")}
     engines |= {spec: engine_for(target, spec) for spec in specs}
     compare(engines, prompts)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 4:
-        raise SystemExit(__doc__)
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("count", type=int, help="held-out prompts")
+    parser.add_argument("seed", type=int, help="which held-out prompts")
+    parser.add_argument("specs", nargs="+", help="METHOD[@K][/skip=I,J,...]")
+    parser.add_argument("--dtype", default="float32", help="the target's dtype (int4: the 4-bit target)")
+    args = parser.parse_args()
+    main(args.count, args.seed, args.specs, args.dtype)

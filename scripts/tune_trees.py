@@ -12,7 +12,7 @@ beats the chain at all is the other thing it shows.
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 from held_out import compare, held_out
 
@@ -40,4 +40,11 @@ def main(count: int = 8, seed: int = 779, configs: str = FIRST_ROUND, dtype: str
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:3]), *sys.argv[3:5])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("count", type=int, nargs="?", default=8, help="held-out prompts")
+    parser.add_argument("seed", type=int, nargs="?", default=779, help="which held-out prompts")
+    parser.add_argument("configs", nargs="?", default=FIRST_ROUND, help="METHOD[@K]:TREE,...")
+    parser.add_argument("dtype", nargs="?", default="float32", help="the target's dtype")
+    args = parser.parse_args()
+    main(args.count, args.seed, args.configs, args.dtype)

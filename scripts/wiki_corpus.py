@@ -12,12 +12,12 @@ never trained on, for choosing settings).
 
 from __future__ import annotations
 
+import argparse
 import bz2
 import html
 import json
 import random
 import re
-import sys
 import zipfile
 from pathlib import Path
 
@@ -116,6 +116,9 @@ def main(wheel_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit(__doc__)
-    main(sys.argv[1], sys.argv[2])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("wheel", help="gensim 4.3.3's wheel, downloaded with pip download")
+    parser.add_argument("out_dir", help="where train.jsonl and heldout.jsonl go")
+    args = parser.parse_args()
+    main(args.wheel, args.out_dir)
