@@ -211,6 +211,23 @@ def test_mtp_sampling_on_bytes_follows_the_target(tiny, skew):
     assert_follows(sampled, exact, "byte mtp", skew)
 
 
+@pytest.mark.parametrize("skew", POWER)
+@pytest.mark.parametrize("method", ["self-int4-pld", "suffix"])
+def test_model_free_and_self_drafts_sample_the_byte_models_law(tiny, prompt, method, skew):
+    """The methods that pay on the shipped byte model, sampled: the 4-bit copy behind prompt
+    lookup, and suffix, through `build_engine` as the front doors build them, on a prompt whose
+    text repeats (so lookups find drafts); drafts made, kept and refused, each of the first three
+    bytes' law the target's (top-k 6 enumerates it)."""
+    loaded, _ = tiny
+    sampling = SamplingParams(do_sample=True, temperature=3.0, top_k=6)
+    engine = build_engine(loaded, method, DraftOptions(k=3))
+    engine.load_cap = LoadCap(())  # the samples run as one batch: never capped for its size
+    exact = exact_marginals(loaded.model, prompt, 3, sampling)
+    sampled = sample_runs(engine, prompt, 3, sampling, runs_for(exact, skew))
+    sampled.check_drafting(positions=2)
+    assert_follows(sampled, exact, f"byte {method}", skew)
+
+
 def test_train_bytes_command_writes_a_model_and_its_heads(tmp_path, capsys):
     """`verispec train bytes` end to end on a tiny writer and a tiny model (a few steps)."""
     from tests.tiny import save_tiny
