@@ -90,11 +90,19 @@ def test_unknown_method_is_refused(tiny_dir):
     assert exit_info.value.code == 2
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["demo"], ["serve"]])
-def test_help_on_every_command(command):
-    out = subprocess.run([sys.executable, "-m", "verispec.cli", *command, "--help"],
+def test_help_runs_as_a_program():
+    """`python -m verispec.cli --help` in a process of its own (the entry point, imports and all)."""
+    out = subprocess.run([sys.executable, "-m", "verispec.cli", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert out.startswith("usage: verispec")
+
+
+@pytest.mark.parametrize("command", ["generate", "demo", "bench", "serve", "train", "export"])
+def test_help_on_every_command(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: verispec {command}")
 
 
 @pytest.mark.parametrize("tree", [["3x8"], []])  # [] : --tree alone, pld's default tree

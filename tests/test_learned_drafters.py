@@ -251,7 +251,9 @@ def _drafters(loaded, trained):
     }
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 5, 8, 12, 16])
+# k = 5 and 12 (between the others) run under slow, to keep the default suite under 10 minutes.
+@pytest.mark.parametrize("k", [1, 2, 3, pytest.param(5, marks=pytest.mark.slow), 8,
+                               pytest.param(12, marks=pytest.mark.slow), 16])
 def test_learned_drafters_match_plain_decoding(loaded, trained, k):
     for prompt in PROMPTS:
         truth = plain_greedy(loaded.model, prompt, NEW)
@@ -627,6 +629,7 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+@pytest.mark.slow  # 18 s; the default suite keeps tests/test_batch.py's 200 batched calls
 def test_no_method_leaks_across_200_generations(loaded, trained):
     """Issue 19's comparison set: after warm-up, 200 more generations with each method (greedy and
     sampled, engine reused as a server would) grow the resident set by less than 8 MiB."""

@@ -214,6 +214,9 @@ def test_sampled_self_drafts_report_their_q(loaded):
         assert (q.gather(-1, proposal.tokens[:, None]) > 0).all(), name
 
 
+# slow: the default suite samples self-int4-pld at power in tests/test_sampling_drafters.py (the same
+# drafter classes) and through build_engine in tests/test_bytes.py; this one keeps 6000 samples.
+@pytest.mark.slow
 def test_sampling_with_self_drafters_emits_the_target_distribution(loaded):
     """End to end, the first two emitted tokens follow the target's distribution (TV against a
     bound from the sample size), drafting with the int4 copy, staged behind lookup."""
