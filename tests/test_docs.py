@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 import verispec
 from verispec.cli import build_parser, main
@@ -214,24 +216,20 @@ def materialize(args: list[str], run_dir: Path) -> list[str]:
     return out
 
 
-def installed(name: str) -> bool:
-    """Whether a model name is usable here (a built-in one's package may be an extra)."""
-    import importlib.util
-
+def skip_unless_installed(name: str) -> None:
+    """Skip where a built-in model's package (an extra) is not installed here."""
     builtin = models.BUILTIN_MODELS.get(name)
-    return builtin is None or importlib.util.find_spec(builtin.package) is not None
+    if builtin is not None and importlib.util.find_spec(builtin.package) is None:
+        pytest.skip(f"{name} is not installed ({builtin.extra})")
 
 
 def needs(args: list[str]) -> None:
     """Skip a command whose model or device this machine lacks (an extra not installed, no GPU)."""
-    import torch
-
     if "--device" in args and args[args.index("--device") + 1] == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     for flag in ("--model", "--target", "--draft"):
-        if flag in args and not installed(args[args.index(flag) + 1]):
-            name = args[args.index(flag) + 1]
-            pytest.skip(f"{name} is not installed ({models.BUILTIN_MODELS[name].extra})")
+        if flag in args:
+            skip_unless_installed(args[args.index(flag) + 1])
     if any("llama.cpp" in arg for arg in args):
         pytest.importorskip("llama_cpp", reason="the llamacpp extra")
 
@@ -240,6 +238,20 @@ BUDGETS = {"generate": {"--max-new-tokens": NEW_TOKENS}, "demo": {"--max-new-tok
            "export": {},
            "bench": {"--max-new-tokens": NEW_TOKENS, "--warmup": 0, "--limit-per-task": 1},
            "train": {"--steps": 1, "--prompts": 2, "--max-new-tokens": 8, "--data-batches": 1}}
+
+
+def budget_for(args: list[str], run_dir: Path) -> dict[str, object]:
+    """The flags that make a command small here (`bench --compare` reads two results: none)."""
+    if args[0] == "bench" and "--compare" in args:
+        return {}
+    budget = dict(BUDGETS[args[0]])
+    if args[0] == "bench":
+        budget["--out"] = str(run_dir / "bench-out")
+    if args[:2] == ["train", "bytes"]:  # enough answers to hold some out, in short windows
+        budget |= {"--prompts": 64, "--max-new-tokens": 32, "--context": 64}
+    if args[0] == "train" and "--stop-at" in args:
+        budget["--stop-at"] = 1
+    return budget
 
 
 def case(command: Command):
@@ -276,17 +288,10 @@ def test_every_command_runs(command, run_dirs, monkeypatch, capsys):
         for out in ("old", "new"):
             assert main(["bench", "--methods", "ar", "--questions", "questions.jsonl", "--warmup", "0",
                          "--max-new-tokens", str(NEW_TOKENS), "--out", out]) == 0
-    budget = dict(BUDGETS[args[0]])
-    if args[:2] == ["train", "bytes"]:  # enough answers to hold some out, in short windows
-        budget |= {"--prompts": 64, "--max-new-tokens": 32, "--context": 64}
-    if args[0] == "bench" and "--compare" not in args:
-        budget["--out"] = str(run_dir / "bench-out")
-    if args[0] == "train" and "--stop-at" in args:
-        budget["--stop-at"] = 1
-    for flag, value in budget.items():  # the command's own value replaced, else the flag added
+    for flag, value in budget_for(args, run_dir).items():  # its own value replaced, else added
         if flag in args:
             args[args.index(flag) + 1] = str(value)
-        elif args[0] != "bench" or "--compare" not in args:
+        else:
             args += [flag, str(value)]
     code = main(args)
     assert code == 0, capsys.readouterr().err
@@ -317,8 +322,7 @@ def test_the_python_blocks_run(doc, monkeypatch, request):
         monkeypatch.setattr(verispec, name, capped)
     code = fenced(doc, "python")
     for name in re.findall(r'verispec\.load\("([\w.-]+)"', "".join(code)):
-        if not installed(name):
-            pytest.skip(f"{name} is not installed ({models.BUILTIN_MODELS[name].extra})")
+        skip_unless_installed(name)
     if any("127.0.0.1:8000" in block for block in code):
         url = request.getfixturevalue("live_server").url
         code = [block.replace("http://127.0.0.1:8000", url) for block in code]

@@ -202,15 +202,15 @@ def exact_masked_marginals(model, tokenizer, prompt: list[int], n: int, grammar:
     return torch.stack(out)
 
 
-PLAIN_T, WARPED = SamplingParams(do_sample=True, temperature=1.0), SamplingParams(
-    do_sample=True, temperature=0.7, top_p=0.8)
+PLAIN = SamplingParams(do_sample=True, temperature=1.0)
+WARPED = SamplingParams(do_sample=True, temperature=0.7, top_p=0.8)
 SLOW = pytest.mark.slow
 
 
 # The warped case's fast variant runs under slow too (14 s of the default suite's 10 minutes; each
 # warp is checked alone against a hand-computed law in tests/test_warps.py).
 @pytest.mark.parametrize(("sampling", "skew"), [
-    pytest.param(PLAIN_T, FAST_SKEW, id="fast-t1.0"), pytest.param(PLAIN_T, SKEW, id="full-t1.0", marks=SLOW),
+    pytest.param(PLAIN, FAST_SKEW, id="fast-t1.0"), pytest.param(PLAIN, SKEW, id="full-t1.0", marks=SLOW),
     pytest.param(WARPED, FAST_SKEW, id="fast-t0.7-p0.8", marks=SLOW),
     pytest.param(WARPED, SKEW, id="full-t0.7-p0.8", marks=SLOW)])
 def test_constrained_sampling_follows_the_masked_targets_law(tokenizer, sampling, skew, monkeypatch):
