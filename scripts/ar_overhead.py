@@ -16,8 +16,8 @@ import torch
 
 from verispec.core.stopping import StoppingRules
 from verispec.decoding.engine import SpeculativeEngine
-from verispec.target.cached_model import CachedModel
-from verispec.target.models import DEFAULT_MODEL, load_model
+from verispec.model.cached_model import CachedModel
+from verispec.model.loading import DEFAULT_MODEL, load_model
 
 
 def measure(dtype: str, new: int, prompt_tokens: int, clock) -> tuple[float, float]:

@@ -33,9 +33,9 @@ from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import build_engine
+from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.options import DraftOptions
 from verispec.request import encode_prompt
-from verispec.target.models import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.training.bytes import (
     ByteLM,
     ByteModelOptions,

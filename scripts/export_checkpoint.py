@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.target.models import DEFAULT_MODEL, load_model
+from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.training.data import load_dataset
 from verispec.training.recipes import RECIPES, Recipe, RecipeOptions, split
 from verispec.training.trainer import TrainConfig

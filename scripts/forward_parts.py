@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from verispec.target import lean
-from verispec.target.cached_model import CachedModel
-from verispec.target.models import DEFAULT_MODEL, load_model
+from verispec.model import lean
+from verispec.model.cached_model import CachedModel
+from verispec.model.loading import DEFAULT_MODEL, load_model
 
 PARTS = ("total", "products", "attention", "head", "norms", "rotary", "rest")
 SIZES = (1, 8, 16)

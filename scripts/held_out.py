@@ -13,8 +13,8 @@ import time
 from verispec.core.stopping import StoppingRules
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.suffix import forget_outputs
+from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.request import encode_prompt
-from verispec.target.models import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.training.prompts import make_prompts
 
 

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from verispec.target.lean import LeanDecoder, LeanWeights
-from verispec.target.models import DEFAULT_MODEL, load_model
+from verispec.model.lean import LeanDecoder, LeanWeights
+from verispec.model.loading import DEFAULT_MODEL, load_model
 
 
 def timed(weights: LeanWeights, invariant: bool, n: int, repeats: int = 7) -> float:

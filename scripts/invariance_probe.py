@@ -17,11 +17,11 @@ import functools
 import torch
 from torch import nn
 
-from verispec.target.cached_model import CachedModel
-from verispec.target.lean import FIXED_ROWS, LeanDecoder, LeanWeights
-from verispec.target.lowbit import Int4Groups, Int4Kernel
-from verispec.target.models import DEFAULT_MODEL, load_model
-from verispec.target.packed import cpu_packs, pack_weight, packed_linear
+from verispec.model.cached_model import CachedModel
+from verispec.model.lean import FIXED_ROWS, LeanDecoder, LeanWeights
+from verispec.model.loading import DEFAULT_MODEL, load_model
+from verispec.model.lowbit import Int4Groups, Int4Kernel
+from verispec.model.packed import cpu_packs, pack_weight, packed_linear
 
 IN, OUT = 576, 1536
 # The built-in model's products off the CPU (fused q/k/v, o, gate/up, down, head): in -> out.

@@ -27,9 +27,9 @@ from verispec.core.sampling import warp_probs
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
 from verispec.methods import build_engine
+from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.options import DraftOptions
 from verispec.request import encode_prompt
-from verispec.target.models import DEFAULT_MODEL, load_model
 from verispec.training.prompts import make_prompts
 
 matplotlib.use("Agg")

@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 import torch
 
-from verispec.target.models import load_model
+from verispec.model.loading import load_model
 
 GROUP = 32
 

@@ -29,8 +29,8 @@ from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationStats
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import build_engine
+from verispec.model.loading import load
 from verispec.request import encode_prompt
-from verispec.target.models import load
 
 QUESTIONS = [
     "List the planets of the solar system in order from the Sun, one per line.",

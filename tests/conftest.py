@@ -19,7 +19,7 @@ def tiny_dir(tmp_path_factory):
 def tiny_data(tiny_dir, tmp_path_factory):
     """Self-distillation data of the tiny target (exit layer 1; aux layers (0, 1, 2): the engines'
     default (2, N // 2, N - 3) for its 3 layers)."""
-    from verispec.target.models import load_model
+    from verispec.model.loading import load_model
     from verispec.training.data import build_dataset
 
     return build_dataset(load_model(str(tiny_dir)), tmp_path_factory.mktemp("data"), num_prompts=12,
@@ -29,7 +29,7 @@ def tiny_data(tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_trained(tiny_dir, tiny_data, tmp_path_factory):
     """A drafter of every trained kind for the tiny target (a few steps each): kind -> directory."""
-    from verispec.target.models import load_model
+    from verispec.model.loading import load_model
     from verispec.training.recipes import KINDS, train_drafter
     from verispec.training.trainer import TrainConfig
 

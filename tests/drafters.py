@@ -7,7 +7,7 @@ import torch
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.vocab import TokenText
-from verispec.target.cached_model import CachedModel
+from verispec.model.cached_model import CachedModel
 
 
 class RandomDrafter(Drafter):

@@ -23,9 +23,9 @@ from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.methods import build_engine, build_speculation
+from verispec.model.cached_model import CachedModel
+from verispec.model.loading import load_model
 from verispec.options import DraftOptions
-from verispec.target.cached_model import CachedModel
-from verispec.target.models import load_model
 
 # Rows of different lengths, repetitive (lookup finds drafts) and not; budgets end at different
 # steps; row 3 also stops at an EOS its solo decoding reaches (rules_for).
@@ -154,7 +154,7 @@ def test_samples_share_the_prefill_and_follow_the_target_distribution(monkeypatc
 
 @pytest.mark.parametrize("make_target", [tiny_llama, tiny_foreign], ids=["lean", "hugging-face"])
 def test_samples_of_one_prompt_each_own_their_cache(make_target):
-    """copy_from on both cache paths (verispec.target.lean's caches, Hugging Face's DynamicCache): each
+    """copy_from on both cache paths (verispec.model.lean's caches, Hugging Face's DynamicCache): each
     sample of one prompt starts from the shared prefill in a cache of its own, so it is what its
     seed gives alone."""
     model = make_target(seed=3)

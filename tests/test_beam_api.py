@@ -14,8 +14,8 @@ import verispec
 from tests.test_beam import finished
 from verispec.cli import main
 from verispec.core.errors import VerispecError
+from verispec.model.loading import DEFAULT_MODEL, load
 from verispec.request import encode_prompt
-from verispec.target.models import DEFAULT_MODEL, load
 
 NEW = 16
 PROMPTS = ["Answer in one word: what colour is the sky on a clear day?",

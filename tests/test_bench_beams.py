@@ -15,7 +15,7 @@ from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
 from verispec.decoding.beam import BeamSearch, BeamSettings
-from verispec.target.models import load_model
+from verispec.model.loading import load_model
 
 
 def test_bench_with_beams_names_b_and_counts_best_sequences_equal_to_hf(tiny_dir, questions, tmp_path,

@@ -180,9 +180,9 @@ def test_render_markdown_tables_and_exactness():
     results.forward = replace(results.forward, unpacked_by_tokens={"1": 0.08, "8": 0.16})
     assert ("one token takes 80.0 ms (prepacked: 60.0 ms) and n tokens cost 8: 2.00×"
             in render_markdown(results))
-    assert "verispec.target.packed" in render_markdown(results)
+    assert "verispec.model.packed" in render_markdown(results)
     results.forward = replace(results.forward, lean=True)
-    assert "through verispec.target.lean" in render_markdown(results)
+    assert "through verispec.model.lean" in render_markdown(results)
     assert "## Theory" in md and "1.94×" in md
     assert "| pld k=8 | mt_bench | 1 | 17 | 5 | 9 | 0.004 | likely a numerical tie |" in md
     assert "| pld k=8 | qa | 3 | 40 | 7 | 8 | 2.5 | **not a tie: investigate** |" in md

@@ -13,8 +13,8 @@ from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.methods import build_engine
+from verispec.model.loading import cache_root
 from verispec.options import DraftOptions
-from verispec.target.models import cache_root
 
 NEW = 24
 
@@ -92,7 +92,7 @@ def test_trained_exit_agrees_with_the_target_more_than_the_plain_exit(smollm, pr
 def test_builtin_gguf_blocks_are_the_weights_the_target_runs(smollm):
     """The Q4_1 blocks of the built-in GGUF file, repacked as int4 groups of 32 (q/k rows in
     Hugging Face's order), dequantize to exactly the weights transformers loaded."""
-    from verispec.target.lowbit import gguf_int4
+    from verispec.model.lowbit import gguf_int4
 
     blocks = gguf_int4(smollm.gguf, smollm.model.config)
     assert len(blocks) == 7 * len(smollm.model.model.layers)

@@ -25,10 +25,10 @@ from verispec.display import TokenPieces
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.mtp import MTPDrafter
 from verispec.methods import build_engine
+from verispec.model.bytes import BOS, EOS, SPECIALS, VOCAB_SIZE, byte_tokenizer
+from verispec.model.loading import PACKAGED_MODELS, load_model
 from verispec.options import DraftOptions
 from verispec.server.text import TextStream
-from verispec.target.bytes import BOS, EOS, SPECIALS, VOCAB_SIZE, byte_tokenizer
-from verispec.target.models import PACKAGED_MODELS, load_model
 from verispec.training.bytes import (
     ByteModelOptions,
     Window,

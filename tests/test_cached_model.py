@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.tiny import tiny_foreign, tiny_llama
-from verispec.target.cached_model import CachedModel
-from verispec.target.lean import lean_supported
-from verispec.target.packed import PackedLinear, can_pack, cpu_packs, packed_view
+from verispec.model.cached_model import CachedModel
+from verispec.model.lean import lean_supported
+from verispec.model.packed import PackedLinear, can_pack, cpu_packs, packed_view
 
 
 def test_padding_is_invisible(target):

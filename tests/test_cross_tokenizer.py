@@ -43,9 +43,9 @@ from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.cross import CrossDrafter
 from verispec.drafters.vocab import TokenText, bridge
+from verispec.model.loading import load_model
 from verispec.options import DraftOptions
 from verispec.server import create_app
-from verispec.target.models import load_model
 
 # Every target word comes after a space, so that any output is its own tokenization.
 WORDS = ["\u2581" + w for w in ["a", "b", "c", "d", "ab", "ba", "cd", "dc", "ca", "bd", "da", "cb",

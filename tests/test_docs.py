@@ -35,7 +35,7 @@ import torch
 import verispec
 from verispec.cli import build_parser, main
 from verispec.methods import METHODS, PLAIN
-from verispec.target import models
+from verispec.model import loading
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -55,10 +55,10 @@ DRAFTERS = ROOT / "verispec" / "drafters" / "trained" / "smollm2-135m-instruct"
 
 def placeholders() -> dict[str, str]:
     """What each stand-in for a user's file becomes here."""
-    builtin = str(models.resolve(models.DEFAULT_MODEL))
-    return {"PATH": builtin, "DIR": builtin, "MODEL": models.DEFAULT_MODEL,
+    builtin = str(loading.resolve(loading.DEFAULT_MODEL))
+    return {"PATH": builtin, "DIR": builtin, "MODEL": loading.DEFAULT_MODEL,
             "path/to/small-model": builtin,
-            "./Qwen2.5-0.5B-Instruct-Q4_K_M.gguf": str(models.builtin_gguf(models.DEFAULT_MODEL)),
+            "./Qwen2.5-0.5B-Instruct-Q4_K_M.gguf": str(loading.builtin_gguf(loading.DEFAULT_MODEL)),
             "my-eagle": str(DRAFTERS / "eagle"), "my-medusa": str(DRAFTERS / "medusa")}
 
 
@@ -218,7 +218,7 @@ def materialize(args: list[str], run_dir: Path) -> list[str]:
 
 def skip_unless_installed(name: str) -> None:
     """Skip where a built-in model's package (an extra) is not installed here."""
-    builtin = models.BUILTIN_MODELS.get(name)
+    builtin = loading.BUILTIN_MODELS.get(name)
     if builtin is not None and importlib.util.find_spec(builtin.package) is None:
         pytest.skip(f"{name} is not installed ({builtin.extra})")
 
@@ -302,7 +302,7 @@ def live_server():
     from tests.serving import LiveServer
     from verispec.server.app import create_app
 
-    with LiveServer(create_app(verispec.load(models.DEFAULT_MODEL))) as server:
+    with LiveServer(create_app(verispec.load(loading.DEFAULT_MODEL))) as server:
         yield server
 
 
@@ -326,7 +326,7 @@ def test_the_python_blocks_run(doc, monkeypatch, request):
     if any("127.0.0.1:8000" in block for block in code):
         url = request.getfixturevalue("live_server").url
         code = [block.replace("http://127.0.0.1:8000", url) for block in code]
-    namespace = {"verispec": verispec, "model": verispec.load(models.DEFAULT_MODEL),
+    namespace = {"verispec": verispec, "model": verispec.load(loading.DEFAULT_MODEL),
                  "original_code": ORIGINAL_CODE}
     for block in code:
         exec(compile(block, str(doc), "exec"), namespace)  # noqa: S102 - the doc's own code

@@ -36,8 +36,8 @@ from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, default_aux_layer
 from verispec.drafters.learned import save_drafter
 from verispec.export import export_eagle3
 from verispec.methods import build_engine
+from verispec.model.loading import load_model
 from verispec.options import DraftOptions
-from verispec.target.models import load_model
 from verispec.training.data import build_dataset
 
 # Float32 on both sides, different operation order (fused SDPA and a KV cache against explicit

@@ -1,4 +1,4 @@
-"""The lean path on every family it runs (verispec.target.lean.FAMILIES), on tiny models the tests
+"""The lean path on every family it runs (verispec.model.lean.FAMILIES), on tiny models the tests
 build (tests/tiny.py: windows of 6 positions, random norms and biases): its forward is the
 family's own Hugging Face forward to float tolerance; it is batch-invariant bitwise in float32,
 bfloat16 and on the 4-bit target (one token against blocks 2..17, a tree, batch rows of other
@@ -21,12 +21,12 @@ from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.methods import FASTEST, build_engine, fastest_method
+from verispec.model.cached_model import CachedModel
+from verispec.model.gguf_blocks import stored_types
+from verispec.model.lean import LeanDecoder, LeanWeights, family_of, lean_supported, windows
+from verispec.model.loading import BUILTIN_MODELS, LoadedModel, load_model
+from verispec.model.lowbit import int4_target
 from verispec.request import encode_prompt
-from verispec.target.cached_model import CachedModel
-from verispec.target.gguf_blocks import stored_types
-from verispec.target.lean import LeanDecoder, LeanWeights, family_of, lean_supported, windows
-from verispec.target.lowbit import int4_target
-from verispec.target.models import BUILTIN_MODELS, LoadedModel, load_model
 
 DTYPES = ("float32", "bfloat16", "int4")
 

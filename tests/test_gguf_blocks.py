@@ -23,10 +23,9 @@ from tests.tiny import tiny_llama
 from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
 from verispec.methods import FASTEST, build_engine, fastest_method
-from verispec.request import encode_prompt
-from verispec.target import gguf_blocks
-from verispec.target.cached_model import CachedModel
-from verispec.target.gguf_blocks import (
+from verispec.model import gguf_blocks
+from verispec.model.cached_model import CachedModel
+from verispec.model.gguf_blocks import (
     QTYPES,
     ROW_CODES,
     Blocks,
@@ -41,10 +40,11 @@ from verispec.target.gguf_blocks import (
     read_blocks,
     stored_types,
 )
-from verispec.target.kernels import rows
-from verispec.target.lean import LeanWeights
-from verispec.target.lowbit import GGUF_LINEARS, QuantLinear, llama_q_k_rows, weight_format
-from verispec.target.models import DEFAULT_MODEL, LoadedModel, load_model
+from verispec.model.kernels import rows
+from verispec.model.lean import LeanWeights
+from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load_model
+from verispec.model.lowbit import GGUF_LINEARS, QuantLinear, llama_q_k_rows, weight_format
+from verispec.request import encode_prompt
 
 ROWS_RUN = pytest.mark.skipif(not rows.available(), reason=f"row kernels: {rows.unavailable_reason()}")
 

@@ -33,7 +33,7 @@ from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.target.models import LoadedModel
+from verispec.model.loading import LoadedModel
 
 # Two to six free tokens, three forced ones, then free tokens from a narrower set: masks that
 # change along the output, forced tokens in the middle, and no end (the budget stops it).

@@ -56,7 +56,7 @@ def test_every_drafter_matches_plain_decoding(target, references, k):
 
 @pytest.mark.parametrize("k", [1, 4, 7])
 def test_models_off_the_lean_path_match_plain_decoding(k):
-    """Architectures verispec.target.lean does not run go through their own forward: still exact."""
+    """Architectures verispec.model.lean does not run go through their own forward: still exact."""
     model = tiny_foreign(seed=3)
     for prompt in PROMPTS:
         truth = plain_greedy(model, prompt, NEW)

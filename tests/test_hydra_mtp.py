@@ -24,9 +24,9 @@ from verispec.drafters.hydra import HydraDrafter, HydraNet, hydra_settings
 from verispec.drafters.learned import ReducedHead
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
 from verispec.methods import METHODS, TREE_METHODS, build_engine
+from verispec.model.loading import load_model
 from verispec.options import DraftOptions
 from verispec.request import build_request, run
-from verispec.target.models import load_model
 from verispec.training.data import build_dataset, load_dataset
 from verispec.training.losses import multi_head_backward
 from verispec.training.recipes import Recipe, RecipeOptions, collate, train_drafter

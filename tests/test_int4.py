@@ -24,11 +24,11 @@ from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.methods import FASTEST, build_engine, fastest_method
+from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load_model
+from verispec.model.lowbit import Int4Groups, QuantLinear, gguf_int4, int4_target, weight_format
+from verispec.model.packed import cpu_packs
 from verispec.options import DraftOptions
 from verispec.request import encode_prompt
-from verispec.target.lowbit import Int4Groups, QuantLinear, gguf_int4, int4_target, weight_format
-from verispec.target.models import DEFAULT_MODEL, LoadedModel, load_model
-from verispec.target.packed import cpu_packs
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests.tiny import tiny_llama
-from verispec.target.lean import Block, LeanDecoder, LeanWeights, forward_rows
-from verispec.target.lowbit import int4_target
-from verispec.target.models import DEFAULT_MODEL, load_model
+from verispec.model.lean import Block, LeanDecoder, LeanWeights, forward_rows
+from verispec.model.loading import DEFAULT_MODEL, load_model
+from verispec.model.lowbit import int4_target
 
 DTYPES = {"cpu": ("float32", "bfloat16", "int4"), "cuda": ("float32", "bfloat16", "float16")}
 PREFIX = 10

@@ -36,9 +36,9 @@ from verispec.drafters.medusa import MedusaDrafter, MedusaNet, medusa_settings
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.methods import METHODS, build_engine
+from verispec.model.cached_model import CachedModel
+from verispec.model.loading import load_model
 from verispec.options import DraftOptions
-from verispec.target.cached_model import CachedModel
-from verispec.target.models import load_model
 from verispec.training.data import (
     Sequence,
     build_dataset,
@@ -550,7 +550,7 @@ def test_drafter_layer_cache_feeds_incrementally_as_one_pass():
     """EAGLE's layer with its KV cache: chunks, a rewind and growth past the first 256 slots give
     what one causal pass over the whole sequence gives."""
     from verispec.drafters.nn import DecoderLayer
-    from verispec.target.kv_cache import KVCache
+    from verispec.model.kv_cache import KVCache
 
     torch.manual_seed(0)
     layer = DecoderLayer(32, 4, 64).eval()

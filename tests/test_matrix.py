@@ -42,10 +42,10 @@ from verispec.cli import main
 from verispec.core.errors import VerispecError
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import METHODS, PLAIN, Needs
+from verispec.model.loading import LoadedModel, load_model
 from verispec.options import DraftOptions
 from verispec.request import encode_prompt
 from verispec.server import create_app
-from verispec.target.models import LoadedModel, load_model
 
 PROMPT = "w10 w11 w12 w10 w11 w12 w10"  # repetitive: lookup methods find drafts
 NEW = 12

@@ -1,4 +1,4 @@
-"""The row kernels (verispec/target/kernels): each row's result is the same bits whatever rows
+"""The row kernels (verispec/model/kernels): each row's result is the same bits whatever rows
 came with it (blocks of 1..17 rows at any offset, torch.equal), and the values are the products
 and attention they stand for. The check is shown to catch a product whose rounding depends on
 the row count, so a passing run means something. The lean targets' own invariance (blocks 2..17,
@@ -18,12 +18,12 @@ import torch
 from torch.nn import functional as F
 
 from tests.tiny import tiny_llama
-from verispec.target.cached_model import CachedModel
-from verispec.target.gguf_blocks import RowsBlocksKernel
-from verispec.target.kernels import rows
-from verispec.target.lean import LeanWeights
-from verispec.target.lowbit import Int4Groups, Int8Groups, RowsInt4Kernel, RowsInt8Kernel, int4_target
-from verispec.target.models import DEFAULT_MODEL, load_model
+from verispec.model.cached_model import CachedModel
+from verispec.model.gguf_blocks import RowsBlocksKernel
+from verispec.model.kernels import rows
+from verispec.model.lean import LeanWeights
+from verispec.model.loading import DEFAULT_MODEL, load_model
+from verispec.model.lowbit import Int4Groups, Int8Groups, RowsInt4Kernel, RowsInt8Kernel, int4_target
 
 pytestmark = pytest.mark.skipif(not rows.available(), reason=f"row kernels: {rows.unavailable_reason()}")
 
@@ -162,8 +162,8 @@ def test_the_lean_targets_run_on_the_row_kernels(dtype):
 
 def test_turned_off_the_previous_kernels_run():
     """VERISPEC_KERNELS=off: torch's int4 kernel, oneDNN and row-by-row SDPA, named as such."""
-    code = ("from tests.tiny import tiny_llama; from verispec.target.lowbit import int4_target;"
-            "from verispec.target.cached_model import CachedModel; import torch;"
+    code = ("from tests.tiny import tiny_llama; from verispec.model.lowbit import int4_target;"
+            "from verispec.model.cached_model import CachedModel; import torch;"
             "m = tiny_llama(hidden=64); int4_target(m, None); c = CachedModel(m);"
             "c.forward(torch.tensor([3, 4, 5])); c.forward(torch.tensor([6, 7])); print(c.kernel)")
     env = dict(os.environ, VERISPEC_KERNELS="off")

@@ -42,7 +42,7 @@ from verispec.drafters.medusa import MedusaDrafter, MedusaNet, medusa_settings
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
-from verispec.target.models import LoadedModel
+from verispec.model.loading import LoadedModel
 
 V = 16
 NEW = 3  # positions checked: the first two are drafted at k >= 2, the third after them

@@ -21,8 +21,8 @@ from verispec.drafters.base import DraftRequest
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.methods import build_engine
-from verispec.options import DraftOptions
-from verispec.target.lowbit import (
+from verispec.model.loading import LoadedModel
+from verispec.model.lowbit import (
     Int4Groups,
     Int4Kernel,
     Int8Channels,
@@ -33,7 +33,7 @@ from verispec.target.lowbit import (
     q4_blocks,
     quantize,
 )
-from verispec.target.models import LoadedModel
+from verispec.options import DraftOptions
 
 NEW = 40
 PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5, 17, 42], [1, 60]]
@@ -290,7 +290,7 @@ def test_api_and_cli_reach_self_methods(tiny_dir, capsys):
 
 def test_drafter_starts_from_the_targets_prompt_cache(loaded):
     """adopt_prefill copies the target's prompt keys and values instead of recomputing them."""
-    from verispec.target.cached_model import CachedModel
+    from verispec.model.cached_model import CachedModel
 
     target = CachedModel(loaded.model)
     target.prefill(torch.tensor(PROMPTS[0][:-1]))

@@ -21,8 +21,8 @@ from openai import OpenAI
 
 from tests.serving import LiveServer, wait_until
 from verispec.cli import main
+from verispec.model.loading import load_model
 from verispec.server import create_app
-from verispec.target.models import load_model
 
 METHODS = ["pld", "ar", "early-exit"]
 CHAT = "w10 w11 w12 w10 w11"

@@ -15,8 +15,8 @@ from openai import OpenAI
 import verispec
 from tests.serving import LiveServer
 from tests.test_serve import playground
+from verispec.model.loading import load_model
 from verispec.server import create_app
-from verispec.target.models import load_model
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}

@@ -29,12 +29,12 @@ from verispec.decoding.engine import RowFailure, SequenceSpec, Speculation
 from verispec.display import TokenPieces
 from verispec.drafters.base import Drafter
 from verispec.methods import METHODS, TREE_METHODS, build_engine, build_speculation
+from verispec.model.loading import load_model
 from verispec.options import DraftOptions
 from verispec.server import create_app
 from verispec.server.app import MAX_BODY_BYTES
 from verispec.server.requests import REFUSED as REFUSED_FIELDS
 from verispec.server.requests import ChatBody, CompletionBody
-from verispec.target.models import load_model
 
 CHAT = "w10 w11 w12 w10 w11"
 CHAT_URL = "/v1/chat/completions"

@@ -12,8 +12,8 @@ from openai import OpenAI
 
 from tests.serving import LiveServer
 from verispec.cli import main
+from verispec.model.loading import load_model
 from verispec.server import create_app
-from verispec.target.models import load_model
 
 CHAT = "w20 w21 w22 w20"  # an answer with no special tokens, so its text reads back whole
 

@@ -16,8 +16,8 @@ from verispec.core.types import SamplingParams
 from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.suffix import SuffixDrafter, SuffixIndex, SuffixSettings, frequency_tree, shared_cache
 from verispec.methods import build_engine
+from verispec.model.loading import LoadedModel
 from verispec.options import DraftOptions
-from verispec.target.models import LoadedModel
 
 NEW = 48
 PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5, 9, 33, 17, 42], [1, 60, 7]]
@@ -103,7 +103,7 @@ def test_suffix_samples_the_target_distribution(skew):
 def test_generate_over_prompts_twice_shares_earlier_outputs(tiny_dir):
     """Through the registry: `suffix` in a batch of prompts, then the same prompts again: the same
     tokens as ar, and the second pass drafts from the first pass's outputs (higher tau)."""
-    from verispec.target.models import load
+    from verispec.model.loading import load
     target = load(str(tiny_dir))
     assert isinstance(target, LoadedModel)
     shared_cache(target.model, SuffixSettings.cache_tokens).clear()

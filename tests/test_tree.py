@@ -15,7 +15,7 @@ from verispec.core.stopping import StoppingRules
 from verispec.core.tree import attention_mask, chain_parents, check_parents, is_chain, position_ids
 from verispec.core.types import Proposal
 from verispec.decoding.engine import SpeculativeEngine
-from verispec.target.cached_model import CachedModel
+from verispec.model.cached_model import CachedModel
 from verispec.verifiers import greedy_accept
 from verispec.verifiers.tree import greedy_tree_accept
 

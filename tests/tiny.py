@@ -56,7 +56,7 @@ def sharpened(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-# The lean families (verispec.target.lean.FAMILIES) as tiny models: windows of 6 positions where
+# The lean families (verispec.model.lean.FAMILIES) as tiny models: windows of 6 positions where
 # the family has sliding windows, so that sequences of a few dozen tokens cross them.
 WINDOW = 6
 FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
@@ -100,7 +100,7 @@ def tiny_family(name: str, seed: int = 0, layers: int = 3, vocab: int = VOCAB,
 
 
 def tiny_foreign(seed: int = 0, layers: int = 3) -> Olmo2ForCausalLM:
-    """A random float32 OLMo 2, a family verispec.target.lean does not run: it goes through its
+    """A random float32 OLMo 2, a family verispec.model.lean does not run: it goes through its
     own Hugging Face forward (the path every other architecture takes)."""
     torch.manual_seed(seed)
     config = Olmo2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,

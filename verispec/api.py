@@ -17,10 +17,10 @@ from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
 from verispec.methods import HF_SELECTORS, PLAIN
+from verispec.model.loading import LoadedModel, load
 from verispec.options import DraftOptions
 from verispec.request import Prompts, Request, Results, build_request, run
 from verispec.request import stream as stream_request
-from verispec.target.models import LoadedModel, load
 
 ModelLike = str | LoadedModel | PreTrainedModel
 

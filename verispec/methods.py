@@ -37,9 +37,9 @@ from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings, shared_cache
 from verispec.drafters.trained_exit import ExitAdapter, trained_exit_drafter
 from verispec.drafters.vocab import bridge
+from verispec.model.loading import LoadedModel, load
+from verispec.model.lowbit import FORMATS, weight_format
 from verispec.options import DEFAULT_TREE, DraftOptions
-from verispec.target.lowbit import FORMATS, weight_format
-from verispec.target.models import LoadedModel, load
 from verispec.verifiers import verifier_for
 
 
@@ -151,7 +151,7 @@ class Needs(Enum):
     """What a method needs beyond the target."""
 
     NOTHING = "nothing"
-    # the target's own weights, stored again in low precision (verispec.target.lean.FAMILIES)
+    # the target's own weights, stored again in low precision (verispec.model.lean.FAMILIES)
     SELF = "a Llama, Mistral, Qwen2/2.5, Qwen3 or Gemma 3 model on CPU"
     TRAINED = "a trained drafter"  # of the method's trained_kind, given (--draft) or shipped
     DRAFT_MODEL = "a draft model (`--draft`) or a distilled student"

@@ -16,7 +16,7 @@ from verispec.core.policies import SCHEDULES
 from verispec.core.tree import TreeSettings
 from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.suffix import SuffixSettings
-from verispec.target.models import LoadedModel
+from verispec.model.loading import LoadedModel
 from verispec.verifiers import check_acceptance
 
 DEFAULT_TREE = "default"  # DraftOptions.tree: the method's own measured default tree

@@ -26,8 +26,8 @@ from verispec.decoding.beam import BeamDecoder, BeamResult, BeamSettings, check_
 from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.display import TokenPieces
 from verispec.methods import PLAIN, engine_for, resolve
+from verispec.model.loading import LoadedModel, check_prompt
 from verispec.options import DraftOptions
-from verispec.target.models import LoadedModel, check_prompt
 
 Prompts = str | list[int] | list[str] | list[list[int]] | torch.Tensor
 Results = GenerationResult | list[GenerationResult] | BeamResult | list[BeamResult]

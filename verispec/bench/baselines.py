@@ -15,7 +15,7 @@ from verispec.bench.llamacpp import LOOKUP_TOKENS, llamacpp_generator
 from verispec.core.errors import VerispecError
 from verispec.core.types import SamplingParams
 from verispec.drafters.model import same_vocabulary
-from verispec.target.models import LoadedModel
+from verispec.model.loading import LoadedModel
 
 PLD_TOKENS = 10  # what hf-pld drafts per step (Hugging Face's prompt_lookup_num_tokens)
 

@@ -25,10 +25,10 @@ from verispec.bench.records import AR, HF, write_json
 from verispec.core.errors import VerispecError
 from verispec.core.policies import LoadCap
 from verispec.methods import METHODS, engine_for, resolve
+from verispec.model.hf_generate import hf_generate_batch
+from verispec.model.loading import LoadedModel, load_model
 from verispec.options import DraftOptions
 from verispec.request import build_request, encode_prompt, run
-from verispec.target.hf_generate import hf_generate_batch
-from verispec.target.models import LoadedModel, load_model
 
 BASELINES = (HF, AR)
 

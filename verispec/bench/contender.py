@@ -13,8 +13,8 @@ from verispec.core.types import GenerationStats
 from verispec.decoding.beam import BeamSettings
 from verispec.drafters.early_exit import default_exit_layer
 from verispec.drafters.learned import drafter_config, is_drafter_dir
+from verispec.model.loading import LoadedModel
 from verispec.options import DraftOptions
-from verispec.target.models import LoadedModel
 
 
 @dataclass(frozen=True)

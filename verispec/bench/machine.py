@@ -14,9 +14,9 @@ import torch
 import transformers
 
 from verispec.bench.records import ForwardTimings
-from verispec.target.cached_model import CachedModel
-from verispec.target.models import LoadedModel
-from verispec.target.packed import packed_view
+from verispec.model.cached_model import CachedModel
+from verispec.model.loading import LoadedModel
+from verispec.model.packed import packed_view
 
 
 def measure_forward(target: LoadedModel, context: list[int], sizes=(1, 2, 4, 8, 16),

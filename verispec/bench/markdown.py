@@ -172,8 +172,8 @@ def _verify_cost_note(results: Results) -> list[str]:
     unpacked = {int(n): t for n, t in (forward.unpacked_by_tokens or {}).items()}
     if unpacked.get(1):
         costs = ", ".join(f"{n}: {t / unpacked[1]:.2f}×" for n, t in sorted(unpacked.items()) if n > 1)
-        how = ("through verispec.target.lean (fused prepacked weights, a preallocated KV cache)"
-               if forward.lean else "with prepacked linear weights (verispec.target.packed)")
+        how = ("through verispec.model.lean (fused prepacked weights, a preallocated KV cache)"
+               if forward.lean else "with prepacked linear weights (verispec.model.packed)")
         lines += ["", f"The engine runs the target {how}. "
                   f"Through the model's own linear layers, as Hugging Face generate() runs it, one "
                   f"token takes {unpacked[1] * 1000:.1f} ms (prepacked: {one * 1000:.1f} ms) and n "

@@ -150,7 +150,7 @@ class ForwardTimings:
 
     by_tokens: dict[str, float]
     unpacked_by_tokens: dict[str, float] | None = None  # None: the engine runs the same layers
-    lean: bool = False  # the engine's packed path is verispec.target.lean (else verispec.target.packed)
+    lean: bool = False  # the engine's packed path is verispec.model.lean (else verispec.model.packed)
     context_tokens: int | None = None
 
     @property

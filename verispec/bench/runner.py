@@ -36,10 +36,10 @@ from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import Method, Needs, engine_for, resolve, resolve_tree
+from verispec.model.cached_model import CachedModel
+from verispec.model.loading import LoadedModel, load_model
 from verispec.options import DEFAULT_TREE, DraftOptions
 from verispec.request import build_request, encode_prompt, run
-from verispec.target.cached_model import CachedModel
-from verispec.target.models import LoadedModel, load_model
 
 
 def can_run(target: LoadedModel, config: BenchConfig) -> Callable[[Method], bool]:

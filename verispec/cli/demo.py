@@ -9,8 +9,8 @@ from verispec.cli.options import add_draft_options, add_model_arguments, draft_o
 from verispec.core.types import GenerationStats
 from verispec.display import LEGEND, render_steps, stats_table
 from verispec.methods import PLAIN, fastest_method
+from verispec.model.loading import load_model
 from verispec.request import build_request, run
-from verispec.target.models import load_model
 
 # Prompts whose answers reuse the prompt's words: where prompt lookup, the best drafter that needs
 # no training, pays off.

@@ -8,7 +8,7 @@ from verispec.cli.options import add_model_arguments
 from verispec.core.errors import VerispecError
 from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.methods import METHODS
-from verispec.target.models import load_model
+from verispec.model.loading import load_model
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

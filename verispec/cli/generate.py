@@ -22,8 +22,8 @@ from verispec.display import (
     stats_table,
 )
 from verispec.methods import PLAIN, fastest_method
+from verispec.model.loading import load_model
 from verispec.request import build_request, run
-from verispec.target.models import load_model
 
 
 def use_colour(choice: str) -> bool:

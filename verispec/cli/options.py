@@ -9,8 +9,8 @@ from typing import Any
 
 from verispec.core.errors import VerispecError
 from verispec.methods import BEAM_DEFAULT, FASTEST, GRID_DEFAULTS, METHODS
+from verispec.model.loading import ALIASES, DEFAULT_MODEL, PRECISIONS, builtin_names
 from verispec.options import DraftOptions, option_flags
-from verispec.target.models import ALIASES, DEFAULT_MODEL, PRECISIONS, builtin_names
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ import sys
 
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
 from verispec.methods import FASTEST, METHODS
-from verispec.target.models import load_model
+from verispec.model.loading import load_model
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

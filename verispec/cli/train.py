@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from verispec.core.errors import VerispecError
-from verispec.target.models import DEFAULT_MODEL, PRECISIONS, load_model
+from verispec.model.loading import DEFAULT_MODEL, PRECISIONS, load_model
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

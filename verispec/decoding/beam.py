@@ -10,7 +10,7 @@ True or "never") ends the search. Ties fall as torch.topk orders them, as in Hug
 
 `BeamDecoder` runs it speculatively. Every running beam drafts a continuation of its own (prompt
 lookup, or a model drafter such as the target's own weights in int4, each beam with its own
-drafter state); one target pass (verispec.target.cached_model.forward_rows) scores every beam's block
+drafter state); one target pass (verispec.model.cached_model.forward_rows) scores every beam's block
 [last token, draft...] of every prompt. The search then advances step after step on those logits
 for as long as each beam it keeps follows its origin's draft: a beam whose tokens since the block
 began are a prefix of the draft its origin beam made has its next log-probs in the scored block.
@@ -37,7 +37,7 @@ from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.base import Drafter, DraftRequest
-from verispec.target.cached_model import CachedModel, forward_rows
+from verispec.model.cached_model import CachedModel, forward_rows
 
 NEG = -1.0e9  # Hugging Face's "impossible" score offset
 

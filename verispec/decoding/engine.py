@@ -8,7 +8,7 @@ together with the draft, so one forward of 1 + k tokens scores all k drafts and 
 after them.
 
 A batch steps every sequence together: each drafts on its own (its own drafter, k and state), one
-target pass verifies every sequence's block (verispec.target.cached_model.forward_rows: the weights are
+target pass verifies every sequence's block (verispec.model.cached_model.forward_rows: the weights are
 read once for all rows), and each accepts its own number of tokens and rewinds its own cache.
 Sequences join (`add`) and leave (finished, or `cancel`) between steps: continuous batching.
 """
@@ -41,8 +41,8 @@ from verispec.core.types import (
 from verispec.decoding.constrained import GrammarStop, constrain
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.prediction import PredictionFirst
-from verispec.target.cached_model import CachedModel, forward_rows
-from verispec.target.models import check_prompt
+from verispec.model.cached_model import CachedModel, forward_rows
+from verispec.model.loading import check_prompt
 from verispec.verifiers import verifier_for
 
 

@@ -28,7 +28,7 @@ from verispec.core.tree import TreeSettings
 from verispec.core.types import Proposal, SamplingParams
 
 if TYPE_CHECKING:
-    from verispec.target.cached_model import CachedModel
+    from verispec.model.cached_model import CachedModel
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ from verispec.drafters.base import DraftRequest
 from verispec.drafters.learned import ReducedHead
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.nn import RMSNorm, rotary
-from verispec.target.kv_cache import KVCache
-from verispec.target.packed import packed_view
+from verispec.model.kv_cache import KVCache
+from verispec.model.packed import packed_view
 
 
 class BlockLayer(nn.Module):

@@ -29,8 +29,8 @@ from verispec.core.sampling import sample, warp_probs
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.vocab import Bridge, valid_prefix
-from verispec.target.cached_model import CachedModel, forward_tails
-from verispec.target.models import context_length
+from verispec.model.cached_model import CachedModel, forward_tails
+from verispec.model.loading import context_length
 
 SAMPLED = ("tli", "string")  # how drafts are made under sampling
 WINDOW = 8  # committed target tokens re-tokenized with the draft's text (the boundary can merge)

@@ -19,7 +19,7 @@ from verispec.core.tree import TreeSettings
 from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import load_drafter
 from verispec.drafters.model import ModelDrafter
-from verispec.target.lowbit import QuantLinear
+from verispec.model.lowbit import QuantLinear
 
 
 class DraftStudent(nn.Module):

@@ -22,7 +22,7 @@ from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.learned import ReducedHead, load_net
 from verispec.drafters.nn import DecoderLayer, KVCache, RMSNorm
-from verispec.target.packed import packed_view
+from verispec.model.packed import packed_view
 
 
 class EagleNet(nn.Module):

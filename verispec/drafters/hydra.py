@@ -28,7 +28,7 @@ from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.learned import ReducedHead, load_net
 from verispec.drafters.nn import ResBlock
-from verispec.target.packed import packed_view
+from verispec.model.packed import packed_view
 
 
 class HydraNet(nn.Module):

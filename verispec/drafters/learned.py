@@ -21,7 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
-from verispec.target.packed import can_pack, pack_weight, packed_linear
+from verispec.model.packed import can_pack, pack_weight, packed_linear
 
 CONFIG_FILE = "drafter.json"
 WEIGHTS_FILE = "weights.safetensors"

@@ -12,7 +12,7 @@ from verispec.core.sampling import sample, warp_probs
 from verispec.core.tree import TreeSettings
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
-from verispec.target.cached_model import CachedModel, forward_tails
+from verispec.model.cached_model import CachedModel, forward_tails
 
 
 def same_vocabulary(target_tokenizer, draft_tokenizer) -> bool:
@@ -85,7 +85,7 @@ class ModelDrafter(Drafter):
     def propose_batch(drafters: list[ModelDrafter], requests: list[DraftRequest]) -> list[Proposal]:
         """Proposals for several sequences of a batch, each from its own drafter (and cache):
         each drafting position is one forward for all of them, one pass where the drafters are
-        lean over shared weights (verispec.target.cached_model.forward_tails). Trees draft one sequence
+        lean over shared weights (verispec.model.cached_model.forward_tails). Trees draft one sequence
         at a time."""
         proposals = {i: drafter._propose_tree(request) for i, (drafter, request)
                      in enumerate(zip(drafters, requests)) if drafter.tree is not None}

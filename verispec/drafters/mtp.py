@@ -34,7 +34,7 @@ from verispec.drafters.base import DraftRequest
 from verispec.drafters.learned import ReducedHead
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.nn import DecoderLayer, RMSNorm, attention, rms_norm, rotary
-from verispec.target.kv_cache import KVCache
+from verispec.model.kv_cache import KVCache
 
 
 class MTPNet(nn.Module):

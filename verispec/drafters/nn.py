@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verispec.target.kv_cache import KVCache
+from verispec.model.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):

@@ -1,8 +1,8 @@
 """Self-speculation in low precision: the target's own weights, stored in int4, int8 or bfloat16,
 draft for the float target (QSpec 2024, ML-SpecQD 2025). No training, any model the lean path
-runs (verispec.target.lean.FAMILIES: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3, on CPU).
+runs (verispec.model.lean.FAMILIES: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3, on CPU).
 
-The drafter is a second lean decoder (verispec.target.lean) over a low-precision copy of every linear
+The drafter is a second lean decoder (verispec.model.lean) over a low-precision copy of every linear
 weight, the LM head included; it shares the target's embedding, norms and rotary tables (small,
 read-only) and keeps its own KV cache. It may skip decoder layers (Draft & Verify). For a GGUF
 target stored in Q4_0 / Q4_1, the int4 copy is the file's own blocks, checked at load against
@@ -22,9 +22,9 @@ from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.target.cached_model import CachedModel
-from verispec.target.gguf_blocks import own_int4
-from verispec.target.lean import (
+from verispec.model.cached_model import CachedModel
+from verispec.model.gguf_blocks import own_int4
+from verispec.model.lean import (
     FAMILIES,
     LeanDecoder,
     LeanWeights,
@@ -33,7 +33,8 @@ from verispec.target.lean import (
     lean_supported,
     with_bias,
 )
-from verispec.target.lowbit import (
+from verispec.model.loading import LoadedModel
+from verispec.model.lowbit import (
     FORMATS,
     INT4_GROUPS,
     RescoredHead,
@@ -43,8 +44,7 @@ from verispec.target.lowbit import (
     gguf_int4,
     quantize,
 )
-from verispec.target.models import LoadedModel
-from verispec.target.packed import per_model
+from verispec.model.packed import per_model
 
 
 @dataclass(frozen=True)

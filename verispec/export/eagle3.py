@@ -30,7 +30,7 @@ import torch
 from verispec.core.errors import VerispecError
 from verispec.drafters.eagle3 import Eagle3Drafter, default_aux_layers
 from verispec.drafters.learned import load_drafter, write_safetensors
-from verispec.target.models import LoadedModel
+from verispec.model.loading import LoadedModel
 
 FORMATS = ("vllm", "sglang")
 WEIGHTS_FILE = "model.safetensors"

@@ -33,6 +33,7 @@ from starlette.middleware.cors import CORSMiddleware
 from verispec.core.errors import VerispecError
 from verispec.core.types import GenerationStats, TokenLogprob
 from verispec.methods import METHODS, PLAIN, fastest_method
+from verispec.model.loading import LoadedModel
 from verispec.options import DraftOptions
 from verispec.request import Request as GenerationRequest
 from verispec.server.metrics import Metrics
@@ -48,7 +49,6 @@ from verispec.server.scheduler import (
     Ticket,
 )
 from verispec.server.text import TextStream
-from verispec.target.models import LoadedModel
 
 log = logging.getLogger("verispec.server")
 STATIC = Path(__file__).parent / "static"

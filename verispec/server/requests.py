@@ -19,9 +19,9 @@ from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
 from verispec.methods import TREE_METHODS
+from verispec.model.loading import LoadedModel
 from verispec.options import DraftOptions, parse_tree
 from verispec.request import Request, about, build_request, encode_chat, encode_prompt
-from verispec.target.models import LoadedModel
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (clipped to the room left in the context)
 MAX_K = 64  # longer drafts only cost: every method's measured best is under 16

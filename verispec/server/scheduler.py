@@ -22,10 +22,10 @@ from verispec.core.stopping import StoppingRules
 from verispec.core.types import Step
 from verispec.decoding.engine import RowFailure, Speculation
 from verispec.methods import METHODS, PLAIN, build_engine, resolve, speculation_for
+from verispec.model.loading import LoadedModel, context_length
 from verispec.options import DraftOptions
 from verispec.request import Request
 from verispec.server.metrics import Metrics
-from verispec.target.models import LoadedModel, context_length
 
 log = logging.getLogger("verispec.server")
 # Ways of speculating (method, k, tree) one server holds at most: each keeps a pool of drafters, so

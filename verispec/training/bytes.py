@@ -3,7 +3,7 @@
 Gloeckle et al. (2024) train a shared trunk with n output heads, head i predicting the token i
 places ahead, all read out through one shared unembedding; at n = 8 on bytes their 7B model
 self-speculates 6.4x faster. verispec's byte model is that shape at a size two CPU cores train:
-a `LlamaForCausalLM` over bytes (verispec.target.bytes) whose first L - 1 layers are the trunk
+a `LlamaForCausalLM` over bytes (verispec.model.bytes) whose first L - 1 layers are the trunk
 and whose last layer, final norm and LM head are head 1 (so the model that ships and decodes is
 a plain Llama), plus `heads` more decoder layers on the trunk's output (verispec.drafters.mtp's
 MTPNet, trunk_layer = L - 1), head i + 1 predicting byte t + 1 + i through the same norm and LM
@@ -35,9 +35,9 @@ from transformers import GenerationConfig, LlamaForCausalLM
 from verispec.core.errors import VerispecError
 from verispec.drafters.learned import save_drafter
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
+from verispec.model.bytes import ASSISTANT, BOS, EOS, PAD, USER, VOCAB_SIZE, byte_config, byte_tokenizer
+from verispec.model.loading import LoadedModel
 from verispec.request import encode_prompt
-from verispec.target.bytes import ASSISTANT, BOS, EOS, PAD, USER, VOCAB_SIZE, byte_config, byte_tokenizer
-from verispec.target.models import LoadedModel
 from verispec.training.data import answer, claim_directory
 from verispec.training.losses import multi_head_backward
 from verispec.training.prompts import PASSAGE_MODULES, SNIPPET_MODULES, make_prompts

@@ -27,10 +27,10 @@ from verispec.core.stopping import StoppingRules
 from verispec.decoding.engine import SequenceSpec
 from verispec.drafters.early_exit import decoder_layers, default_exit_layer
 from verispec.methods import PLAIN, build_engine
+from verispec.model.hf_generate import hf_generate_batch
+from verispec.model.lean import lean_supported
+from verispec.model.loading import LoadedModel
 from verispec.request import encode_prompt
-from verispec.target.hf_generate import hf_generate_batch
-from verispec.target.lean import lean_supported
-from verispec.target.models import LoadedModel
 from verispec.training.prompts import make_prompts
 
 COMPLETE = "complete"  # marker file written after the last shard

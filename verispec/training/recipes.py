@@ -37,7 +37,7 @@ from verispec.drafters.medusa import MedusaDrafter, MedusaNet, medusa_settings
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings, unembedding_norm
 from verispec.drafters.nn import RMSNorm
 from verispec.drafters.trained_exit import ExitAdapter, exit_settings, new_adapter
-from verispec.target.models import LoadedModel
+from verispec.model.loading import LoadedModel
 from verispec.training.data import Sequence, load_dataset
 from verispec.training.losses import agreement, distill_loss, feature_loss, multi_head_backward
 from verispec.training.trainer import TrainConfig, bf16_is_fast, train

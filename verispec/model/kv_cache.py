@@ -1,4 +1,4 @@
-"""A growable KV cache for one attention layer of one sequence (verispec.target.lean, EAGLE's layer)."""
+"""A growable KV cache for one attention layer of one sequence (verispec.model.lean, EAGLE's layer)."""
 
 from __future__ import annotations
 

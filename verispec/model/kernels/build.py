@@ -85,6 +85,6 @@ def library() -> ModuleType | None:
     return load()[0]
 
 
-if __name__ == "__main__":  # `python -m verispec.target.kernels.build` (make install)
+if __name__ == "__main__":  # `python -m verispec.model.kernels.build` (make install)
     found, why = load()
     print("verispec: row kernels " + ("ready" if found is not None else f"not used: {why}"))

@@ -25,8 +25,8 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from verispec.core.errors import VerispecError
-from verispec.target.gguf_blocks import gguf_target
-from verispec.target.lowbit import int4_target
+from verispec.model.gguf_blocks import gguf_target
+from verispec.model.lowbit import int4_target
 
 
 @dataclass(frozen=True)

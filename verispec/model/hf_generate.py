@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.target.models import LoadedModel
+from verispec.model.loading import LoadedModel
 
 
 def hf_generate_batch(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.target.kernels.build import library, load
+from verispec.model.kernels.build import library, load
 
 TILE = 16  # output columns per 512-bit lane set
 GROUPS = (16, 32)

@@ -1,4 +1,4 @@
-// Row-invariant CPU kernels for verispec's lean forward (verispec/target/kernels/rows.py).
+// Row-invariant CPU kernels for verispec's lean forward (verispec/model/kernels/rows.py).
 //
 // A verification block multiplies every weight by 2..17 rows; torch's int4 kernel is a
 // matrix-vector kernel and costs nearly a full pass per row. These kernels read (and for 4-bit

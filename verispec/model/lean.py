@@ -14,7 +14,7 @@ place, q/k/v and gate/up are one product each.
 It runs the decoder families in `FAMILIES` (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3), each
 described as data (`Family`: its norms, activation, biases, attention windows, embedding scale,
 rotary tables), with one forward for all of them; every other model runs through its own forward
-(verispec.target.cached_model). On a GPU the products are plain fused F.linear calls
+(verispec.model.cached_model). On a GPU the products are plain fused F.linear calls
 (`DenseLinear`), at a fixed row count when invariant (`FIXED_ROWS`: cuBLAS picks its kernel by row
 count; docs/invariance.md, CUDA).
 """
@@ -30,10 +30,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
-from verispec.target.kernels import rows
-from verispec.target.kv_cache import KVCache
-from verispec.target.lowbit import DenseKernel, Int4Groups, QuantLinear, RowsInt4Kernel
-from verispec.target.packed import can_pack, cpu_packs, pack_weight, packed_linear, per_model
+from verispec.model.kernels import rows
+from verispec.model.kv_cache import KVCache
+from verispec.model.lowbit import DenseKernel, Int4Groups, QuantLinear, RowsInt4Kernel
+from verispec.model.packed import can_pack, cpu_packs, pack_weight, packed_linear, per_model
 
 
 @dataclass(frozen=True)

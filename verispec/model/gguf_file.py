@@ -1,6 +1,6 @@
 """A GGUF file's tensors, read from its header alone (names, types, shapes, and their bytes mapped
-from the file), for the loaders that take a file's blocks as they are (verispec.target.lowbit,
-verispec.target.gguf_blocks)."""
+from the file), for the loaders that take a file's blocks as they are (verispec.model.lowbit,
+verispec.model.gguf_blocks)."""
 
 from __future__ import annotations
 

@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from verispec.core.errors import VerispecError
-from verispec.target.gguf_file import gguf_tensors
-from verispec.target.kernels import rows
-from verispec.target.packed import cpu_packs, pack_weight, packed_linear
+from verispec.model.gguf_file import gguf_tensors
+from verispec.model.kernels import rows
+from verispec.model.packed import cpu_packs, pack_weight, packed_linear
 
 FORMATS = ("int4", "int8", "bf16")
 INT4_GROUPS = (32, 64, 128)
@@ -328,7 +328,7 @@ class QuantLinear(nn.Module):
     @staticmethod
     def fused(layers: Sequence[QuantLinear]) -> Kernel:
         """One kernel over several layers' stored weights (outputs concatenated), without their
-        biases (the caller adds them: verispec.target.lean.with_bias). One layer: its own kernel."""
+        biases (the caller adds them: verispec.model.lean.with_bias). One layer: its own kernel."""
         if len(layers) == 1:
             return layers[0].kernel
         return layers[0].build(fuse([layer.stored for layer in layers]))
@@ -395,7 +395,7 @@ def bfloat16_kernel(weight: torch.Tensor) -> Kernel:
 
 def weight_format(model: nn.Module) -> str:
     """What a target's layers run in: "int4" for a 4-bit target, "gguf" for a GGUF file's own
-    blocks (verispec.target.gguf_blocks), else its parameters' dtype."""
+    blocks (verispec.model.gguf_blocks), else its parameters' dtype."""
     stored = [module.stored for module in model.modules() if isinstance(module, QuantLinear)]
     if any(isinstance(weight, Int4Groups) for weight in stored):
         return "int4"

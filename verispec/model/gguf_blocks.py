@@ -19,7 +19,7 @@ the block to, checked with torch.equal at load.
 | Q5_K | 32 | 5 | q | d * sc | -(dmin * m) |
 | Q6_K | 16 | 6 | q - 32 | d * sc | 0 |
 
-The products run through the row kernels (verispec/target/kernels: `rows.CodesProduct`, each
+The products run through the row kernels (verispec/model/kernels: `rows.CodesProduct`, each
 type mapped onto its codes, scales and minimums by `ROW_CODES`, activations rounded to bfloat16,
 float32 sums) where they run, else through the blocks' values in float32, prepacked for oneDNN
 (float32 activations). Either way a kernel is checked when it is built: its products with unit
@@ -41,10 +41,10 @@ from gguf.quants import Q4_K, dequantize
 from torch import nn
 
 from verispec.core.errors import VerispecError
-from verispec.target.gguf_file import TensorInfo, gguf_tensors
-from verispec.target.kernels import rows
-from verispec.target.lowbit import GGUF_LINEARS, DenseKernel, Int4Groups, Kernel, QuantLinear, llama_q_k_rows
-from verispec.target.packed import cpu_packs
+from verispec.model.gguf_file import TensorInfo, gguf_tensors
+from verispec.model.kernels import rows
+from verispec.model.lowbit import GGUF_LINEARS, DenseKernel, Int4Groups, Kernel, QuantLinear, llama_q_k_rows
+from verispec.model.packed import cpu_packs
 
 # type -> (weights per group, bits per code)
 QTYPES: dict[str, tuple[int, int]] = {

@@ -13,11 +13,11 @@ from transformers import DynamicCache, PreTrainedModel
 
 from verispec.core.tree import attention_mask, chain_parents, is_chain, position_ids, side_block
 from verispec.core.types import GenerationStats, SideBranch
-from verispec.target.kernels import rows
-from verispec.target.lean import FIXED_ROWS, Block, LeanDecoder, lean_supported
-from verispec.target.lean import forward_rows as lean_forward_rows
-from verispec.target.lowbit import QuantLinear, weight_format
-from verispec.target.packed import packed_view
+from verispec.model.kernels import rows
+from verispec.model.lean import FIXED_ROWS, Block, LeanDecoder, lean_supported
+from verispec.model.lean import forward_rows as lean_forward_rows
+from verispec.model.lowbit import QuantLinear, weight_format
+from verispec.model.packed import packed_view
 
 # Classes whose logits are exactly lm_head(last hidden state): no soft-capping or logit scaling.
 PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -31,8 +31,8 @@ class CachedModel:
                  pack: bool = True, lean: LeanDecoder | None = None) -> None:
         """pad_to_multiple: feed multi-token blocks padded to a multiple of this many tokens.
         pack: run on CPU with prepacked weights where the model allows: Llama-shaped decoders
-        through verispec.target.lean (fused products, a preallocated cache), others through their own
-        forward with prepacked linear layers (verispec.target.packed).
+        through verispec.model.lean (fused products, a preallocated cache), others through their own
+        forward with prepacked linear layers (verispec.model.packed).
         lean: run this lean decoder instead of one over `model`'s own weights (a low-precision
         copy of them, say: verispec.drafters.self_spec).
 
@@ -103,7 +103,7 @@ class CachedModel:
 
     @property
     def path(self) -> str:
-        """Which forward runs the target: "lean (FAMILY)" (verispec.target.lean: batch-invariant by
+        """Which forward runs the target: "lean (FAMILY)" (verispec.model.lean: batch-invariant by
         construction) or "Hugging Face forward (CLASS)" (a model of no lean family, or one that
         cannot run lean here)."""
         if self.lean is not None:
@@ -257,7 +257,7 @@ def forward_rows(models: list[CachedModel], blocks: list[torch.Tensor],
     takes blocks[i] [n_i] under tree parents[i] (and side branch sides[i]); returns (logits
     [n_i, vocab], hidden [n_i, hidden * (1 + len(layers))]) per sequence.
 
-    Lean decoders run as one pass (verispec.target.lean.forward_rows: one read of the weights for all
+    Lean decoders run as one pass (verispec.model.lean.forward_rows: one read of the weights for all
     rows, the LM head included); models off the lean path run one sequence after another.
     """
     sides = sides or [None] * len(models)

@@ -1,0 +1,1 @@
+"""The target model: loading, the lean forward, low-bit weights and the row kernels."""
