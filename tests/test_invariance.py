@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from tests.tiny import tiny_llama
+from verispec.core.errors import VerispecError
+from verispec.model.cached_model import CachedModel
 from verispec.model.lean import Block, LeanDecoder, LeanWeights, forward_rows
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.model.lowbit import int4_target
@@ -55,13 +57,20 @@ def blocks_differing(weights: LeanWeights, tokens: torch.Tensor, invariant: bool
 
 
 @pytest.fixture(scope="module", params=[
-    pytest.param((model, dtype, device), marks=NO_CUDA if device == "cuda" else (),
-                 id=f"{model}-{dtype}-{device}")
-    for device in DTYPES for model in ("tiny", "builtin") for dtype in DTYPES[device]])
+    *(pytest.param((model, dtype, device), marks=NO_CUDA if device == "cuda" else (),
+                   id=f"{model}-{dtype}-{device}")
+      for device in DTYPES for model in ("tiny", "builtin") for dtype in DTYPES[device]),
+    pytest.param(("tiny", "float32", "static"), id="tiny-float32-cpu-static")])
 def weights(request) -> LeanWeights:
     """A tiny Llama, and the built-in model (SmolLM2-135M), in each dtype (int4: the 4-bit
-    target, on the GGUF's own blocks for the built-in model), lean, on each device."""
+    target, on the GGUF's own blocks for the built-in model), lean, on each device; and the tiny
+    Llama on the CPU through the GPU's fixed-shape passes (`static`: graphs.StaticPasses, eager
+    there), so that their masks, slots, chunks and trees are checked on every machine."""
     model, dtype, device = request.param
+    if device == "static":
+        weights = LeanWeights.of(tiny_llama(hidden=64))
+        weights.fixed_rows, weights.static_keys = True, 100
+        return weights
     if model == "builtin":
         return LeanWeights.of(load_model(DEFAULT_MODEL, dtype, device).model)
     tiny = tiny_llama(hidden=64)
@@ -143,3 +152,70 @@ def test_batch_rows_match_alone(weights, tokens):
         reference, plain = one_at_a_time(weights, torch.cat([prompt, draft]))
         assert torch.equal(logits, reference[len(prompt):])
         assert same_cache(decoder, plain, len(prompt) + len(draft))
+
+
+def static_tiny(keys: int = 100) -> LeanWeights:
+    """The tiny Llama on the CPU through the GPU's fixed-shape passes (eager there)."""
+    weights = LeanWeights.of(tiny_llama(hidden=64))
+    weights.fixed_rows, weights.static_keys = True, keys
+    return weights
+
+
+@torch.no_grad()
+def test_a_block_longer_than_a_pass_matches_one_token_steps():
+    """70 rows run as passes of 32, 32 and 6 rows, each row as its one-token step computes it."""
+    weights = static_tiny()
+    tokens = torch.randint(3, 64, (75,), generator=torch.Generator().manual_seed(1))
+    reference, plain = one_at_a_time(weights, tokens)
+    decoder = LeanDecoder(weights, device_of(weights))
+    assert decoder.passes is not None  # the fixed-shape passes run, not the CPU's forward
+    for i in range(5):
+        decoder.forward(tokens[i: i + 1])
+    logits = decoder.logits(decoder.forward(tokens[5:]))
+    assert torch.equal(logits, reference[5:]) and same_cache(decoder, plain, 75)
+    assert decoder.passes.tokens[: 70 - 64].tolist() == tokens[69:].tolist()  # the last pass's rows
+
+
+@torch.no_grad()
+def test_a_sequence_outgrowing_the_fixed_cache_is_a_clear_error():
+    weights = static_tiny(keys=20)  # 63 usable slots (a multiple of 64 with the scratch slot)
+    decoder = LeanDecoder(weights, device_of(weights))
+    decoder.forward(torch.randint(3, 64, (60,)))
+    with pytest.raises(VerispecError, match="outgrows the GPU decoder's cache of 63 tokens"):
+        decoder.forward(torch.arange(3, 9))
+    assert decoder.length == 60  # nothing half-written
+
+
+@NO_CUDA
+@torch.no_grad()
+def test_cuda_graphs_replay_the_eager_passes_bit_for_bit(monkeypatch):
+    """The built-in model in bfloat16 on CUDA: one-token steps and a 9-token block through
+    captured CUDA graphs give the bits of the same passes run eagerly, and the stats say which."""
+    model = load_model(DEFAULT_MODEL, "bfloat16", "cuda")
+    tokens = torch.randint(3, 5000, (30,), generator=torch.Generator().manual_seed(2)).cuda()
+    results = {}
+    for graphs in ("on", "off"):
+        monkeypatch.setenv("VERISPEC_CUDA_GRAPHS", graphs)
+        cached = CachedModel(model.model)
+        logits = [cached.forward(tokens[:12])]
+        logits += [cached.forward(tokens[i: i + 1]) for i in range(12, 21)]
+        logits.append(cached.forward(tokens[21:30]))
+        assert ("CUDA graphs" in cached.kernel) == (graphs == "on")
+        assert bool(cached.lean.passes.captured) == (graphs == "on")
+        results[graphs] = torch.cat(logits)
+    assert torch.equal(results["on"], results["off"])
+
+
+@torch.no_grad()
+def test_the_fixed_shape_passes_compute_the_models_own_logits():
+    """Invariance alone would not notice a pass that attends to the wrong keys the same way every
+    time (the scratch slot, stale entries): the passes' logits are the model's own, to rounding."""
+    model = tiny_llama(hidden=64)
+    weights = LeanWeights.of(model)
+    weights.fixed_rows, weights.static_keys = True, 100
+    tokens = torch.randint(3, 64, (40,), generator=torch.Generator().manual_seed(3))
+    decoder = LeanDecoder(weights, device_of(weights))
+    logits = torch.cat([decoder.logits(decoder.forward(tokens[:3])),
+                        decoder.logits(decoder.forward(tokens[3:4])),
+                        decoder.logits(decoder.forward(tokens[4:40]))])
+    torch.testing.assert_close(logits, model(tokens[None]).logits[0], atol=1e-4, rtol=1e-4)

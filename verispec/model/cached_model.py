@@ -92,6 +92,13 @@ class CachedModel:
         if quantized:  # a 4-bit target: its layers', then its head's
             return "; ".join(quantized) + attention
         dtype = str(self.model.dtype).removeprefix("torch.")
+        if self.lean is not None and self.lean.passes is not None:
+            passes = self.lean.passes
+            runs = "CUDA graphs" if passes.graphs else "eager"
+            if passes.failure:
+                runs = f"eager: {passes.failure}"
+            return (f"{dtype} (fused F.linear at {FIXED_ROWS} rows; fixed-shape passes over "
+                    f"{passes.room} keys, {runs})")
         if self.lean is not None and self.model.device.type != "cpu":
             return f"{dtype} (fused F.linear at {FIXED_ROWS} rows)"
         if self.lean is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from verispec.core.errors import VerispecError
+
 
 class KVCache:
     """Keys and values written into preallocated buffers (doubling when full) rather than
@@ -15,12 +17,26 @@ class KVCache:
         self.keys: torch.Tensor | None = None  # [1, heads, capacity, head_dim]
         self.values: torch.Tensor | None = None
         self.length = 0
+        self.fixed = False  # buffers allocated once (`reserve`) and never moved: CUDA graphs read them
+
+    @torch.inference_mode()
+    def reserve(self, heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device) -> None:
+        """Allocate zeroed buffers of exactly `capacity` entries that never move or grow (a pass
+        captured as a CUDA graph reads them by address; zeros: a masked entry is never NaN)."""
+        self.keys, self.values = (torch.zeros(1, heads, capacity, head_dim, dtype=dtype, device=device)
+                                  for _ in range(2))
+        self.length = 0
+        self.fixed = True
 
     @torch.inference_mode()
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values: [1, heads, n, head_dim] -> all cached keys, values [1, heads, length, head_dim]."""
         end = self.length + keys.shape[2]
         if self.keys is None or end > self.keys.shape[2]:
+            if self.fixed:
+                raise VerispecError(f"the sequence ({end} tokens) outgrows its fixed KV cache of "
+                                    f"{self.keys.shape[2]} entries", field="max_new_tokens")
             capacity = max(256, 2 * end)
             grown = [keys.new_empty(*keys.shape[:2], capacity, keys.shape[3]) for _ in range(2)]
             if self.keys is not None:

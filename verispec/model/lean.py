@@ -16,7 +16,8 @@ described as data (`Family`: its norms, activation, biases, attention windows, e
 rotary tables), with one forward for all of them; every other model runs through its own forward
 (verispec.model.cached_model). On a GPU the products are plain fused F.linear calls
 (`DenseLinear`), at a fixed row count when invariant (`FIXED_ROWS`: cuBLAS picks its kernel by row
-count; docs/invariance.md, CUDA).
+count; docs/invariance.md, CUDA), and every step after the prompt is a fixed-shape pass over a
+fixed KV buffer (`static_forward`), captured as a CUDA graph (verispec.model.graphs).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
+from verispec.model.graphs import STATIC_KEYS, StaticPasses, graphs_enabled
 from verispec.model.kernels import rows
 from verispec.model.kv_cache import KVCache
 from verispec.model.lowbit import DenseKernel, Int4Groups, QuantLinear, RowsInt4Kernel
@@ -257,8 +259,11 @@ class LeanWeights:
         layer_windows = windows(family, config)
         kinds = list(getattr(config, "layer_types", None) or [None] * len(body.layers))
         on_cpu = model.get_output_embeddings().weight.device.type == "cpu"
-        # Off the CPU every product and norm of an invariant forward runs at FIXED_ROWS rows.
+        # Off the CPU every product and norm of an invariant forward runs at FIXED_ROWS rows, and
+        # every step after a prompt as a fixed-shape pass over a fixed KV buffer of this many keys.
         self.fixed_rows = not on_cpu
+        self.static_keys = min(int(getattr(config, "max_position_embeddings", None) or STATIC_KEYS),
+                               STATIC_KEYS)
         # Rows attend through the row kernel's attention where it runs (kernels/rows.py): one
         # call for a block's rows, the same arithmetic for a row whatever came with it.
         self.row_kernel_attention = (on_cpu and rows.available() and self.head_dim in rows.HEAD_DIMS
@@ -430,8 +435,13 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
     w = decoders[0].weights
     invariant = decoders[0].invariant
     sizes = [block.tokens.shape[0] for block in blocks]
-    prompts_only = all(decoder.length == 0 and block.mask is None and block.tokens.shape[0] > 1
-                       for decoder, block in zip(decoders, blocks))
+    prompts = [decoder.length == 0 and block.mask is None and block.tokens.shape[0] > 1
+               for decoder, block in zip(decoders, blocks)]
+    prompts_only = all(prompts)
+    if decoders[0].passes is not None and not prompts_only:  # a GPU: fixed-shape passes
+        return torch.cat([forward_rows([decoder], [block], layers) if prompt
+                          else static_rows(decoder, block, layers)
+                          for decoder, block, prompt in zip(decoders, blocks, prompts)])
     stack = w.prompt_layers if prompts_only and w.prompt_layers is not None else w.layers
     positions = [torch.arange(decoder.length, decoder.length + n, device=block.tokens.device)
                  if block.positions is None else block.positions
@@ -497,6 +507,102 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
     return torch.cat([normed, *captured], dim=-1) if captured else normed
 
 
+@torch.inference_mode()
+def static_rows(decoder: LeanDecoder, block: Block, layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """Feed `block` to a decoder with fixed buffers (a GPU's) as fixed-shape passes of FIXED_ROWS
+    rows each (`static_forward`, replayed from a CUDA graph where graphs are on); returns its rows'
+    hidden states as LeanDecoder.forward does. A block of more rows runs as several passes, each
+    row seeing what the block's mask says (a tree's nodes come after their ancestors)."""
+    passes = decoder.passes
+    n, past = block.tokens.shape[0], decoder.length
+    device = block.tokens.device
+    if block.mask is not None and not torch.equal(
+            block.mask[:, past:], torch.ones(n, n, dtype=torch.bool, device=device).tril()):
+        return tree_rows(decoder, block, layers)
+    positions = (torch.arange(past, past + n, device=device) if block.positions is None
+                 else block.positions)
+    visible = (torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)
+               if block.mask is None else block.mask)  # [n, past + n]
+    out = []
+    for first in range(0, n, passes.rows):
+        end = min(n, first + passes.rows)
+        passes.load(past, block.tokens[first:end], positions[first:end], visible[first:end], first,
+                    positions)
+        hidden = passes.run(layers, lambda: static_forward(decoder.weights, decoder.caches, passes, layers))
+        out.append(hidden[: end - first].clone())
+        for cache in decoder.caches:
+            cache.length = past + end
+    return torch.cat(out)
+
+
+def tree_rows(decoder: LeanDecoder, block: Block, layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """A token tree on fixed buffers, branch by branch: each root-to-leaf path runs as a chain
+    (its nodes at the slots and positions a one-token step gives them, so each row's attention
+    sums its keys in the same places), then every node's keys and values go to the slot of its
+    index in the block, as a tree pass leaves them. Exact; one pass per leaf."""
+    past, n = decoder.length, block.tokens.shape[0]
+    sees = block.mask[:, past:].cpu()  # [n, n] bool: node i sees node j (its ancestors, itself)
+    paths = [torch.nonzero(sees[i]).flatten().tolist() for i in range(n)]
+    inner = {node for path in paths for node in path[:-1]}
+    positions = (torch.arange(past, past + n, device=block.tokens.device) if block.positions is None
+                 else block.positions)
+    hidden: list[torch.Tensor | None] = [None] * n
+    entries: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * n  # per node, per layer
+    for leaf in (i for i in range(n) if i not in inner):
+        path = paths[leaf]
+        decoder.rewind(past)
+        out = static_rows(decoder, Block(block.tokens[path], positions[path]), layers)
+        for depth, node in enumerate(path):
+            if hidden[node] is None:
+                hidden[node] = out[depth]
+                entries[node] = [(c.keys[:, :, past + depth].clone(), c.values[:, :, past + depth].clone())
+                                 for c in decoder.caches]
+    for layer, cache in enumerate(decoder.caches):
+        cache.keys[:, :, past: past + n] = torch.stack([entries[i][layer][0] for i in range(n)], dim=2)
+        cache.values[:, :, past: past + n] = torch.stack([entries[i][layer][1] for i in range(n)], dim=2)
+        cache.length = past + n
+    return torch.stack(hidden)
+
+
+def static_forward(w: LeanWeights, caches: list[KVCache], passes: StaticPasses,
+                   layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """One fixed-shape pass over the rows loaded in `passes` (tokens, positions, write slots and
+    masks, all static buffers): every product and norm at exactly FIXED_ROWS rows, keys and values
+    written by index into the caches' fixed buffers, each row attending over the whole buffer
+    through its mask. No shape and no Python number here changes between steps, so a CUDA graph
+    of it replays any step. Returns [FIXED_ROWS, hidden * (1 + len(layers))] (as forward_rows)."""
+    count = passes.rows
+    x = w.embed(passes.tokens)[None]  # [1, rows, hidden]
+    rotary = {kind: w.cos_sin(x, passes.positions, kind) for kind in {layer.kind for layer in w.layers}}
+    q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
+
+    def run(f: Product | None, h: torch.Tensor) -> torch.Tensor:  # h: [1, rows, in]
+        return h if f is None else at_fixed_rows(f, h)
+
+    def heads(t: torch.Tensor, number: int, norm: Product | None) -> torch.Tensor:
+        # [1, rows, number * head_dim] -> [1, number, rows, head_dim], each head normed where asked
+        return run(norm, t.reshape(1, count * number, w.head_dim)).view(
+            1, count, number, w.head_dim).transpose(1, 2)
+
+    captured = []
+    for index, layer in enumerate(w.layers):
+        if index in layers:
+            captured.append(x[0])
+        q, k, v = run(layer.qkv, run(layer.attn_norm, x)).split([q_size, kv_size, kv_size], dim=-1)
+        cos, sin = rotary[layer.kind]
+        cache = caches[index]
+        cache.keys.index_copy_(2, passes.slots, rotate(heads(k, w.kv_heads, layer.k_norm), cos, sin))
+        cache.values.index_copy_(2, passes.slots, heads(v, w.kv_heads, None))
+        attended = nn.functional.scaled_dot_product_attention(
+            rotate(heads(q, w.heads, layer.q_norm), cos, sin), cache.keys, cache.values,
+            attn_mask=passes.masks[layer.window], scale=w.scaling, enable_gqa=w.kv_heads != w.heads)
+        x = x + run(layer.attn_post_norm, run(layer.out, attended.transpose(1, 2).reshape(1, count, q_size)))
+        gate, up = run(layer.gate_up, run(layer.mlp_norm, x)).chunk(2, dim=-1)
+        x = x + run(layer.mlp_post_norm, run(layer.down, w.activation(gate) * up))
+    normed = run(w.norm, x)[0]
+    return torch.cat([normed, *captured], dim=-1) if captured else normed
+
+
 def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                   scale: float, gqa: bool, window: int | None = None) -> torch.Tensor:
     """Attention of each query row over exactly the keys it sees, in cache order, one row at a
@@ -531,6 +637,16 @@ class LeanDecoder:
         self.device = device
         self.invariant = invariant  # rows attend one at a time (forward_rows): block-independent bits
         self.caches = [KVCache() for _ in self.weights.layers]
+        # Invariant on a GPU: fixed KV buffers and fixed-shape passes (static_rows), CUDA graphs.
+        self.passes: StaticPasses | None = None
+        if invariant and weights.fixed_rows:
+            # the last slot is the padding rows' scratch; a multiple of 64 keeps the mask aligned
+            capacity = -(-(weights.static_keys + 1) // 64) * 64
+            self.passes = StaticPasses(FIXED_ROWS, capacity, {layer.window for layer in weights.layers},
+                                       torch.device(device), graphs_enabled(torch.device(device)))
+            for cache in self.caches:
+                cache.reserve(weights.kv_heads, capacity, weights.head_dim, weights.embed.weight.dtype,
+                              device)
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> LeanDecoder:
@@ -542,7 +658,11 @@ class LeanDecoder:
         return self.caches[0].length
 
     def reset(self) -> None:
-        """Empty the cache and free its buffers (a finished sequence's cache holds no memory)."""
+        """Empty the cache and free its buffers (a finished sequence's cache holds no memory);
+        fixed buffers (a GPU's, which its CUDA graphs read) are kept, emptied."""
+        if self.passes is not None:
+            self.rewind(0)
+            return
         self.caches = [KVCache() for _ in self.weights.layers]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,

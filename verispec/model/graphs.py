@@ -1,0 +1,113 @@
+"""Static shapes and CUDA graphs for the lean forward on a GPU.
+
+A 135M model's step on a GPU is launch-bound: hundreds of small kernels, each waiting on Python.
+On a GPU every forward of an invariant lean decoder after its prompt therefore runs as fixed-shape
+passes (verispec.model.lean.static_forward): exactly FIXED_ROWS query rows (a block's rows,
+zero-padded), attending over the decoder's whole key buffer (a fixed capacity) through a mask, keys
+and values written into that buffer by index. Every row of every pass meets the same kernels at the
+same shapes, whatever block, tree or batch it came in (the batch invariance, by construction), and
+since nothing in a pass depends on a Python number that changes between steps, the pass is captured
+once per decoder as a CUDA graph and replayed: a few launches a step instead of hundreds.
+
+`VERISPEC_CUDA_GRAPHS=off` runs the same passes eagerly (the same kernels, for comparison); stats
+name which ran (`CachedModel.kernel`). Figures: docs/invariance.md, CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from verispec.core.errors import VerispecError
+
+# The most keys a decoder on a GPU caches (its buffer's fixed capacity, a scratch slot aside):
+# every pass attends over all of them, masked, so the capacity is part of each row's arithmetic.
+STATIC_KEYS = 4096
+
+
+def graphs_enabled(device: torch.device) -> bool:
+    """Whether passes on `device` are captured as CUDA graphs (on a GPU, unless switched off)."""
+    return device.type == "cuda" and os.environ.get("VERISPEC_CUDA_GRAPHS", "on").lower() != "off"
+
+
+class StaticPasses:
+    """One decoder's fixed-shape pass inputs (static buffers the captured graphs read) and its
+    graphs, one per set of captured hidden layers.
+
+    The key buffer has `capacity` slots; the last is scratch: padding rows write their keys there
+    and attend only to it, and no real row ever sees it."""
+
+    def __init__(self, rows: int, capacity: int, windows: set[int | None], device: torch.device,
+                 graphs: bool) -> None:
+        self.rows = rows
+        self.capacity = capacity
+        self.graphs = graphs
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)  # [rows]
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)  # [rows]
+        self.slots = torch.full((rows,), capacity - 1, dtype=torch.long, device=device)  # [rows]
+        # window (None: all keys) -> [rows, capacity] bool, True = the row attends to that slot
+        self.masks = {window: torch.zeros(rows, capacity, dtype=torch.bool, device=device)
+                      for window in windows | {None}}
+        self.slot_positions = torch.arange(capacity, device=device)  # [capacity]
+        self.captured: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failure: str | None = None  # why capturing failed, where it did (passes then run eagerly)
+
+    @property
+    def room(self) -> int:
+        """How many tokens the decoder can cache."""
+        return self.capacity - 1
+
+    @torch.inference_mode()
+    def load(self, past: int, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+             first: int, block_positions: torch.Tensor) -> None:
+        """Fill the buffers for rows first .. first + m of a block of n tokens after `past` cached
+        ones: tokens, positions [m]; visible [m, past + n] bool (what each row sees, as the
+        block's mask says); block_positions [n] (every row's position, for sliding windows)."""
+        m, n = tokens.shape[0], block_positions.shape[0]
+        if past + n > self.room:
+            raise VerispecError(f"the sequence ({past + n} tokens) outgrows the GPU decoder's cache of "
+                                f"{self.room} tokens (graphs.STATIC_KEYS)", field="max_new_tokens")
+        self.tokens.zero_()
+        self.tokens[:m] = tokens
+        self.positions.zero_()
+        self.positions[:m] = positions
+        self.slots.fill_(self.capacity - 1)
+        self.slots[:m] = torch.arange(past + first, past + first + m, device=self.slots.device)
+        whole = self.masks[None]
+        whole.zero_()
+        whole[:m, : past + n] = visible
+        whole[m:, -1] = True
+        windowed = [w for w in self.masks if w is not None]
+        if windowed:
+            keys = self.slot_positions.clone()
+            keys[past: past + n] = block_positions
+            for window in windowed:
+                torch.logical_and(whole, keys[None] > self.positions[:, None] - window,
+                                  out=self.masks[window])
+
+    def run(self, layers: tuple[int, ...], forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """forward() over the loaded buffers: [rows, width], replayed from a CUDA graph captured at
+        the first call with these `layers` where graphs are on. The result is the graph's output
+        buffer: copy what must outlive the next pass."""
+        if not self.graphs:
+            return forward()
+        if layers not in self.captured:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                forward()  # warm-up outside the capture: kernel choices and workspaces settle
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    output = forward()
+            except RuntimeError as error:  # an op that cannot be captured: run eagerly, say why
+                self.graphs = False
+                self.failure = f"capture failed: {str(error).splitlines()[0][:160]}"
+                return forward()
+            self.captured[layers] = (graph, output)
+        graph, output = self.captured[layers]
+        graph.replay()
+        return output
