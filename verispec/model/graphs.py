@@ -39,8 +39,8 @@ class StaticPasses:
     The key buffer has `capacity` slots; the last is scratch: padding rows write their keys there
     and attend only to it, and no real row ever sees it."""
 
-    def __init__(self, rows: int, capacity: int, windows: set[int | None], device: torch.device,
-                 graphs: bool) -> None:
+    def __init__(self, rows: int, capacity: int, windows: set[int | None], dtype: torch.dtype,
+                 device: torch.device, graphs: bool) -> None:
         self.rows = rows
         self.capacity = capacity
         self.graphs = graphs
@@ -50,6 +50,9 @@ class StaticPasses:
         # window (None: all keys) -> [rows, capacity] bool, True = the row attends to that slot
         self.masks = {window: torch.zeros(rows, capacity, dtype=torch.bool, device=device)
                       for window in windows | {None}}
+        # the same as additive biases in the activations' dtype (0 or -inf), as attention reads them
+        self.biases = {window: torch.zeros(rows, capacity, dtype=dtype, device=device)
+                       for window in self.masks}
         self.slot_positions = torch.arange(capacity, device=device)  # [capacity]
         self.captured: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failure: str | None = None  # why capturing failed, where it did (passes then run eagerly)
@@ -86,6 +89,8 @@ class StaticPasses:
             for window in windowed:
                 torch.logical_and(whole, keys[None] > self.positions[:, None] - window,
                                   out=self.masks[window])
+        for window, mask in self.masks.items():
+            self.biases[window].zero_().masked_fill_(~mask, float("-inf"))
 
     def run(self, layers: tuple[int, ...], forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         """forward() over the loaded buffers: [rows, width], replayed from a CUDA graph captured at

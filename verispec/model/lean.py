@@ -192,6 +192,9 @@ def at_fixed_rows(f: Product, h: torch.Tensor, rows: int = FIXED_ROWS) -> torch.
     """f(h) computed on chunks of exactly `rows` rows (the last zero-padded), so that a row's
     result does not depend on how many rows came with it. h: [..., n, in] -> [..., n, out]."""
     n = h.shape[-2]
+    if n % rows == 0:  # whole chunks (a fixed-shape pass's): the same chunks, without the copy
+        chunks = [f(chunk) for chunk in h.contiguous().split(rows, dim=-2)]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
     padded = h.new_zeros(*h.shape[:-2], -(-n // rows) * rows, h.shape[-1])
     padded[..., :n, :] = h
     return torch.cat([f(chunk) for chunk in padded.split(rows, dim=-2)], dim=-2)[..., :n, :]
@@ -595,7 +598,7 @@ def static_forward(w: LeanWeights, caches: list[KVCache], passes: StaticPasses,
         cache.values.index_copy_(2, passes.slots, heads(v, w.kv_heads, None))
         attended = nn.functional.scaled_dot_product_attention(
             rotate(heads(q, w.heads, layer.q_norm), cos, sin), cache.keys, cache.values,
-            attn_mask=passes.masks[layer.window], scale=w.scaling, enable_gqa=w.kv_heads != w.heads)
+            attn_mask=passes.biases[layer.window], scale=w.scaling, enable_gqa=w.kv_heads != w.heads)
         x = x + run(layer.attn_post_norm, run(layer.out, attended.transpose(1, 2).reshape(1, count, q_size)))
         gate, up = run(layer.gate_up, run(layer.mlp_norm, x)).chunk(2, dim=-1)
         x = x + run(layer.mlp_post_norm, run(layer.down, w.activation(gate) * up))
@@ -643,7 +646,8 @@ class LeanDecoder:
             # the last slot is the padding rows' scratch; a multiple of 64 keeps the mask aligned
             capacity = -(-(weights.static_keys + 1) // 64) * 64
             self.passes = StaticPasses(FIXED_ROWS, capacity, {layer.window for layer in weights.layers},
-                                       torch.device(device), graphs_enabled(torch.device(device)))
+                                       weights.embed.weight.dtype, torch.device(device),
+                                       graphs_enabled(torch.device(device)))
             for cache in self.caches:
                 cache.reserve(weights.kv_heads, capacity, weights.head_dim, weights.embed.weight.dtype,
                               device)
