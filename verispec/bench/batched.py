@@ -77,7 +77,7 @@ class BatchBenchConfig:
         return [*BATCH_BENCH, *(["draft"] if self.draft else [])]
 
 
-# One contender: decodes a batch of prompts -> (each row's tokens, target forwards, new tokens).
+# One contender: decodes a batch of prompts -> (each row's tokens, its row-forwards or None).
 Decode = Callable[[list[list[int]]], tuple[list[list[int]], int | None]]
 
 
