@@ -40,7 +40,7 @@ class LiveServer:
 
     @property
     def scheduler(self) -> Scheduler:
-        return self.app.state.scheduler
+        return self.app.state.served.scheduler
 
     def __enter__(self) -> LiveServer:
         self.thread.start()

@@ -99,6 +99,14 @@ def test_bad_arguments_are_refused_clearly(tiny_dir, kwargs, message):
         verispec.generate(str(tiny_dir), PROMPT, **kwargs)
 
 
+def test_a_keyword_generate_does_not_take_is_a_type_error_naming_it(target):
+    """The speculation keywords arrive as **kwargs (verispec.api.Speculation): a misspelt one is
+    still refused as Python refuses an unknown keyword, not ignored."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'prompt_lookup_tokens'"):
+        verispec.generate(target, [5, 6], prompt_lookup_tokens=3)
+    assert verispec.api.Speculation(prompt_lookup_num_tokens=3).chosen_method() == "pld"
+
+
 def test_empty_prompt_and_unknown_model_are_refused(tiny_dir, tmp_path):
     with pytest.raises(verispec.VerispecError, match="empty"):
         verispec.generate(str(tiny_dir), "   ")

@@ -99,6 +99,32 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     assert find_cycle(graph) is not None
 
 
+MAX_FUNCTION_LINES = 100
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """Functions (nested ones and methods too) longer than `limit` lines, from `def` to their
+    last line: name at its line -> length."""
+    return {f"{node.name} (line {node.lineno})": node.end_lineno - node.lineno + 1
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > limit}
+
+
+def test_no_function_in_the_package_is_over_100_lines():
+    found = {f"{path.relative_to(PACKAGE.parent)}: {name}": length
+             for path in sorted(PACKAGE.rglob("*.py"))
+             for name, length in long_functions(path.read_text()).items()}
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {found}"
+
+
+def test_the_length_check_finds_a_planted_long_function():
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    source = f"class A:\n    def outer(self):\n        def inner():\n{body.replace('    ', '            ')}"
+    assert set(long_functions(source)) == {"outer (line 2)", "inner (line 3)"}
+    assert not long_functions(f"def short():\n{body[:-len(body.splitlines()[-1]) - 1]}")
+
+
 def test_the_engine_sits_below_the_registry_and_the_drafters():
     below = reachable(import_graph(), "verispec.decoding.engine")
     assert "verispec.methods" not in below and "verispec.options" not in below

@@ -8,7 +8,8 @@ early exit; none of them -> plain decoding. Outputs are the target's own (lossle
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -37,6 +38,93 @@ def _as_loaded(model: ModelLike, tokenizer=None) -> LoadedModel:
                         f"got {type(model).__name__}")
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """The keywords that choose and tune speculation: Hugging Face generate()'s (one of
+    assistant_model, prompt_lookup_num_tokens and assistant_early_exit picks the method, the
+    others set its DraftOptions fields) and verispec's own (method=, options=, tree=, acceptance=)."""
+
+    assistant_model: ModelLike | None = None
+    assistant_tokenizer: Any = None  # the assistant_model's tokenizer, where it is not the target's
+    num_assistant_tokens: int | None = None
+    num_assistant_tokens_schedule: str | None = None
+    assistant_confidence_threshold: float | None = None
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int | None = None
+    assistant_early_exit: int | None = None
+    tree: TreeSettings | str | None = None
+    acceptance: str | None = None
+    method: str | None = None
+    options: DraftOptions | None = None
+
+    @staticmethod
+    def of(keywords: dict[str, Any]) -> Speculation:
+        """From generate()'s keywords; one it does not take is a TypeError, as Python's own."""
+        known = {f.name for f in fields(Speculation)}
+        for name in keywords:
+            if name not in known:
+                raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
+        return Speculation(**keywords)
+
+    def chosen_method(self) -> str:
+        """The method chosen (one at most): method=, or the Hugging Face keyword given, else plain."""
+        selectors = {"assistant_model": self.assistant_model,
+                     "prompt_lookup_num_tokens": self.prompt_lookup_num_tokens,
+                     "assistant_early_exit": self.assistant_early_exit}
+        chosen = [name for name, value in selectors.items() if value is not None]
+        if self.method is not None:
+            chosen.append(f"method={self.method!r}")
+        if len(chosen) > 1:
+            raise VerispecError(f"choose one speculation method, got {' and '.join(chosen)}")
+        if self.options is not None and not chosen:
+            raise VerispecError("options= sets a method's settings: give method= too")
+        if self.method is not None:
+            return self.method
+        return HF_SELECTORS[chosen[0]] if chosen else PLAIN
+
+    def draft_options(self, target: LoadedModel) -> DraftOptions:
+        """options= with the Hugging Face-style keywords for its fields applied: given ones
+        apply, and may not contradict each other or a field options= sets."""
+        keywords = {"num_assistant_tokens": ("k", self.num_assistant_tokens),
+                    "num_assistant_tokens_schedule": ("schedule", self.num_assistant_tokens_schedule),
+                    "assistant_confidence_threshold": ("confidence_threshold",
+                                                       self.assistant_confidence_threshold),
+                    "max_matching_ngram_size": ("max_ngram", self.max_matching_ngram_size),
+                    "tree": ("tree", self.tree), "acceptance": ("acceptance", self.acceptance),
+                    "prompt_lookup_num_tokens": ("k", self.prompt_lookup_num_tokens),
+                    "assistant_early_exit": ("exit_layer", self.assistant_early_exit),
+                    "assistant_model": ("draft", self.draft(target))}
+        options = self.options or DraftOptions()
+        given: dict[str, tuple[str, object]] = {}
+        for keyword, (name, value) in keywords.items():
+            if value is None:
+                continue
+            if name in given and given[name][1] != value:
+                raise VerispecError(f"{name} given twice: {given[name][0]}={given[name][1]!r} and "
+                                    f"{keyword}={value!r}")
+            set_by_options = getattr(options, name)
+            if set_by_options != getattr(DraftOptions(), name) and set_by_options != value:
+                raise VerispecError(f"{name} given twice: options.{name}={set_by_options!r} and "
+                                    f"{keyword}={value!r}")
+            given[name] = (keyword, value)
+        return replace(options, **{name: value for name, (_, value) in given.items()})
+
+    def draft(self, target: LoadedModel) -> str | LoadedModel | None:
+        """assistant_model as DraftOptions.draft takes it: with its own tokenizer where given,
+        else the target's for a bare PreTrainedModel."""
+        if self.assistant_tokenizer is not None and (self.assistant_model is None
+                                                     or target.tokenizer is None):
+            raise VerispecError("assistant_tokenizer= is the assistant_model's tokenizer, beside the "
+                                "target's (tokenizer=): give all three")
+        if self.assistant_model is None:
+            return None
+        if self.assistant_tokenizer is not None:  # its own tokenizer, maybe not the target's
+            return _as_loaded(self.assistant_model, self.assistant_tokenizer)
+        if isinstance(self.assistant_model, (str, LoadedModel)):
+            return self.assistant_model
+        return _as_loaded(self.assistant_model, target.tokenizer)
+
+
 def prepare(
     model: ModelLike,
     inputs: Prompts,
@@ -47,21 +135,9 @@ def prepare(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int | None = None,
-    assistant_model: ModelLike | None = None,
-    num_assistant_tokens: int | None = None,
-    num_assistant_tokens_schedule: str | None = None,
-    assistant_confidence_threshold: float | None = None,
-    prompt_lookup_num_tokens: int | None = None,
-    max_matching_ngram_size: int | None = None,
-    assistant_early_exit: int | None = None,
-    tree: TreeSettings | str | None = None,
-    acceptance: str | None = None,
-    method: str | None = None,
-    options: DraftOptions | None = None,
     eos_token_id: int | Iterable[int] | None = None,
     stop_strings: str | Iterable[str] | None = None,
     tokenizer=None,
-    assistant_tokenizer=None,
     chat: bool = False,
     num_return_sequences: int = 1,
     prediction: str | list[str] | None = None,
@@ -71,58 +147,14 @@ def prepare(
     json_schema: dict | str | list | None = None,
     regex: str | list | None = None,
     grammar: str | list | None = None,
+    **speculation: Any,
 ) -> tuple[LoadedModel, Request]:
-    """Translate Hugging Face-style arguments into a Request (validated; see `generate`)."""
+    """Translate Hugging Face-style arguments into a Request (validated; see `generate`); the
+    keywords that choose and tune speculation are a Speculation's fields."""
     target = _as_loaded(model, tokenizer)
-    selectors = {"assistant_model": assistant_model, "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
-                 "assistant_early_exit": assistant_early_exit}
-    chosen = [name for name, value in selectors.items() if value is not None]
-    if method is not None:
-        chosen.append(f"method={method!r}")
-    if len(chosen) > 1:
-        raise VerispecError(f"choose one speculation method, got {' and '.join(chosen)}")
-    if options is not None and not chosen:
-        raise VerispecError("options= sets a method's settings: give method= too")
-    # Hugging Face-style keywords for DraftOptions fields: given ones apply, and may not
-    # contradict a field options= sets.
-    keywords = {"num_assistant_tokens": ("k", num_assistant_tokens),
-                "num_assistant_tokens_schedule": ("schedule", num_assistant_tokens_schedule),
-                "assistant_confidence_threshold": ("confidence_threshold", assistant_confidence_threshold),
-                "max_matching_ngram_size": ("max_ngram", max_matching_ngram_size),
-                "tree": ("tree", tree), "acceptance": ("acceptance", acceptance)}
-    if prompt_lookup_num_tokens is not None:
-        keywords["prompt_lookup_num_tokens"] = ("k", prompt_lookup_num_tokens)
-    if assistant_early_exit is not None:
-        keywords["assistant_early_exit"] = ("exit_layer", assistant_early_exit)
-    if assistant_tokenizer is not None and (assistant_model is None or target.tokenizer is None):
-        raise VerispecError("assistant_tokenizer= is the assistant_model's tokenizer, beside the "
-                            "target's (tokenizer=): give all three")
-    if assistant_model is not None:
-        if assistant_tokenizer is not None:  # its own tokenizer, maybe not the target's
-            draft = _as_loaded(assistant_model, assistant_tokenizer)
-        elif isinstance(assistant_model, (str, LoadedModel)):
-            draft = assistant_model
-        else:
-            draft = _as_loaded(assistant_model, target.tokenizer)
-        keywords["assistant_model"] = ("draft", draft)
-    options = options or DraftOptions()
-    given: dict[str, tuple[str, object]] = {}
-    for keyword, (name, value) in keywords.items():
-        if value is None:
-            continue
-        if name in given and given[name][1] != value:
-            raise VerispecError(f"{name} given twice: {given[name][0]}={given[name][1]!r} and "
-                                f"{keyword}={value!r}")
-        set_by_options = getattr(options, name)
-        if set_by_options != getattr(DraftOptions(), name) and set_by_options != value:
-            raise VerispecError(f"{name} given twice: options.{name}={set_by_options!r} and "
-                                f"{keyword}={value!r}")
-        given[name] = (keyword, value)
-    options = replace(options, **{name: value for name, (_, value) in given.items()})
-    if method is None:
-        method = HF_SELECTORS[chosen[0]] if chosen else PLAIN
+    how = Speculation.of(speculation)
     return target, build_request(
-        target, inputs, chat=chat, method=method, options=options,
+        target, inputs, chat=chat, method=how.chosen_method(), options=how.draft_options(target),
         sampling=SamplingParams.of(temperature, top_k, top_p, do_sample=do_sample),
         max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, stop_strings=stop_strings,
         seed=seed, n=num_return_sequences, prediction=prediction, json_schema=json_schema,

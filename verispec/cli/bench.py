@@ -120,14 +120,21 @@ def beam_settings(args: argparse.Namespace) -> BeamSettings | None:
 
 
 def bench_batched(args: argparse.Namespace) -> int:
+    """`--batch-size`: every flag it is given is honoured, or refused here by name."""
     from verispec.bench.batched import BatchBenchConfig, run_batched_bench
 
+    if args.trained:
+        raise VerispecError("--batch-size runs trained methods with the drafters shipped for the model: "
+                            "it takes no --trained")
     config = BatchBenchConfig(model=args.model, out=Path(args.out), batch_sizes=args.batch_size,
-                              methods=args.methods or list(BATCH_BENCH), ks=args.k,
+                              methods=args.methods, ks=args.k,
                               questions=Path(args.questions) if args.questions else None,
                               tasks=args.tasks, limit_per_task=args.limit_per_task,
                               max_new_tokens=args.max_new_tokens, dtype=args.dtype, device=args.device,
-                              seed=args.seed, load_cap=not args.no_load_cap)
+                              seed=args.seed, load_cap=not args.no_load_cap,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              draft=args.draft, trees=args.tree, typical=args.typical, warmup=args.warmup,
+                              options=draft_options(args, k=None, tree=None))
     run_batched_bench(config)
     print((Path(args.out) / "batched.md").read_text())
     return 0

@@ -66,9 +66,8 @@ class MTPNet(nn.Module):
 
 class StackedHeads:
     """Every head of an MTPNet as one decoder layer whose batch is the heads (for drafting; the
-    same arithmetic as DecoderLayer, each weight a batched product). On the byte model's seven
-    heads (width 256) a draft step took 0.9 ms for one new position and 1.6 ms for three, against
-    2.2 and 6.5 ms running the heads one after another (loaded 2-core machine, float32)."""
+    same arithmetic as DecoderLayer, each weight a batched product: one pass drafts for every
+    head; docs/bytes.md has its cost against the heads one after another)."""
 
     def __init__(self, net: MTPNet) -> None:
         layers = net.layers

@@ -177,10 +177,10 @@ def self_weights(target: LoadedModel, settings: SelfSettings) -> SelfWeights:
 class SelfDrafter(ModelDrafter):
     """A ModelDrafter over `target`'s own weights in low precision (behind `lookup` if given).
 
-    It starts each sequence from the target's own keys and values for the prompt (copied, a few
-    ms) instead of prefilling it in low precision: on an 800-token prompt that prefill took
-    1.1-1.3 s here, longer than the target's own (0.8 s), since the integer kernels are slow on
-    many rows. Drafting after a float prompt cache only agrees better with the target.
+    It starts each sequence from a copy of the target's own keys and values for the prompt
+    instead of prefilling it in low precision (the integer kernels are slow on many rows:
+    docs/self-speculation.md has the costs). Drafting after a float prompt cache only agrees
+    better with the target.
     """
 
     adopts_prefill = True

@@ -32,8 +32,8 @@ _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 def gguf_tensors(path: Path) -> tuple[str, dict[str, TensorInfo]]:
     """The file's architecture and its tensors by GGUF name, read from the header alone.
 
-    gguf-py's GGUFReader parses every metadata value into numpy views, which for Gemma 3's
-    262,144-token vocabulary took 42 s here; this skips the values it does not need (the format:
+    gguf-py's GGUFReader parses every metadata value into numpy views, slow for a large
+    vocabulary (docs/families.md); this skips the values it does not need (the format:
     github.com/ggml-org/ggml/blob/master/docs/gguf.md)."""
     with path.open("rb") as file:
         view = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)

@@ -62,7 +62,7 @@ class Int4Groups:
     def quantize(cls, weight: torch.Tensor, group: int) -> Int4Groups:
         """weight [out, in] -> nearest codes over each group's [min, max] range (as Q4_1 does).
 
-        >>> Int4Groups.quantize(torch.tensor([[0.0, 1.5, 3.0, 15.0]]), 4).dequantize()
+        >>> Int4Groups.quantize(torch.tensor([[0.0, 1.2, 2.8, 15.0]]), 4).dequantize()
         tensor([[ 0.,  1.,  3., 15.]])
         """
         out_features, in_features = weight.shape

@@ -20,10 +20,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -236,6 +237,169 @@ async def read_body(http: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+@dataclass(frozen=True)
+class Served:
+    """What the routes read (app.state.served): the model, its scheduler and metrics, and the
+    settings create_app was given."""
+
+    target: LoadedModel
+    scheduler: Scheduler
+    metrics: Metrics
+    methods: list[str]  # those requests may choose, the first the default
+    max_batch: int
+    max_body: int
+    options: DraftOptions  # the drafting options requests get (their own k and tree override them)
+
+    def unavailable(self) -> JSONResponse:
+        """503: draining, or the engine thread has died (then nothing will ever be answered)."""
+        if self.scheduler.died is not None:
+            return error_response(503, f"the server's engine thread died "
+                                  f"({type(self.scheduler.died).__name__}); restart the server",
+                                  "server_error")
+        return error_response(503, "the server is shutting down", "server_error")
+
+
+def served(http: Request) -> Served:
+    return http.app.state.served
+
+
+routes = APIRouter()
+
+
+@routes.get("/health")
+async def health(http: Request) -> JSONResponse:
+    scheduler = served(http).scheduler
+    if not scheduler.accepting:
+        return served(http).unavailable()
+    return JSONResponse({"status": "ok", "running": scheduler.running,
+                         "kv_tokens": {"reserved": scheduler.reserved_kv_tokens,
+                                       "budget": scheduler.max_kv_tokens}})
+
+
+@routes.get("/v1/models")
+async def models(http: Request) -> dict:
+    state = served(http)
+    return {"object": "list", "data": [{
+        "id": state.target.name, "object": "model", "created": 0, "owned_by": "verispec",
+        "verispec": {"methods": state.methods, "default_method": state.methods[0]}}]}
+
+
+@routes.get("/metrics")
+async def prometheus(http: Request) -> Response:
+    return Response(served(http).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@routes.get("/")
+async def playground() -> FileResponse:
+    return FileResponse(STATIC / "index.html")
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(http: Request) -> Response:
+    return await generate(http, ChatBody)
+
+
+@routes.post("/v1/completions")
+async def completions(http: Request) -> Response:
+    return await generate(http, CompletionBody)
+
+
+async def generate(http: Request, kind: type[Common]) -> Response:
+    """A completion: the body read, checked and tokenized, the request queued; its answer whole,
+    or streamed as its steps arrive."""
+    state = served(http)
+    scheduler, metrics = state.scheduler, state.metrics
+    if not scheduler.accepting:  # before reading or tokenizing anything
+        metrics.rejected.labels("shutting_down").inc()
+        return state.unavailable()
+    raw = await read_body(http, state.max_body)
+    # Parsing and tokenizing a big body takes milliseconds: off the event loop.
+    body = await asyncio.to_thread(parse_body, raw, kind)
+    request = await asyncio.to_thread(to_request, body, state.target, state.methods, state.max_batch,
+                                      state.options)
+    try:
+        scheduler.check_fits(request)
+    except VerispecError as error:
+        raise BadRequest(str(error), "max_tokens") from None
+    try:
+        ticket = scheduler.submit(request)
+    except QueueFull:
+        metrics.rejected.labels("queue_full").inc()
+        return error_response(429, "the server's queue is full; retry shortly", "rate_limit_error",
+                              headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    except ShuttingDown:
+        metrics.rejected.labels("shutting_down").inc()
+        return state.unavailable()
+    # Until the response starts (and for all of a non-streaming one) a watcher cancels the
+    # work the moment the client disconnects; a stream's own end cancels it after that.
+    watcher = asyncio.create_task(_cancel_on_disconnect(http, scheduler, ticket))
+    streaming = None
+    try:
+        first = await ticket.events.get()
+        if isinstance(first, Refused):
+            raise BadRequest(first.message)
+        if not isinstance(first, Admitted):
+            return _gone_or_failed(first)
+        output = _Output(kind is ChatBody, request, state.target.tokenizer, body.model or state.target.name)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            streaming = _TicketStream(_stream(ticket, output, include_usage), scheduler, ticket)
+            return streaming
+        while not output.done:
+            event = await ticket.events.get()
+            if not isinstance(event, Stepped):
+                return _gone_or_failed(event)
+            output.add(event)
+        return JSONResponse(output.response())
+    finally:
+        watcher.cancel()
+        if streaming is None:  # else the stream cancels it when it ends
+            scheduler.cancel(ticket)  # a no-op once every sequence has finished
+
+
+async def _stream(ticket: Ticket, output: _Output, include_usage: bool) -> AsyncIterator[str]:
+    """The stream's events; one that fails ends with an error event, then [DONE]."""
+    try:
+        while not output.done:
+            event = await ticket.events.get()
+            if event is None:  # the client went away before the stream began
+                return
+            if isinstance(event, Failed):
+                yield _sse({"error": {"message": event.message, "type": "server_error",
+                                      "param": None, "code": event.status}})
+                break
+            yield _sse(output.add(event))
+        else:
+            if include_usage:
+                yield _sse(output.usage_chunk())
+    except Exception as error:  # a bug here: the client still gets an ending
+        log.error("stream: unexpected error", exc_info=error)
+        yield _sse({"error": {"message": f"internal error: {type(error).__name__}",
+                              "type": "server_error", "param": None, "code": 500}})
+    yield _sse("[DONE]")
+
+
+async def bad_request(http: Request, error: BadRequest) -> JSONResponse:
+    served(http).metrics.rejected.labels("bad_request").inc()
+    return error_response(400, str(error), "invalid_request_error", error.param)
+
+
+async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+    return error_response(error.status_code, str(error.detail), "invalid_request_error")
+
+
+async def internal_error(_: Request, error: Exception) -> JSONResponse:
+    return error_response(500, f"internal error: {type(error).__name__}", "server_error")
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """The scheduler's thread runs while the app does."""
+    app.state.served.scheduler.start()
+    yield
+    app.state.served.scheduler.stop()
+
+
 def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_batch: int = 16,
                max_queue: int = 64, max_kv_tokens: int | None = None, host: str = "127.0.0.1",
                api_key: str | None = None, cors_origins: list[str] | None = None,
@@ -259,139 +423,17 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
     scheduler = Scheduler(target, metrics, max_batch, max_queue, max_kv_tokens)
     scheduler.prepare(methods, options)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        scheduler.start()
-        yield
-        scheduler.stop()
-
     app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.scheduler, app.state.metrics = scheduler, metrics
+    app.state.served = Served(target, scheduler, metrics, methods, max_batch, max_body, options)
     app.add_middleware(Door, api_key=api_key, check_host=host in LOOPBACK, max_body=max_body)
     if cors_origins:  # outermost: a browser's preflight is answered before the door asks for a key
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-
-    @app.exception_handler(BadRequest)
-    async def bad_request(_: Request, error: BadRequest) -> JSONResponse:
-        metrics.rejected.labels("bad_request").inc()
-        return error_response(400, str(error), "invalid_request_error", error.param)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
-        return error_response(error.status_code, str(error.detail), "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, error: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {type(error).__name__}", "server_error")
-
-    def unavailable() -> JSONResponse:
-        """503: draining, or the engine thread has died (then nothing will ever be answered)."""
-        if scheduler.died is not None:
-            return error_response(503, f"the server's engine thread died ({type(scheduler.died).__name__}); "
-                                  "restart the server", "server_error")
-        return error_response(503, "the server is shutting down", "server_error")
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if not scheduler.accepting:
-            return unavailable()
-        return JSONResponse({"status": "ok", "running": scheduler.running,
-                             "kv_tokens": {"reserved": scheduler.reserved_kv_tokens,
-                                           "budget": scheduler.max_kv_tokens}})
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": target.name, "object": "model", "created": 0, "owned_by": "verispec",
-            "verispec": {"methods": methods, "default_method": methods[0]}}]}
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/")
-    async def playground() -> FileResponse:
-        return FileResponse(STATIC / "index.html")
-
+    app.add_exception_handler(BadRequest, bad_request)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
+    app.include_router(routes)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-
-    async def generate(http: Request, kind: type[Common]) -> Response:
-        if not scheduler.accepting:  # before reading or tokenizing anything
-            metrics.rejected.labels("shutting_down").inc()
-            return unavailable()
-        raw = await read_body(http, max_body)
-        # Parsing and tokenizing a big body takes milliseconds: off the event loop.
-        body = await asyncio.to_thread(parse_body, raw, kind)
-        request = await asyncio.to_thread(to_request, body, target, methods, max_batch, options)
-        try:
-            scheduler.check_fits(request)
-        except VerispecError as error:
-            raise BadRequest(str(error), "max_tokens") from None
-        try:
-            ticket = scheduler.submit(request)
-        except QueueFull:
-            metrics.rejected.labels("queue_full").inc()
-            return error_response(429, "the server's queue is full; retry shortly", "rate_limit_error",
-                                  headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        except ShuttingDown:
-            metrics.rejected.labels("shutting_down").inc()
-            return unavailable()
-        # Until the response starts (and for all of a non-streaming one) a watcher cancels the
-        # work the moment the client disconnects; a stream's own end cancels it after that.
-        watcher = asyncio.create_task(_cancel_on_disconnect(http, scheduler, ticket))
-        streaming = None
-        try:
-            first = await ticket.events.get()
-            if isinstance(first, Refused):
-                raise BadRequest(first.message)
-            if not isinstance(first, Admitted):
-                return _gone_or_failed(first)
-            output = _Output(kind is ChatBody, request, target.tokenizer, body.model or target.name)
-            if body.stream:
-                include_usage = body.stream_options is not None and body.stream_options.include_usage
-                streaming = _TicketStream(_stream(ticket, output, include_usage), scheduler, ticket)
-                return streaming
-            while not output.done:
-                event = await ticket.events.get()
-                if not isinstance(event, Stepped):
-                    return _gone_or_failed(event)
-                output.add(event)
-            return JSONResponse(output.response())
-        finally:
-            watcher.cancel()
-            if streaming is None:  # else the stream cancels it when it ends
-                scheduler.cancel(ticket)  # a no-op once every sequence has finished
-
-    async def _stream(ticket: Ticket, output: _Output, include_usage: bool) -> AsyncIterator[str]:
-        """The stream's events; one that fails ends with an error event, then [DONE]."""
-        try:
-            while not output.done:
-                event = await ticket.events.get()
-                if event is None:  # the client went away before the stream began
-                    return
-                if isinstance(event, Failed):
-                    yield _sse({"error": {"message": event.message, "type": "server_error",
-                                          "param": None, "code": event.status}})
-                    break
-                yield _sse(output.add(event))
-            else:
-                if include_usage:
-                    yield _sse(output.usage_chunk())
-        except Exception as error:  # a bug here: the client still gets an ending
-            log.error("stream: unexpected error", exc_info=error)
-            yield _sse({"error": {"message": f"internal error: {type(error).__name__}",
-                                  "type": "server_error", "param": None, "code": 500}})
-        yield _sse("[DONE]")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: Request) -> Response:
-        return await generate(http, ChatBody)
-
-    @app.post("/v1/completions")
-    async def completions(http: Request) -> Response:
-        return await generate(http, CompletionBody)
-
     return app
 
 
@@ -435,4 +477,4 @@ class _DrainingServer(uvicorn.Server):
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_seconds: float = 30.0) -> None:
     """Run `app` until SIGTERM / SIGINT, then drain."""
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
-    _DrainingServer(config, app.state.scheduler, drain_seconds).run()
+    _DrainingServer(config, app.state.served.scheduler, drain_seconds).run()
