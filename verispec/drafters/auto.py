@@ -30,7 +30,8 @@ from verispec.drafters.base import Drafter, DraftRequest
 
 PLAIN = "ar"  # the choice of no drafter
 DECAY = 0.9  # weight of the acceptance seen one step earlier (a memory of about ten steps)
-PRIOR_WEIGHT = 1.0  # the prior counts as this many refused tokens' worth of evidence
+PRIOR_WEIGHT = 1.0  # the prior counts as this many refusals (and the accepted tokens they imply)
+MOST_PRIOR = 0.97  # a prior above this is taken as this: a few refusals then tell
 LOOKUP_PRIOR = 0.5  # acceptance assumed for a lookup's drafts before any were judged
 MODEL_PRIOR = 0.7  # ... for a model drafter's, where the profile measured none
 
@@ -117,13 +118,12 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float], limits: dict
 
 class Acceptance:
     """A candidate's per-token acceptance: exponentially weighted counts of accepted tokens and of
-    refusals (the maximum-likelihood rate of a step that kept m of k is m / (m + [m < k])), with
-    the prior as pseudo-counts."""
+    refusals (the maximum-likelihood rate of a step that kept m of k is m / (m + [m < k])),
+    starting from the prior as pseudo-counts that fade like any observation."""
 
     def __init__(self, prior: float) -> None:
-        prior = min(max(prior, 0.01), 0.99)
-        self.prior_kept = PRIOR_WEIGHT * prior / (1.0 - prior)
-        self.kept = self.refused = 0.0
+        prior = min(max(prior, 0.01), MOST_PRIOR)
+        self.kept, self.refused = PRIOR_WEIGHT * prior / (1.0 - prior), PRIOR_WEIGHT
 
     def observe(self, judged: int, kept: int) -> None:
         """`kept` of the `judged` leading draft tokens matched (judged > kept: one was refused)."""
@@ -132,8 +132,7 @@ class Acceptance:
 
     @property
     def rate(self) -> float:
-        kept = self.kept + self.prior_kept
-        return kept / (kept + self.refused + PRIOR_WEIGHT)
+        return self.kept / (self.kept + self.refused)
 
 
 def _leading_matches(draft: list[int], committed: list[int]) -> int:
