@@ -246,8 +246,9 @@ def _self_methods() -> list[Method]:
                      _self(fmt, False), advice[fmt], Needs.SELF, trees=True) for fmt in FORMATS]
     staged = [Method(f"self-{fmt}-pld", f"staged: prompt lookup guesses, the target's own weights "
                      f"in {fmt} check and extend them, the target verifies", 10, _self(fmt, True),
-                     "the default of `generate` and `demo` on the built-in model in float32, the "
-                     "fastest measured there" if fmt == "int4" else "for comparison with self-int4-pld",
+                     "the built-in model in float32, whose weights are their own 4-bit grid: the "
+                     "fastest fixed method measured there" if fmt == "int4"
+                     else "for comparison with self-int4-pld",
                      Needs.SELF, bench=fmt == "int4") for fmt in FORMATS]
     return [staged[0], *single, *staged[1:]]
 
@@ -268,7 +269,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("suffix", "suffix decoding: the most frequent continuations of the context's longest "
            "matching suffix, in the request and in the model's earlier outputs (SuffixDecoding)",
            16, _suffix, "repeated or agentic workloads (the same questions, tools, formats again); "
-           "any model; the default everywhere but the built-in model in float32 (measured)", trees=True),
+           "any model; the fastest fixed method measured on most targets (docs/tuning.md)", trees=True),
     Method("lookahead", "lookahead decoding: Jacobi iterations in the verifying forward fill an "
            "n-gram pool whose n-grams after the last token are the draft", 2, _lookahead,
            "any model, no training, where a wider forward costs little (GPU); about break-even "
