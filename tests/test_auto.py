@@ -17,7 +17,6 @@ from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
 from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.auto import (
-    PLAIN,
     Acceptance,
     AutoDrafter,
     CostProfile,
@@ -28,7 +27,7 @@ from verispec.drafters.auto import (
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
-from verispec.methods import auto_profile, build_engine
+from verispec.methods import PLAIN, auto_profile, build_engine
 from verispec.model.loading import LoadedModel
 
 NEW = 40
@@ -76,7 +75,7 @@ def test_expected_tokens_is_the_standard_model():
 
 def test_plain_decoding_when_nothing_pays():
     costly = fake_profile(model=DrafterCost(0.0, 0.02))  # a draft token costs two target steps
-    assert best_choice(costly, {"model": 0.99}, {"model": 8}).method == PLAIN
+    assert best_choice(costly, {"model": 0.99}, {"model": 8}).method is None
     useless = fake_profile(model=DrafterCost(0.0, 0.0))  # free, but never right
     assert best_choice(useless, {"model": 0.0}, {"model": 8}) == best_choice(useless, {}, {})
 
@@ -98,7 +97,7 @@ def test_a_larger_batch_makes_the_verify_term_cost_more():
     """Rows beyond the flat part cost: what pays alone does not in a batch of 4."""
     costs = fake_profile(model=DrafterCost(0.0, 0.0001))
     assert best_choice(costs, {"model": 0.9}, {"model": 8}, batch=1).method == "model"
-    assert best_choice(costs, {"model": 0.9}, {"model": 8}, batch=4).method == PLAIN
+    assert best_choice(costs, {"model": 0.9}, {"model": 8}, batch=4).method is None
     assert costs.forward_seconds(40) == pytest.approx(0.1)  # extended past the 17 rows measured
 
 
@@ -177,7 +176,7 @@ def auto_engine(loaded: LoadedModel, costs: CostProfile,
     def make() -> AutoDrafter:
         models = {"self-int8": SelfDrafter(loaded, settings)}
         lookups = {"pld": PromptLookupDrafter(3, 1), "suffix": SuffixDrafter(SuffixSettings(cache_tokens=0))}
-        return AutoDrafter(costs, lookups, models, limits)
+        return AutoDrafter(costs, lookups, models, limits, PLAIN)
     return SpeculativeEngine(loaded.model, make(), ConstantK(16), spawn=make, load_cap=LoadCap(()))
 
 

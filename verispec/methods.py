@@ -189,7 +189,8 @@ def _auto(target: LoadedModel, options: DraftOptions) -> Drafter:
                  for name in selves}
         fastest = max(selves, key=lambda name: alone[name].tokens_per_second)
         models = {fastest: builders[fastest]()}
-    return AutoDrafter(profile, {name: builders[name]() for name in AUTO_LOOKUPS}, models, limits)
+    return AutoDrafter(profile, {name: builders[name]() for name in AUTO_LOOKUPS}, models, limits,
+                       PLAIN)
 
 
 def _prior(profile: CostProfile, name: str) -> float:

@@ -28,7 +28,6 @@ from verispec.core.errors import VerispecError
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 
-PLAIN = "ar"  # the choice of no drafter
 DECAY = 0.9  # weight of the acceptance seen one step earlier (a memory of about ten steps)
 PRIOR_WEIGHT = 1.0  # the prior counts as this many refusals (and the accepted tokens they imply)
 MOST_PRIOR = 0.97  # a prior above this is taken as this: a few refusals then tell
@@ -73,9 +72,10 @@ class CostProfile:
 
 @dataclass(frozen=True)
 class Choice:
-    """One step's decision: the candidate (PLAIN: none), its draft length, the expected rate."""
+    """One step's decision: the candidate (None: plain decoding), its draft length, the expected
+    rate."""
 
-    method: str
+    method: str | None
     k: int
     tokens_per_second: float
 
@@ -102,10 +102,10 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float], limits: dict
     ...     "lookup": DrafterCost(0.0, 0.0), "model": DrafterCost(0.0, 0.008)})
     >>> best_choice(profile, {"lookup": 0.9, "model": 0.9}, {"lookup": 3, "model": 3})
     Choice(method='lookup', k=3, tokens_per_second=264.0...)
-    >>> best_choice(profile, {"model": 0.5}, {"model": 3}).method
-    'ar'
+    >>> best_choice(profile, {"model": 0.5}, {"model": 3}).method is None
+    True
     """
-    best = Choice(PLAIN, 0, batch / profile.forward_seconds(batch))
+    best = Choice(None, 0, batch / profile.forward_seconds(batch))
     for name, limit in limits.items():
         cost = profile.drafters[name]
         for k in range(1, limit + 1):
@@ -148,15 +148,16 @@ def _leading_matches(draft: list[int], committed: list[int]) -> int:
 class AutoDrafter(Drafter):
     """Chooses every step among `lookups` (name -> a drafter that may propose nothing) and
     `models` (name -> a drafter that always can), each drafting at most limits[name] tokens, by
-    `profile`; each Proposal's `choice` says (name, k), PLAIN with k 0 for a plain step."""
+    `profile`; each Proposal's `choice` says (name, k), (`plain`, 0) for a plain step."""
 
     def __init__(self, profile: CostProfile, lookups: dict[str, Drafter], models: dict[str, Drafter],
-                 limits: dict[str, int]) -> None:
+                 limits: dict[str, int], plain: str) -> None:
         candidates = {**lookups, **models}
         missing = [name for name in candidates if name not in profile.drafters]
         if missing:
             raise VerispecError(f"the cost profile has no figures for {', '.join(missing)}")
         self.profile, self.lookups, self.models, self.limits = profile, lookups, models, limits
+        self.plain = plain
         self.adopts_prefill = any(drafter.adopts_prefill for drafter in candidates.values())
         self.priors = {name: LOOKUP_PRIOR if name in lookups else MODEL_PRIOR for name in candidates}
         for name in candidates:
@@ -170,7 +171,7 @@ class AutoDrafter(Drafter):
             drafter.reset()
         self.acceptance = {name: Acceptance(prior) for name, prior in self.priors.items()}
         self.asked: dict[str, Drafter] = {}  # drafters that proposed this step (commit follows)
-        self.chosen = PLAIN
+        self.chosen: str | None = None  # None: a plain step
         self.drafted = 0  # tokens the chosen drafter proposed this step
         self.judge: dict[str, list[int]] = {}  # lookups' drafts not chosen, judged at the next step
         self.context = 0  # context length when they were drafted
@@ -217,12 +218,12 @@ class AutoDrafter(Drafter):
         else:
             proposal = Proposal(request.tokens[:0])
         self.drafted = len(proposal)
-        return replace(proposal, choice=(choice.method, choice.k))
+        return replace(proposal, choice=(choice.method or self.plain, choice.k))
 
     def commit(self, num_accepted: int) -> None:
         for name, drafter in self.asked.items():
             drafter.commit(num_accepted if name == self.chosen else 0)
-        if self.chosen != PLAIN:
+        if self.chosen is not None:
             self.acceptance[self.chosen].observe(self.drafted, num_accepted)
 
     def describe(self) -> str:
