@@ -29,6 +29,7 @@ from verispec.drafters.auto import CostProfile, DrafterCost
 from verispec.drafters.base import Drafter
 from verispec.model.cached_model import CachedModel
 from verispec.model.loading import LoadedModel
+from verispec.model.packed import linear_fingerprint
 
 CONTEXT = 300  # tokens cached while the forward is timed
 MAX_ROWS = 17  # the widest forward timed: a 16-token draft and the token before it
@@ -40,7 +41,8 @@ TEXT = ("Write a short guide for a new gardener. Explain when to plant tomatoes,
         "list three common mistakes beginners make and how to avoid each of them.")
 VERSION = 1  # of the file's layout: a new layout measures again
 
-_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key digest: profile}
+# model -> {(its linear weights' fingerprint, threads, drafters): profile}
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def cache_dir() -> Path:
@@ -93,18 +95,19 @@ def cost_profile(target: LoadedModel, drafters: dict[str, Callable[[], Drafter]]
     """The profile of `target` with these candidate drafters (name -> a builder; each timed
     drafting up to limits[name]): this process's, else the cached file's, else measured now and
     cached (always measured with `refresh`)."""
+    # Within a process only the weights (and the threads) can change: no key is built on a hit.
+    memo = _MEMO.setdefault(target.model, {})
+    seen = (linear_fingerprint(target.model), torch.get_num_threads(), tuple(sorted(drafters)))
+    if seen in memo and not refresh:
+        return memo[seen]
     lm = CachedModel(target.model)
     key = profile_key(target, lm, list(drafters))
-    digest = _digest(key)
-    memo = _MEMO.setdefault(target.model, {})
-    if digest in memo and not refresh:
-        return memo[digest]
-    path = cache_dir() / f"{digest}.json"
+    path = cache_dir() / f"{_digest(key)}.json"
     profile = None if refresh else read_profile(path, key)
     if profile is None:
         profile = measure(target, lm, drafters, limits)
         write_profile(path, key, profile)
-    memo[digest] = profile
+    memo[seen] = profile
     return profile
 
 
@@ -134,13 +137,14 @@ def measure(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[
             limits: dict[str, int]) -> CostProfile:
     """Time the target's forward by rows and prefill, then each drafter in a short generation."""
     generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, target.vocab_size, (CONTEXT,), generator=generator).to(lm.device)
+    cached = max(1, min(CONTEXT, target.context_length - MAX_ROWS))  # a short-context model's most
+    context = torch.randint(0, target.vocab_size, (cached,), generator=generator).to(lm.device)
     lm.reset()
     lm.forward(context[:64])  # warm-up
     lm.reset()
     started = time.perf_counter()
     lm.forward(context)
-    prefill_rate = CONTEXT / (time.perf_counter() - started)
+    prefill_rate = cached / (time.perf_counter() - started)
     times: dict[int, list[float]] = {rows: [] for rows in range(1, MAX_ROWS + 1)}
     for _ in range(REPEATS):
         for rows in times:
@@ -148,19 +152,22 @@ def measure(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[
             started = time.perf_counter()
             lm.forward(block)
             times[rows].append(time.perf_counter() - started)
-            lm.rewind(CONTEXT)
+            lm.rewind(cached)
     lm.reset()
     forward = tuple(statistics.median(times[rows]) for rows in times)
     prompt = _prompt(target, generator)
     costs = {name: drafter_cost(target, build(), limits[name], prompt) for name, build in drafters.items()}
-    return CostProfile(forward, CONTEXT, prefill_rate, costs)
+    return CostProfile(forward, cached, prefill_rate, costs)
 
 
 def _prompt(target: LoadedModel, generator: torch.Generator) -> list[int]:
-    """TEXT in the target's tokens (random tokens for a model without a tokenizer)."""
-    if target.tokenizer is None:
-        return torch.randint(0, target.vocab_size, (48,), generator=generator).tolist()
-    return list(target.tokenizer(TEXT)["input_ids"])
+    """TEXT in the target's tokens (random tokens for a model without a tokenizer, or whose
+    tokenizer makes little of it), within the context the drafters' runs leave."""
+    room = target.context_length - DRAFT_TOKENS - MAX_ROWS  # a draft is at most MAX_ROWS - 1 long
+    ids = [] if target.tokenizer is None else list(target.tokenizer(TEXT)["input_ids"])
+    if len(ids) < 8:
+        ids = torch.randint(0, target.vocab_size, (48,), generator=generator).tolist()
+    return ids[-room:]
 
 
 class _Alternating:
