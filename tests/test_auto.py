@@ -25,7 +25,7 @@ from verispec.drafters.auto import (
     expected_tokens,
 )
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.drafters.self_spec import SelfDrafter, SelfSettings
+from verispec.drafters.self_spec import _WEIGHTS, SelfDrafter, SelfSettings
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
 from verispec.methods import PLAIN, auto_profile, build_engine
 from verispec.model.loading import LoadedModel
@@ -186,6 +186,8 @@ def methods_chosen(results) -> set[str]:
 
 def test_auto_as_measured_gives_ar_tokens_and_says_what_it_chose(loaded, references, cache):
     engine = build_engine(loaded, "auto")
+    kept = [settings.fmt for settings, copies in _WEIGHTS.items() if loaded.model in copies]
+    assert kept == [engine.drafter.models[next(iter(engine.drafter.models))].weights.settings.fmt]
     results = [engine.generate(p, StoppingRules.build(NEW)) for p in PROMPTS]
     assert [r.token_ids for r in results] == references
     for result in results:

@@ -34,7 +34,7 @@ from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.model import ModelDrafter, same_vocabulary
 from verispec.drafters.mtp import MTPDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.drafters.self_spec import SelfDrafter, SelfSettings
+from verispec.drafters.self_spec import SelfDrafter, SelfSettings, forget_weights
 from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings, shared_cache
 from verispec.drafters.trained_exit import ExitAdapter, trained_exit_drafter
@@ -189,6 +189,9 @@ def _auto(target: LoadedModel, options: DraftOptions) -> Drafter:
                  for name in selves}
         fastest = max(selves, key=lambda name: alone[name].tokens_per_second)
         models = {fastest: builders[fastest]()}
+        # the other formats' copies were made for timing only
+        forget_weights(target.model, SelfSettings(fastest.removeprefix("self-"), options.group,
+                                                  tuple(options.skip_layers)))
     return AutoDrafter(profile, {name: builders[name]() for name in AUTO_LOOKUPS}, models, limits,
                        PLAIN)
 
