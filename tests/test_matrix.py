@@ -1,10 +1,10 @@
 """Every registered method on every target, through every front door: it runs exactly, or it is
 refused by name before any work.
 
-The matrix: the 19 methods of verispec.methods.METHODS (`ar` and 18 speculation methods) x three
+The matrix: the 20 methods of verispec.methods.METHODS (`ar` and 19 speculation methods) x three
 targets (the tiny model in float32, in bfloat16, and as a 4-bit target, `--dtype int4`) x two
 decodings (greedy, sampled) x four doors (`verispec.generate`, `verispec generate`, `verispec
-bench`, `verispec serve`) = 456 cells. The trained methods draft with drafters trained for the tiny
+bench`, `verispec serve`) = 480 cells. The trained methods draft with drafters trained for the tiny
 model (tests/conftest.py, `tiny_trained`: `--draft DIR`, the bench's `--trained`); without one
 they are refused by name before any target forward, at every door
 (`test_a_trained_method_without_its_drafter_is_refused_by_name_before_any_work`).
@@ -60,7 +60,7 @@ TRAINED = [name for name, m in METHODS.items() if m.needs in (Needs.TRAINED, Nee
 
 
 def test_the_matrix_covers_every_method_target_decoding_and_door():
-    assert len(METHODS) == 19 and len(METHODS) * len(TARGETS) * 2 * len(DOORS) == 456
+    assert len(METHODS) == 20 and len(METHODS) * len(TARGETS) * 2 * len(DOORS) == 480
 
 
 @pytest.fixture(scope="module")
