@@ -14,7 +14,7 @@ from verispec import profile
 from verispec.cli import main
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
-from verispec.core.types import SamplingParams
+from verispec.core.types import GenerationStats, SamplingParams
 from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.auto import (
     Acceptance,
@@ -195,6 +195,10 @@ def test_auto_as_measured_gives_ar_tokens_and_says_what_it_chose(loaded, referen
         assert choices and choices[0][0] == 0
         assert [start for start, _, _ in choices] == sorted({start for start, _, _ in choices})
         assert all(k == 0 for _, method, k in choices if method == PLAIN)
+    total = GenerationStats.total([r.stats for r in results])  # the stretches one after another
+    second = len(results[0].stats.choices)
+    assert len(total.choices) == sum(len(r.stats.choices) for r in results)
+    assert total.choices[second][0] == results[0].stats.new_tokens
 
 
 @pytest.mark.parametrize("costs, expected", [

@@ -239,7 +239,8 @@ class GenerationStats:
     kernel: str = ""  # how its products run (CachedModel.kernel)
     path: str = ""  # which forward runs it: "lean (FAMILY)" or Hugging Face's (CachedModel.path)
     # A choosing drafter's stretches (`auto`): (index of the stretch's first new token, method,
-    # the longest draft it chose there), a new one wherever the method changes.
+    # the longest draft it chose there), a new one wherever the method changes (in a total, each
+    # generation's after the ones before).
     choices: list[tuple[int, str, int]] = field(default_factory=list)
 
     def add(self, step: Step) -> None:
@@ -278,6 +279,7 @@ class GenerationStats:
         """Counters summed over several generations (for per-task or per-run totals)."""
         total = GenerationStats()
         for s in all_stats:
+            total.choices += [(start + total.new_tokens, method, k) for start, method, k in s.choices]
             total.new_tokens += s.new_tokens
             total.target_forwards += s.target_forwards
             _add_counts(total.drafted_by_position, s.drafted_by_position)
