@@ -5,8 +5,9 @@ seed no drafter was trained with; never the Spec-Bench questions). Outputs must 
 
     OMP_NUM_THREADS=2 python scripts/choose_default.py --model gemma3-270m --dtype float32
 
-Prints ms per token, tau and the speedup over `ar` per method; the choice is verispec.methods.FASTEST
-(and GRID_DEFAULTS), with the figures in its comment and docs/tuning.md.
+Prints ms per token, tau and the speedup over `ar` per method: the fixed methods' figures in
+docs/tuning.md ("Default methods"). The default method is now `auto`; scripts/auto_heldout.py
+holds it to these.
 """
 
 from __future__ import annotations

@@ -198,8 +198,9 @@ def test_no_module_outside_the_registry_names_a_method():
     """Method names as string constants belong to verispec/methods.py alone (docstrings and
     help prose aside: only whole-string constants count). A trained drafter's module names its
     own kind once, as the class attribute `kind`. Names that are also DraftOptions fields
-    ("draft") or OpenAI request fields ("suffix") cannot be told apart and are not checked."""
-    unchecked = {f.name for f in fields(DraftOptions)} | {"suffix"}
+    ("draft"), OpenAI request fields ("suffix") or other settings' values ("auto": --color)
+    cannot be told apart and are not checked."""
+    unchecked = {f.name for f in fields(DraftOptions)} | {"suffix", "auto"}
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "methods.py" and path.parent == PACKAGE:

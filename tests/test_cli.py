@@ -97,7 +97,7 @@ def test_help_runs_as_a_program():
     assert out.startswith("usage: verispec")
 
 
-@pytest.mark.parametrize("command", ["generate", "demo", "bench", "serve", "train", "export"])
+@pytest.mark.parametrize("command", ["generate", "demo", "bench", "serve", "train", "export", "profile"])
 def test_help_on_every_command(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])

@@ -22,7 +22,7 @@ from tests.test_row_kernels import rows_differing
 from tests.tiny import tiny_llama
 from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
-from verispec.methods import FASTEST, build_engine, fastest_method
+from verispec.methods import build_engine
 from verispec.model import gguf_blocks
 from verispec.model.cached_model import CachedModel
 from verispec.model.gguf_blocks import (
@@ -325,7 +325,6 @@ def test_the_builtin_file_as_stored_is_the_4bit_target():
     the same logits, and a self-int4 drafter takes the same codes from either."""
     stored, published = load_model(DEFAULT_MODEL, "gguf"), load_model(DEFAULT_MODEL, "int4")
     assert weight_format(stored.model) == "gguf" and stored_types(stored.model) == {"Q4_1": 210, "Q8_0": 1}
-    assert fastest_method(stored) == fastest_method(published) == FASTEST
     ours, theirs = CachedModel(stored.model), CachedModel(published.model)
     for text in ("Name three rivers.", "Repeat this list twice: apples, pears, plums, cherries."):
         ids = encode_prompt(stored, text, chat=True)

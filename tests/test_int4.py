@@ -23,7 +23,7 @@ from verispec.core.types import SamplingParams
 from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
-from verispec.methods import FASTEST, build_engine, fastest_method
+from verispec.methods import build_engine
 from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.model.lowbit import Int4Groups, QuantLinear, gguf_int4, int4_target, weight_format
 from verispec.model.packed import cpu_packs
@@ -47,7 +47,6 @@ def test_the_layers_run_on_the_files_own_blocks(target):
         assert torch.equal(module.stored.scales, stored.scales)
     assert weight_format(target.model) == "int4" and target.kernel.startswith("layers int4")
     assert load_model(DEFAULT_MODEL, "q4").kernel == target.kernel  # the alias
-    assert fastest_method(target) == FASTEST  # an int4 self drafter costs what this target does
 
 
 PROMPTS = ["Repeat this list twice: apples, pears, plums, cherries, figs.",

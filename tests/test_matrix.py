@@ -1,10 +1,10 @@
 """Every registered method on every target, through every front door: it runs exactly, or it is
 refused by name before any work.
 
-The matrix: the 19 methods of verispec.methods.METHODS (`ar` and 18 speculation methods) x three
+The matrix: the 20 methods of verispec.methods.METHODS (`ar` and 19 speculation methods) x three
 targets (the tiny model in float32, in bfloat16, and as a 4-bit target, `--dtype int4`) x two
 decodings (greedy, sampled) x four doors (`verispec.generate`, `verispec generate`, `verispec
-bench`, `verispec serve`) = 456 cells. The trained methods draft with drafters trained for the tiny
+bench`, `verispec serve`) = 480 cells. The trained methods draft with drafters trained for the tiny
 model (tests/conftest.py, `tiny_trained`: `--draft DIR`, the bench's `--trained`); without one
 they are refused by name before any target forward, at every door
 (`test_a_trained_method_without_its_drafter_is_refused_by_name_before_any_work`).
@@ -21,7 +21,9 @@ Each door runs in this process: the CLI through `verispec.cli.main` (the target 
 dtype and handed to it, `load_model` patched), the bench the same way (the tokens it timed read by
 wrapping the `run` it calls), the server as a live uvicorn server per drafter directory. Suffix
 decoding drafts from the model's earlier outputs too, which changes how many random draws a
-sampled answer takes: its cache is emptied before each run (`forget_outputs`).
+sampled answer takes: its cache is emptied before each run (`forget_outputs`). `auto` decides by
+given costs here, under which every candidate pays (a profile measured on a busy machine may find
+that none does, and `auto` would then rightly draft nothing): tests/test_auto.py measures one.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ import verispec
 import verispec.bench.runner as bench_runner
 import verispec.cli.generate as cli_generate
 import verispec.cli.serve as cli_serve
+import verispec.methods as registry
 from tests.serving import LiveServer
 from verispec.cli import main
 from verispec.core.errors import VerispecError
+from verispec.drafters.auto import CostProfile, DrafterCost
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import METHODS, PLAIN, Needs
 from verispec.model.loading import LoadedModel, load_model
@@ -60,7 +64,17 @@ TRAINED = [name for name, m in METHODS.items() if m.needs in (Needs.TRAINED, Nee
 
 
 def test_the_matrix_covers_every_method_target_decoding_and_door():
-    assert len(METHODS) == 19 and len(METHODS) * len(TARGETS) * 2 * len(DOORS) == 456
+    assert len(METHODS) == 20 and len(METHODS) * len(TARGETS) * 2 * len(DOORS) == 480
+
+
+@pytest.fixture(scope="module", autouse=True)
+def paying_costs():
+    """auto's profile: a forward that costs the same at any width, cheap good drafters."""
+    def costs(target, drafters, limits, refresh=False):
+        return CostProfile((0.01,) * 17, 300, 1e4, {name: DrafterCost(0.0, 0.0001, 0.9) for name in drafters})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(registry, "cost_profile", costs)
+        yield
 
 
 @pytest.fixture(scope="module")

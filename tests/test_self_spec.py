@@ -301,16 +301,3 @@ def test_drafter_starts_from_the_targets_prompt_cache(loaded):
         theirs = target.lean.caches[index]
         assert torch.equal(mine.keys[:, :, : mine.length], theirs.keys[:, :, : theirs.length])
         assert torch.equal(mine.values[:, :, : mine.length], theirs.values[:, :, : theirs.length])
-
-
-def test_default_method_by_target(loaded):
-    """FASTEST anywhere (suffix needs no lean path), the built-in model's grid default only where
-    its self drafter can run, and a chain drafter for beam search."""
-    from verispec.methods import BEAM_DEFAULT, FASTEST, GRID_DEFAULTS, fastest_method
-
-    assert fastest_method(loaded) == FASTEST and fastest_method(loaded, beams=True) == BEAM_DEFAULT
-    foreign = LoadedModel(tiny_foreign(seed=1), None, "olmo2")
-    assert fastest_method(foreign) == FASTEST
-    (builtin, method), = GRID_DEFAULTS.items()
-    assert fastest_method(LoadedModel(loaded.model, loaded.tokenizer, builtin)) == method
-    assert fastest_method(LoadedModel(foreign.model, None, builtin)) == FASTEST  # no self drafter

@@ -379,14 +379,14 @@ def test_playground_paints_tokens_by_fate_in_chromium(server, tmp_path):
 
 @pytest.mark.slow
 def test_builtin_model_answers_equal_verispec_generate(capsys, tmp_path):
-    from verispec.methods import fastest_method
+    from verispec.methods import DEFAULT_METHOD
 
     loaded = load_model("smollm2-135m-instruct")
     prompt = "Name three rivers in Europe."
     taus = {}
     with LiveServer(create_app(loaded)) as live:
         openai = client(live)
-        for method in [fastest_method(loaded), "ar"]:
+        for method in [DEFAULT_METHOD, "ar"]:
             expected = generated("smollm2-135m-instruct", prompt, method, 48, raw=False, capsys=capsys)
             reply = openai.chat.completions.create(
                 model="smollm2", messages=[{"role": "user", "content": prompt}], temperature=0,
@@ -395,7 +395,7 @@ def test_builtin_model_answers_equal_verispec_generate(capsys, tmp_path):
                                       extra_body={"method": method})
             assert reply.choices[0].message.content == streamed == expected, method
             taus[method] = reply.model_extra["verispec"]["mean_accepted_tokens"]
-        colours, _, tau = playground(live.url, fastest_method(loaded), prompt, 64,
+        colours, _, tau = playground(live.url, DEFAULT_METHOD, prompt, 64,
                                      tmp_path / "playground-smollm2.png")
         assert "tok accepted" in {cls for cls, _, _ in colours} and tau > 1
     print(f"\ntau by method: {taus}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
+from functools import partial
 from pathlib import Path
 
 from verispec.core.errors import VerispecError
@@ -17,6 +18,7 @@ from verispec.core.policies import SCHEDULES
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
 from verispec.decoding.engine import Speculation, SpeculativeEngine
+from verispec.drafters.auto import MODEL_PRIOR, AutoDrafter, CostProfile, best_choice
 from verispec.drafters.base import Drafter
 from verispec.drafters.block import BlockDrafter
 from verispec.drafters.cross import CrossDrafter
@@ -32,14 +34,15 @@ from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.model import ModelDrafter, same_vocabulary
 from verispec.drafters.mtp import MTPDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.drafters.self_spec import SelfDrafter, SelfSettings
+from verispec.drafters.self_spec import SelfDrafter, SelfSettings, forget_weights
 from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings, shared_cache
 from verispec.drafters.trained_exit import ExitAdapter, trained_exit_drafter
 from verispec.drafters.vocab import bridge
 from verispec.model.loading import LoadedModel, load
-from verispec.model.lowbit import FORMATS, weight_format
+from verispec.model.lowbit import FORMATS
 from verispec.options import DEFAULT_TREE, DraftOptions
+from verispec.profile import cost_profile
 from verispec.verifiers import verifier_for
 
 
@@ -143,6 +146,61 @@ def _self(fmt: str, staged: bool) -> Callable[[LoadedModel, DraftOptions], Draft
     return build
 
 
+# What `auto` chooses among: drafters that need no training (lookups, then the target's own weights).
+AUTO_LOOKUPS = ("pld", "suffix")
+AUTO_SELF = tuple(f"self-{fmt}" for fmt in FORMATS)
+
+
+def _auto_candidates(target: LoadedModel, options: DraftOptions
+                     ) -> tuple[dict[str, Callable[[], Drafter]], dict[str, int]]:
+    """`auto`'s candidates on `target` (name -> a builder of its drafter, drafting chains) and
+    the most each may draft: the lookups, and each self format the target can draft in."""
+    chains = replace(options, tree=None)
+    names = list(AUTO_LOOKUPS)
+    for name in AUTO_SELF:
+        try:
+            check_self(target, SelfSettings(name.removeprefix("self-"), options.group,
+                                            tuple(options.skip_layers)))
+            names.append(name)
+        except VerispecError:
+            pass
+    limits = {name: METHODS[name].default_k if options.k is None else min(METHODS[name].default_k, options.k)
+              for name in names}
+    return {name: partial(METHODS[name].build, target, chains) for name in names}, limits
+
+
+def auto_profile(target: LoadedModel, options: DraftOptions = DraftOptions(),
+                 refresh: bool = False) -> CostProfile:
+    """The cost profile `auto` decides by on `target` (verispec.profile.cost_profile: cached,
+    measured where it is not, or again with `refresh`)."""
+    builders, limits = _auto_candidates(target, options)
+    return cost_profile(target, builders, limits, refresh)
+
+
+def _auto(target: LoadedModel, options: DraftOptions) -> Drafter:
+    """The profile's choice every step among the lookups, the target's own weights in the format
+    the profile finds fastest (where the target can draft for itself), and plain decoding."""
+    builders, limits = _auto_candidates(target, options)
+    profile = cost_profile(target, builders, limits)
+    selves = [name for name in builders if name in AUTO_SELF]
+    models = {}
+    if selves:
+        alone = {name: best_choice(profile, {name: _prior(profile, name)}, {name: limits[name]})
+                 for name in selves}
+        fastest = max(selves, key=lambda name: alone[name].tokens_per_second)
+        models = {fastest: builders[fastest]()}
+        # the other formats' copies were made for timing only
+        forget_weights(target.model, SelfSettings(fastest.removeprefix("self-"), options.group,
+                                                  tuple(options.skip_layers)))
+    return AutoDrafter(profile, {name: builders[name]() for name in AUTO_LOOKUPS}, models, limits,
+                       PLAIN)
+
+
+def _prior(profile: CostProfile, name: str) -> float:
+    measured = profile.drafters[name].acceptance
+    return MODEL_PRIOR if measured is None else measured
+
+
 def _dtype_name(target: LoadedModel) -> str:
     return str(target.model.dtype).removeprefix("torch.")
 
@@ -192,8 +250,9 @@ def _self_methods() -> list[Method]:
                      _self(fmt, False), advice[fmt], Needs.SELF, trees=True) for fmt in FORMATS]
     staged = [Method(f"self-{fmt}-pld", f"staged: prompt lookup guesses, the target's own weights "
                      f"in {fmt} check and extend them, the target verifies", 10, _self(fmt, True),
-                     "the default of `generate` and `demo` on the built-in model in float32, the "
-                     "fastest measured there" if fmt == "int4" else "for comparison with self-int4-pld",
+                     "the built-in model in float32, whose weights are their own 4-bit grid: the "
+                     "fastest fixed method measured there" if fmt == "int4"
+                     else "for comparison with self-int4-pld",
                      Needs.SELF, bench=fmt == "int4") for fmt in FORMATS]
     return [staged[0], *single, *staged[1:]]
 
@@ -201,6 +260,11 @@ def _self_methods() -> list[Method]:
 METHODS: dict[str, Method] = {m.name: m for m in [
     Method("ar", "nothing: plain autoregressive decoding", 0, None,
            "the reference, or a baseline to compare with"),
+    Method("auto", "each step, the drafter and k with the most expected tokens per second by this "
+           "machine's cost profile (`verispec profile`) and the acceptance seen so far: prompt "
+           "lookup or suffix decoding where the text repeats, the target's own low-precision "
+           "weights elsewhere, plain decoding where nothing pays", 16, _auto,
+           "the default: any model, no training; measures the machine once (seconds, cached)"),
     *_self_methods(),
     Method("pld", "prompt lookup: the tokens that followed the context's last n-gram where it "
            "occurred before", 7, _prompt_lookup,
@@ -209,7 +273,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("suffix", "suffix decoding: the most frequent continuations of the context's longest "
            "matching suffix, in the request and in the model's earlier outputs (SuffixDecoding)",
            16, _suffix, "repeated or agentic workloads (the same questions, tools, formats again); "
-           "any model; the default everywhere but the built-in model in float32 (measured)", trees=True),
+           "any model; the fastest fixed method measured on most targets (docs/tuning.md)", trees=True),
     Method("lookahead", "lookahead decoding: Jacobi iterations in the verifying forward fill an "
            "n-gram pool whose n-grams after the last token are the draft", 2, _lookahead,
            "any model, no training, where a wider forward costs little (GPU); about break-even "
@@ -261,19 +325,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
 
 TREE_METHODS = tuple(name for name, method in METHODS.items() if method.trees)
 
-# Default methods, chosen by measurement on held-out prompts (scripts/choose_default.py: 8
-# training-family prompts, seed 39, 128 new tokens, ms per token against ar, every output
-# identical to ar's; 2026-11-25, 2-core AMD EPYC, 2 threads, idle; docs/tuning.md). Suffix decoding
-# needs no training and runs on any model: it was fastest on the 4-bit target (1.38x ar; pld 1.31x,
-# self-int4-pld 1.04x: an int4 drafter costs what this target does), on the bfloat16 target (1.34x;
-# self-int4-pld 0.98x: the row kernels made the target nearly as cheap as its int4 drafter), on a
-# float32 model whose weights are off their 4-bit grid (scripts/offgrid_model.py: 1.52x; pld 1.49x,
-# self-int4-pld 1.03x) and on Gemma 3 270M (1.94x; self-int4-pld 1.50x).
-FASTEST = "suffix"
-# Where the int4 drafter loses nothing to quantization, it wins: the built-in SmolLM2's float32
-# weights are its GGUF's own Q4_1 grid (self-int4-pld 1.96x ar, tau 10.56; suffix 1.36x).
-GRID_DEFAULTS = {"smollm2-135m-instruct": "self-int4-pld"}
-# What beam search drafts with where the default cannot (beam search drafts chains only).
+# What `generate`, `demo` and `serve` run unless told otherwise: chosen per step by the machine's
+# cost profile (docs/tuning.md, "auto"; the measurements behind the fixed methods are there too).
+DEFAULT_METHOD = "auto"
+# What beam search drafts with (it drafts chains with drafters that fork: not `auto`).
 BEAM_DEFAULT = "pld"
 PLAIN = "ar"  # no speculation
 # Hugging Face generate()'s keywords that choose a method (verispec.generate takes them too).
@@ -308,18 +363,6 @@ def resolve_tree(method: str, tree: TreeSettings | str | None) -> TreeSettings |
         raise VerispecError(f"method {method!r} has no measured default tree (those with one: "
                             f"{measured}); give its size as TOPKxNODES")
     return default
-
-
-def fastest_method(target: LoadedModel, beams: bool = False) -> str:
-    """The default method for `target` (for beam search if `beams`): GRID_DEFAULTS for a built-in
-    model in float32 whose weights are their own 4-bit grid, FASTEST otherwise."""
-    if weight_format(target.model) == "float32" and target.name in GRID_DEFAULTS:
-        try:
-            check_self(target, SelfSettings())
-            return GRID_DEFAULTS[target.name]
-        except VerispecError:
-            pass
-    return BEAM_DEFAULT if beams else FASTEST
 
 
 def resolve(method: str, options: DraftOptions = DraftOptions()) -> DraftOptions:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from verispec.cli import bench, demo, export, generate, serve, train
+from verispec.cli import bench, demo, export, generate, profile, serve, train
 from verispec.core.errors import VerispecError
 
-COMMANDS = (generate, demo, bench, serve, train, export)
+COMMANDS = (generate, demo, bench, serve, train, export, profile)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,9 +7,10 @@ import argparse
 from verispec.cli.generate import use_colour
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
 from verispec.core.types import GenerationStats
-from verispec.display import LEGEND, render_steps, stats_table
-from verispec.methods import PLAIN, fastest_method
+from verispec.display import LEGEND, choices_line, render_steps, stats_table
+from verispec.methods import DEFAULT_METHOD, PLAIN, auto_profile
 from verispec.model.loading import load_model
+from verispec.profile import profile_table
 from verispec.request import build_request, run
 
 # Prompts whose answers reuse the prompt's words: where prompt lookup, the best drafter that needs
@@ -40,7 +41,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     target = load_model(args.model, args.dtype, args.device)
-    args.method = args.method or fastest_method(target)
+    args.method = args.method or DEFAULT_METHOD
+    if args.method == DEFAULT_METHOD:
+        print(f"{DEFAULT_METHOD} decides by this machine's cost profile of {target.name} (measured "
+              "once, then cached; `verispec profile` draws it):", flush=True)
+        print(profile_table(auto_profile(target, draft_options(args))))
     colour = use_colour(args.color)
     totals: dict[str, list] = {PLAIN: [], args.method: []}
     for method in totals:  # warm-up: the first forward passes are slow; keep them out of timings
@@ -58,6 +63,8 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"[{args.method}: {fast.stats.tokens_per_second:.1f} tok/s, tau "
               f"{fast.stats.mean_accepted_tokens:.2f}; ar: {plain.stats.tokens_per_second:.1f} tok/s; "
               f"output {same} plain decoding]")
+        if fast.stats.choices:
+            print(f"[{args.method} {choices_line(fast.stats)}]")
     if colour:
         print("\n" + LEGEND)
     print()

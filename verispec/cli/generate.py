@@ -17,11 +17,12 @@ from verispec.display import (
     FORCED_LEGEND,
     LEGEND,
     acceptance_line,
+    choices_line,
     render_steps,
     render_tree,
     stats_table,
 )
-from verispec.methods import PLAIN, fastest_method
+from verispec.methods import BEAM_DEFAULT, DEFAULT_METHOD, PLAIN
 from verispec.model.loading import load_model
 from verispec.request import build_request, run
 
@@ -101,7 +102,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.num_return_sequences != 1 and args.num_beams == 1:
         raise VerispecError("--num-return-sequences N prints beam search's N best: give --num-beams B >= N")
     target = load_model(args.model, args.dtype, args.device)
-    args.method = args.method or fastest_method(target, beams=args.num_beams > 1)
+    args.method = args.method or (BEAM_DEFAULT if args.num_beams > 1 else DEFAULT_METHOD)
     request = build_request(
         target, args.prompt, chat=False if args.raw else None, method=args.method,
         options=draft_options(args),
@@ -134,6 +135,8 @@ def run_command(args: argparse.Namespace) -> int:
     print(stats_table({args.method: result.stats}))
     if args.method != PLAIN:
         print(acceptance_line(result.stats))
+    if result.stats.choices:
+        print(f"{args.method} {choices_line(result.stats)}")
     if forced:
         print(f"forced by the grammar: {result.stats.forced_tokens} tokens, drafted for free")
     return 0

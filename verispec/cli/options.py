@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from verispec.core.errors import VerispecError
-from verispec.methods import BEAM_DEFAULT, FASTEST, GRID_DEFAULTS, METHODS
+from verispec.methods import BEAM_DEFAULT, DEFAULT_METHOD, METHODS
 from verispec.model.loading import ALIASES, DEFAULT_MODEL, PRECISIONS, builtin_names
 from verispec.options import DraftOptions, option_flags
 
@@ -26,9 +26,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def method_help() -> str:
     return ("; ".join(f"{m.name}: {m.description}" for m in METHODS.values())
-            + f" (default: {FASTEST}, the fastest measured on held-out prompts; "
-            + ", ".join(f"{method} for {model} in float32" for model, method in GRID_DEFAULTS.items())
-            + f", whose weights are their own 4-bit grid; {BEAM_DEFAULT} with --num-beams)")
+            + f" (default: {DEFAULT_METHOD}; {BEAM_DEFAULT} with --num-beams)")
 
 
 # Registry facts appended to a derived flag's help.

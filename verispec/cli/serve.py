@@ -7,7 +7,7 @@ import os
 import sys
 
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
-from verispec.methods import FASTEST, METHODS
+from verispec.methods import DEFAULT_METHOD, METHODS, PLAIN
 from verispec.model.loading import load_model
 
 
@@ -19,8 +19,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_model_arguments(serve)
     serve.add_argument("--method", action="append", choices=list(METHODS),
                        help="a method requests may choose (repeatable; the first is the default; "
-                       f"default: the fastest measured for the model ({FASTEST}, or the built-in "
-                       "model's self-int4-pld in float32), then ar)")
+                       f"default: {DEFAULT_METHOD}, then {PLAIN})")
     serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="default: 8000")
     serve.add_argument("--max-batch", type=int, default=16,

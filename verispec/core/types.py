@@ -105,7 +105,8 @@ class Proposal:
     extra tokens scored alongside the draft but never accepted (see SideBranch); None for most.
     A drafter with another tokenizer (verispec.drafters.cross) says how many of its own tokens
     the draft took (`foreign_tokens`) and how many of those were lost at the tokenizer boundary
-    (`boundary_lost`: their text did not reach the target's tokens proposed).
+    (`boundary_lost`: their text did not reach the target's tokens proposed). A drafter that
+    chooses among others each step (`auto`) names its choice: (method, k).
     """
 
     tokens: torch.Tensor  # [num_draft] int64
@@ -115,6 +116,7 @@ class Proposal:
     source: DraftSource = DraftSource.DRAFTER
     foreign_tokens: int = 0
     boundary_lost: int = 0
+    choice: tuple[str, int] | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -196,6 +198,7 @@ class Step:
     logprobs: list[TokenLogprob] | None = None  # one per emitted token, when asked for
     foreign_tokens: int = 0  # draft-model tokens in another vocabulary behind the draft (Proposal)
     boundary_lost: int = 0  # ... whose text did not reach the target's tokens proposed
+    choice: tuple[str, int] | None = None  # what a choosing drafter chose: (method, k) (Proposal)
 
     @property
     def draft_depth(self) -> int:
@@ -235,8 +238,19 @@ class GenerationStats:
     dtype: str = ""  # what the target's weights are in (CachedModel.precision): float32 ... int4
     kernel: str = ""  # how its products run (CachedModel.kernel)
     path: str = ""  # which forward runs it: "lean (FAMILY)" or Hugging Face's (CachedModel.path)
+    # A choosing drafter's stretches (`auto`): (index of the stretch's first new token, method,
+    # the longest draft it chose there), a new one wherever the method changes (in a total, each
+    # generation's after the ones before).
+    choices: list[tuple[int, str, int]] = field(default_factory=list)
 
     def add(self, step: Step) -> None:
+        if step.choice is not None:
+            method, k = step.choice
+            if self.choices and self.choices[-1][1] == method:
+                start, _, longest = self.choices[-1]
+                self.choices[-1] = (start, method, max(longest, k))
+            else:
+                self.choices.append((self.new_tokens, method, k))
         self.new_tokens += len(step.tokens)
         if step.source is DraftSource.PREDICTION:
             self.accepted_prediction_tokens += step.num_accepted
@@ -265,6 +279,7 @@ class GenerationStats:
         """Counters summed over several generations (for per-task or per-run totals)."""
         total = GenerationStats()
         for s in all_stats:
+            total.choices += [(start + total.new_tokens, method, k) for start, method, k in s.choices]
             total.new_tokens += s.new_tokens
             total.target_forwards += s.target_forwards
             _add_counts(total.drafted_by_position, s.drafted_by_position)
@@ -332,6 +347,7 @@ class GenerationStats:
             "dtype": self.dtype,
             "kernel": self.kernel,
             "path": self.path,
+            "choices": [list(choice) for choice in self.choices],
         }
 
 

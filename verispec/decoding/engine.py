@@ -151,11 +151,11 @@ class _Row:
         if self.drafter is not None and self.drafter.adopts_prefill:
             self.drafter.adopt_prefill(self.target)
 
-    def request(self, cap: int | None) -> DraftRequest | None:
+    def request(self, cap: int | None, batch: int = 1) -> DraftRequest | None:
         """What to ask the drafter this step (None: nothing): the policy's k within the room
         left, which is the token budget (a step always adds one target token after the draft)
-        and the batch's cap. A drafter that `uses_room` is asked every step, even with no room
-        (a grammar computes its masks then)."""
+        and the batch's cap; `batch` sequences share the step's target pass. A drafter that
+        `uses_room` is asked every step, even with no room (a grammar computes its masks then)."""
         room = self.stopping.max_new_tokens - len(self.generated) - 1
         if cap is not None:
             room = min(room, cap)
@@ -163,7 +163,8 @@ class _Row:
         if self.drafter is None or (k < 1 and not self.drafter.uses_room):
             return None
         hidden = None if self.hidden is None else self.hidden[: self.length - 1]
-        return DraftRequest(self.buffer[: self.length], k, self.sampling, self.generator, hidden, room)
+        return DraftRequest(self.buffer[: self.length], k, self.sampling, self.generator, hidden, room,
+                            batch)
 
     def take(self, proposal: Proposal | None, seconds: float, vocab_size: int) -> None:
         """This step's draft (None: the drafter was not asked) and the seconds it took."""
@@ -221,7 +222,8 @@ class _Row:
                     num_drafted=len(proposal), num_accepted=accepted, draft_seconds=self.draft_seconds,
                     verify_seconds=forward_seconds + time.perf_counter() - started, finished=finished,
                     tree=tree, source=proposal.source, logprobs=logprobs,
-                    foreign_tokens=proposal.foreign_tokens, boundary_lost=proposal.boundary_lost)
+                    foreign_tokens=proposal.foreign_tokens, boundary_lost=proposal.boundary_lost,
+                    choice=proposal.choice)
 
 
 class SpeculativeEngine:
@@ -330,7 +332,7 @@ class SpeculativeEngine:
         groups: dict[type, list[tuple[_Row, DraftRequest]]] = {}
         for row in rows:
             try:
-                request = row.request(cap)
+                request = row.request(cap, len(rows))
                 if request is None:
                     row.take(None, 0.0, self.vocab_size)
                 else:

@@ -46,6 +46,7 @@ class DraftRequest:
     # Most draft tokens this step may hold at all: the sequence's token budget and the batch's cap.
     # Only drafters that declare `uses_room` (a prediction, a grammar's forced tokens) go past k.
     room: int | None = None
+    batch: int = 1  # sequences sharing this step's target pass (the verify cost grows with them)
 
     @property
     def limit(self) -> int:

@@ -174,6 +174,14 @@ def self_weights(target: LoadedModel, settings: SelfSettings) -> SelfWeights:
     return per_model(cache, target.model, lambda _: SelfWeights(target, settings))
 
 
+def forget_weights(model: nn.Module, keep: SelfSettings | None = None) -> None:
+    """Drop the cached low-precision copies of `model` but `keep`'s (a drafter holding one keeps
+    it): `auto` profiles every format once and drafts with one."""
+    for settings, cache in _WEIGHTS.items():
+        if settings != keep:
+            cache.pop(model, None)
+
+
 class SelfDrafter(ModelDrafter):
     """A ModelDrafter over `target`'s own weights in low precision (behind `lookup` if given).
 

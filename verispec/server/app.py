@@ -33,7 +33,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from verispec.core.errors import VerispecError
 from verispec.core.types import GenerationStats, TokenLogprob
-from verispec.methods import METHODS, PLAIN, fastest_method
+from verispec.methods import DEFAULT_METHOD, METHODS, PLAIN
 from verispec.model.loading import LoadedModel
 from verispec.options import DraftOptions
 from verispec.request import Request as GenerationRequest
@@ -405,13 +405,13 @@ def create_app(target: LoadedModel, methods: list[str] | None = None, *, max_bat
                api_key: str | None = None, cors_origins: list[str] | None = None,
                max_body: int = MAX_BODY_BYTES, options: DraftOptions = DraftOptions()) -> FastAPI:
     """The server for `target`. methods: those requests may choose, the first the default
-    (default: the fastest for the model, then plain decoding, `ar`). max_kv_tokens: the KV
+    (default: `auto`, then plain decoding, `ar`). max_kv_tokens: the KV
     budget (default: from the model and free memory; see scheduler.default_kv_tokens). host: the
     address it will listen on (a loopback one turns the Host check on). api_key: required of
     every request but /health and /metrics. cors_origins: origins browsers may call it from
     (default: none). max_body: the largest request body, in bytes. options: the drafting options
     requests get (their own k and tree override them)."""
-    methods = list(dict.fromkeys(methods or [fastest_method(target), PLAIN]))
+    methods = list(dict.fromkeys(methods or [DEFAULT_METHOD, PLAIN]))
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise VerispecError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")

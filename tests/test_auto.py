@@ -1,0 +1,263 @@
+"""`auto` and the cost profile: the decision rule as a pure function of given costs, the
+acceptance it tracks, the profile's cache (hit, and a miss on each part of its key), its table
+and plot, greedy identity with `ar` whatever it chooses (lookup, self-drafter, plain; alone and
+in a batch) and exact sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distribution import POWER, assert_follows, exact_marginals, runs_for, sample_runs
+from tests.tiny import plain_greedy, tiny_foreign, tiny_llama, tiny_tokenizer
+from verispec import profile
+from verispec.cli import main
+from verispec.core.policies import ConstantK, LoadCap
+from verispec.core.stopping import StoppingRules
+from verispec.core.types import GenerationStats, SamplingParams
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.drafters.auto import (
+    Acceptance,
+    AutoDrafter,
+    CostProfile,
+    DrafterCost,
+    best_choice,
+    expected_tokens,
+)
+from verispec.drafters.ngram import PromptLookupDrafter
+from verispec.drafters.self_spec import _WEIGHTS, SelfDrafter, SelfSettings
+from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
+from verispec.methods import PLAIN, auto_profile, build_engine
+from verispec.model.loading import LoadedModel
+
+NEW = 40
+COPYING = [1, 17, 42, 9, 33, 17, 42, 9, 33, 5, 17, 42, 9, 33]
+PROMPTS = [COPYING, [1, 60, 3, 22], [1, 8, 9, 10, 11, 12, 8, 9, 10]]
+
+
+def flat_then_linear(per_row: float = 0.01, free_rows: int = 4) -> tuple[float, ...]:
+    """A forward whose cost is flat up to `free_rows` rows, then grows with them: [17]."""
+    return tuple(per_row * max(1.0, rows / free_rows) for rows in range(1, 18))
+
+
+def fake_profile(free_rows: int = 4, **drafters: DrafterCost) -> CostProfile:
+    return CostProfile(flat_then_linear(free_rows=free_rows), 300, 1e4, drafters)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """Profiles cached under tmp_path (never the user's), measured with few repeats."""
+    monkeypatch.setattr(profile, "cache_dir", lambda: tmp_path / "profiles")
+    monkeypatch.setattr(profile, "REPEATS", 1)
+    monkeypatch.setattr(profile, "DRAFT_TOKENS", 8)
+    profile._MEMO.clear()
+    yield tmp_path / "profiles"
+    profile._MEMO.clear()
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return LoadedModel(tiny_llama(seed=0, layers=3), tiny_tokenizer(), "tiny")
+
+
+@pytest.fixture(scope="module")
+def references(loaded):
+    return [plain_greedy(loaded.model, p, NEW) for p in PROMPTS]
+
+
+# -- the decision rule, with given costs --------------------------------------------------------
+
+def test_expected_tokens_is_the_standard_model():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(0.5, 1) == 1.5
+    assert expected_tokens(0.8, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
+
+
+def test_plain_decoding_when_nothing_pays():
+    costly = fake_profile(model=DrafterCost(0.0, 0.02))  # a draft token costs two target steps
+    assert best_choice(costly, {"model": 0.99}, {"model": 8}).method is None
+    useless = fake_profile(model=DrafterCost(0.0, 0.0))  # free, but never right
+    assert best_choice(useless, {"model": 0.0}, {"model": 8}) == best_choice(useless, {}, {})
+
+
+def test_the_best_drafter_and_k_by_rate():
+    costs = fake_profile(lookup=DrafterCost(0.0001, 0.0), model=DrafterCost(0.0, 0.001))
+    # rows up to 4 are free: a good model drafter drafts 3, whatever longer k it may draft
+    choice = best_choice(costs, {"model": 0.9}, {"model": 8})
+    assert (choice.method, choice.k) == ("model", 3)
+    assert choice.tokens_per_second == pytest.approx(expected_tokens(0.9, 3) / (0.01 + 0.003))
+    # a lookup that agrees as often costs nothing per token: it wins where it has a draft
+    both = best_choice(costs, {"lookup": 0.9, "model": 0.9}, {"lookup": 3, "model": 8})
+    assert (both.method, both.k) == ("lookup", 3)
+    # its draft is 2 tokens: the model's 3 may still be worth more
+    assert best_choice(costs, {"lookup": 0.5, "model": 0.9}, {"lookup": 2, "model": 8}).method == "model"
+
+
+def test_a_larger_batch_makes_the_verify_term_cost_more():
+    """Rows beyond the flat part cost: what pays alone does not in a batch of 4."""
+    costs = fake_profile(model=DrafterCost(0.0, 0.0001))
+    assert best_choice(costs, {"model": 0.9}, {"model": 8}, batch=1).method == "model"
+    assert best_choice(costs, {"model": 0.9}, {"model": 8}, batch=4).method is None
+    assert costs.forward_seconds(40) == pytest.approx(0.1)  # extended past the 17 rows measured
+
+
+def test_acceptance_starts_at_the_prior_and_follows_what_is_seen():
+    rate = Acceptance(0.8)
+    assert rate.rate == pytest.approx(0.8)
+    for _ in range(30):
+        rate.observe(judged=4, kept=0)
+    assert rate.rate < 0.1
+    for _ in range(30):
+        rate.observe(judged=4, kept=4)
+    assert rate.rate > 0.95
+
+
+# -- the profile: measured, cached, keyed ------------------------------------------------------
+
+def test_the_profile_is_cached_and_measured_again_when_its_key_changes(cache, monkeypatch):
+    loaded = LoadedModel(tiny_llama(seed=0, layers=3), tiny_tokenizer(), "tiny")
+    measured = auto_profile(loaded)
+    assert len(measured.forward) == profile.MAX_ROWS and measured.prefill_rate > 0
+    assert set(measured.drafters) == {"pld", "suffix", "self-int4", "self-int8", "self-bf16"}
+    assert measured.drafters["self-int8"].seconds(8) > 0
+    files = list(cache.glob("*.json"))
+    assert len(files) == 1
+
+    calls = []
+
+    def fake_measure(*args):
+        calls.append(args)
+        return measured
+
+    monkeypatch.setattr(profile, "measure", fake_measure)
+    profile._MEMO.clear()
+    assert auto_profile(loaded) == measured and not calls  # read back from the file
+    other_cpu = {"model": "another CPU", "flags": ""}
+    for change in (lambda: monkeypatch.setattr(profile, "cpu_identity", lambda: other_cpu),
+                   lambda: monkeypatch.setattr(torch, "__version__", "0.0-other"),
+                   lambda: loaded.model.lm_head.weight.data.__setitem__((0, 0), 7.0)):
+        profile._MEMO.clear()
+        change()
+        auto_profile(loaded)
+        assert len(calls) == 1, "a changed key must measure again"
+        calls.clear()
+    assert len(list(cache.glob("*.json"))) == 4
+    assert auto_profile(loaded, refresh=True) == measured and len(calls) == 1
+
+
+def test_a_stale_or_broken_file_is_measured_again(cache):
+    assert profile.read_profile(cache / "absent.json", {}) is None
+    cache.mkdir(parents=True)
+    (cache / "broken.json").write_text("{not json")
+    assert profile.read_profile(cache / "broken.json", {}) is None
+    figures = fake_profile(pld=DrafterCost(0.001, 0.0, None))
+    profile.write_profile(cache / "old.json", {"version": 0}, figures)
+    assert profile.read_profile(cache / "old.json", {"version": 1}) is None
+    assert profile.read_profile(cache / "old.json", {"version": 0}) == figures
+
+
+def test_profile_command_prints_the_table_and_draws_the_plot(tiny_dir, cache, tmp_path, capsys):
+    plot = tmp_path / "profile.png"
+    assert main(["profile", "--model", str(tiny_dir), "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "target forward, 300 tokens cached" in out and "prefill:" in out
+    for name in ("pld", "suffix", "self-int4", "self-int8", "self-bf16"):
+        assert f"\n{name} " in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- auto decodes exactly -------------------------------------------------------------------------
+
+def auto_engine(loaded: LoadedModel, costs: CostProfile,
+                settings: SelfSettings = SelfSettings("int8")) -> SpeculativeEngine:
+    """An engine whose auto drafter decides by the given costs (not measured ones)."""
+    limits = {"pld": 7, "suffix": 8, "self-int8": 8}
+
+    def make() -> AutoDrafter:
+        models = {"self-int8": SelfDrafter(loaded, settings)}
+        lookups = {"pld": PromptLookupDrafter(3, 1), "suffix": SuffixDrafter(SuffixSettings(cache_tokens=0))}
+        return AutoDrafter(costs, lookups, models, limits, PLAIN)
+    return SpeculativeEngine(loaded.model, make(), ConstantK(16), spawn=make, load_cap=LoadCap(()))
+
+
+def methods_chosen(results) -> set[str]:
+    return {method for result in results for _, method, _ in result.stats.choices}
+
+
+def test_auto_as_measured_gives_ar_tokens_and_says_what_it_chose(loaded, references, cache):
+    engine = build_engine(loaded, "auto")
+    kept = [settings.fmt for settings, copies in _WEIGHTS.items() if loaded.model in copies]
+    assert kept == [engine.drafter.models[next(iter(engine.drafter.models))].weights.settings.fmt]
+    results = [engine.generate(p, StoppingRules.build(NEW)) for p in PROMPTS]
+    assert [r.token_ids for r in results] == references
+    for result in results:
+        choices = result.stats.choices
+        assert choices and choices[0][0] == 0
+        assert [start for start, _, _ in choices] == sorted({start for start, _, _ in choices})
+        assert all(k == 0 for _, method, k in choices if method == PLAIN)
+    total = GenerationStats.total([r.stats for r in results])  # the stretches one after another
+    second = len(results[0].stats.choices)
+    assert len(total.choices) == sum(len(r.stats.choices) for r in results)
+    assert total.choices[second][0] == results[0].stats.new_tokens
+
+
+@pytest.mark.parametrize("costs, expected", [
+    (fake_profile(pld=DrafterCost(0.0, 0.0), suffix=DrafterCost(0.0, 0.0),
+                  **{"self-int8": DrafterCost(0.0, 0.0001, 0.95)}), {"self-int8"}),
+    (fake_profile(pld=DrafterCost(0.0, 0.0, 0.95), suffix=DrafterCost(0.0, 0.0, 0.95),
+                  **{"self-int8": DrafterCost(0.0, 0.05)}), {"pld", "suffix", PLAIN}),
+    (fake_profile(pld=DrafterCost(0.1, 0.0), suffix=DrafterCost(0.1, 0.0),
+                  **{"self-int8": DrafterCost(0.0, 0.05)}), {PLAIN}),
+], ids=["self-drafter", "lookups-and-plain", "plain"])
+def test_whatever_auto_chooses_the_tokens_are_ar_s(loaded, references, costs, expected):
+    engine = auto_engine(loaded, costs)
+    results = [engine.generate(p, StoppingRules.build(NEW)) for p in PROMPTS]
+    assert [r.token_ids for r in results] == references
+    chosen = methods_chosen(results)
+    assert expected <= chosen and chosen <= expected | {PLAIN}
+    if chosen == {PLAIN}:
+        assert all(step.num_drafted == 0 for r in results for step in r.steps)
+
+
+def test_in_a_batch_auto_decides_by_the_batch_and_stays_exact(loaded, references):
+    """Alone, a cheap self-drafter pays; in a batch of three, the wider verify does not."""
+    costs = fake_profile(2, pld=DrafterCost(0.1, 0.0), suffix=DrafterCost(0.1, 0.0),
+                         **{"self-int8": DrafterCost(0.0, 0.0001, 0.9)})
+    engine = auto_engine(loaded, costs)
+    alone = engine.generate(PROMPTS[1], StoppingRules.build(NEW))
+    assert methods_chosen([alone]) == {"self-int8"}
+    batch = engine.generate_batch([SequenceSpec(p, StoppingRules.build(NEW)) for p in PROMPTS])
+    assert [r.token_ids for r in batch] == references
+    assert alone.token_ids == references[1]
+    assert batch[0].stats.choices[0][1] == PLAIN
+
+
+def test_auto_on_a_model_with_no_self_drafter_chooses_among_lookups(cache):
+    foreign = LoadedModel(tiny_foreign(seed=1), None, "olmo2")
+    engine = build_engine(foreign, "auto")
+    assert list(engine.drafter.models) == [] and set(engine.drafter.lookups) == {"pld", "suffix"}
+    result = engine.generate(COPYING, StoppingRules.build(24))
+    assert result.token_ids == plain_greedy(foreign.model, COPYING, 24)
+    assert methods_chosen([result]) <= {"pld", "suffix", PLAIN}
+
+
+@pytest.mark.parametrize("skew", POWER)
+def test_auto_samples_the_target_distribution(skew):
+    """Sampling (temperature 1.5): auto drafting with the self-drafter (one of two layers, so
+    that it is refused at times) and now and then a lookup; the first three tokens follow the
+    target's exact marginals, drafts made at both positions, some kept and some refused."""
+    model = tiny_llama(seed=2, vocab=6, layers=2)
+    loaded = LoadedModel(model, None, "tiny-6")
+    prompt = [1, 3, 4, 5, 2]  # nothing to look up at the first step
+    # a forward costs the same at any width: drafting pays in the samples' batch of 500 too
+    costs = CostProfile((0.01,) * 17, 300, 1e4, {"pld": DrafterCost(0.0, 0.0, 0.95),
+                                                 "suffix": DrafterCost(0.0, 0.0, 0.95),
+                                                 "self-int8": DrafterCost(0.0, 0.0, 0.9)})
+    # rescoring needs a vocabulary of 8 tokens
+    engine = auto_engine(loaded, costs, SelfSettings("int8", skip=(1,), rescore=0))
+    sampling = SamplingParams(True, 1.5)
+    exact = exact_marginals(model, prompt, 3, sampling)
+    sampled = sample_runs(engine, prompt, 3, sampling, runs_for(exact, skew))
+    assert {"self-int8"} < methods_chosen(sampled.results) <= {"pld", "suffix", "self-int8"}
+    sampled.check_drafting(positions=2)
+    assert_follows(sampled, exact, "auto", skew)

@@ -1,0 +1,232 @@
+"""`auto`: the drafter (and draft length) with the most expected tokens per second, chosen every
+step from the machine's cost profile and the acceptance observed so far; plain decoding when no
+drafter pays.
+
+The standard model (Leviathan et al. 2022): a drafter whose tokens are each accepted with
+probability a, drafting k, yields E(a, k) = (1 - a^(k+1)) / (1 - a) tokens per step, and a step
+costs the target's forward over the verified rows plus the draft: with `batch` sequences sharing
+the target pass, T(batch * (k + 1)) / batch + draft(k) per sequence. Plain decoding (k = 0) is
+always a candidate: E = 1, T(batch) / batch.
+
+Candidates are lookups (prompt lookup, suffix decoding: nearly free, drafting only where the
+context repeats, so each is a candidate only on steps where it has a draft) and model drafters
+(the target's own weights in low precision: a draft every step at a cost per token). Acceptance
+per candidate starts from a prior (the profile's measurement on this target, else a default) and
+follows the text as an exponentially weighted count: a lookup's draft is judged against the
+committed tokens even on steps it was not chosen (it costs nothing to compute), a model
+drafter's only when it drafted. Exact like every method: each step drafts with one drafter, whose
+q goes to the unchanged verifier; the choice depends only on what was already committed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from verispec.core.errors import VerispecError
+from verispec.core.types import Proposal
+from verispec.drafters.base import Drafter, DraftRequest
+
+DECAY = 0.9  # weight of the acceptance seen one step earlier (a memory of about ten steps)
+PRIOR_WEIGHT = 1.0  # the prior counts as this many refusals (and the accepted tokens they imply)
+MOST_PRIOR = 0.97  # a prior above this is taken as this: a few refusals then tell
+LOOKUP_PRIOR = 0.5  # acceptance assumed for a lookup's drafts before any were judged
+MODEL_PRIOR = 0.7  # ... for a model drafter's, where the profile measured none
+
+
+@dataclass(frozen=True)
+class DrafterCost:
+    """What drafting costs with one drafter, and how often its drafts were accepted when it was
+    measured (per token; None: it drafted too little to tell)."""
+
+    per_step: float  # seconds per proposal, whatever its length
+    per_token: float  # seconds per drafted token
+    acceptance: float | None = None
+
+    def seconds(self, k: int) -> float:
+        return self.per_step + self.per_token * k
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """What one target costs on one machine (verispec.profile measures and caches it)."""
+
+    forward: tuple[float, ...]  # [rows]: seconds of one target forward over 1, 2, ... rows, cached context
+    context: int  # tokens cached while `forward` was measured
+    prefill_rate: float  # prompt tokens per second
+    drafters: dict[str, DrafterCost]
+
+    def forward_seconds(self, rows: int) -> float:
+        """T(rows): measured up to len(forward) rows, extended linearly from the last two beyond.
+
+        >>> CostProfile((1.0, 1.5), 300, 100.0, {}).forward_seconds(4)
+        2.5
+        """
+        measured = self.forward
+        if rows <= len(measured):
+            return measured[rows - 1]
+        slope = measured[-1] - measured[-2] if len(measured) > 1 else measured[-1]
+        return measured[-1] + slope * (rows - len(measured))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One step's decision: the candidate (None: plain decoding), its draft length, the expected
+    rate."""
+
+    method: str | None
+    k: int
+    tokens_per_second: float
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a step yields on average: the accepted drafts and the target's own token.
+
+    >>> expected_tokens(0.5, 2)
+    1.75
+    >>> expected_tokens(1.0, 3)
+    4.0
+    """
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def best_choice(profile: CostProfile, acceptance: dict[str, float], limits: dict[str, int],
+                batch: int = 1) -> Choice:
+    """The candidate and draft length (1..limits[name]) with the most expected tokens per second
+    for each of `batch` sequences sharing the target pass; plain decoding when none beats it.
+
+    >>> profile = CostProfile((0.010, 0.011, 0.012, 0.013), 300, 1e4, {
+    ...     "lookup": DrafterCost(0.0, 0.0), "model": DrafterCost(0.0, 0.008)})
+    >>> choice = best_choice(profile, {"lookup": 0.9, "model": 0.9}, {"lookup": 3, "model": 3})
+    >>> choice.method, choice.k, round(choice.tokens_per_second)
+    ('lookup', 3, 265)
+    >>> best_choice(profile, {"model": 0.5}, {"model": 3}).method is None
+    True
+    """
+    best = Choice(None, 0, batch / profile.forward_seconds(batch))
+    for name, limit in limits.items():
+        cost = profile.drafters[name]
+        for k in range(1, limit + 1):
+            seconds = profile.forward_seconds(batch * (k + 1)) / batch + cost.seconds(k)
+            rate = expected_tokens(acceptance[name], k) / seconds
+            if rate > best.tokens_per_second:
+                best = Choice(name, k, rate)
+    return best
+
+
+class Acceptance:
+    """A candidate's per-token acceptance: exponentially weighted counts of accepted tokens and of
+    refusals (the maximum-likelihood rate of a step that kept m of k is m / (m + [m < k])),
+    starting from the prior as pseudo-counts that fade like any observation."""
+
+    def __init__(self, prior: float) -> None:
+        prior = min(max(prior, 0.01), MOST_PRIOR)
+        self.kept, self.refused = PRIOR_WEIGHT * prior / (1.0 - prior), PRIOR_WEIGHT
+
+    def observe(self, judged: int, kept: int) -> None:
+        """`kept` of the `judged` leading draft tokens matched (judged > kept: one was refused)."""
+        self.kept = DECAY * self.kept + kept
+        self.refused = DECAY * self.refused + (1.0 if kept < judged else 0.0)
+
+    @property
+    def rate(self) -> float:
+        return self.kept / (self.kept + self.refused)
+
+
+def _leading_matches(draft: list[int], committed: list[int]) -> int:
+    """How many of the draft's first tokens the committed tokens repeat."""
+    count = 0
+    for drafted, kept in zip(draft, committed):
+        if drafted != kept:
+            break
+        count += 1
+    return count
+
+
+class AutoDrafter(Drafter):
+    """Chooses every step among `lookups` (name -> a drafter that may propose nothing) and
+    `models` (name -> a drafter that always can), each drafting at most limits[name] tokens, by
+    `profile`; each Proposal's `choice` says (name, k), (`plain`, 0) for a plain step."""
+
+    def __init__(self, profile: CostProfile, lookups: dict[str, Drafter], models: dict[str, Drafter],
+                 limits: dict[str, int], plain: str) -> None:
+        candidates = {**lookups, **models}
+        missing = [name for name in candidates if name not in profile.drafters]
+        if missing:
+            raise VerispecError(f"the cost profile has no figures for {', '.join(missing)}")
+        self.profile, self.lookups, self.models, self.limits = profile, lookups, models, limits
+        self.plain = plain
+        self.adopts_prefill = any(drafter.adopts_prefill for drafter in candidates.values())
+        self.priors = {name: LOOKUP_PRIOR if name in lookups else MODEL_PRIOR for name in candidates}
+        for name in candidates:
+            measured = profile.drafters[name].acceptance
+            if measured is not None:
+                self.priors[name] = measured
+        self.reset()
+
+    def reset(self) -> None:
+        for drafter in (*self.lookups.values(), *self.models.values()):
+            drafter.reset()
+        self.acceptance = {name: Acceptance(prior) for name, prior in self.priors.items()}
+        self.asked: dict[str, Drafter] = {}  # drafters that proposed this step (commit follows)
+        self.chosen: str | None = None  # None: a plain step
+        self.drafted = 0  # tokens the chosen drafter proposed this step
+        self.judge: dict[str, list[int]] = {}  # lookups' drafts not chosen, judged at the next step
+        self.context = 0  # context length when they were drafted
+
+    def adopt_prefill(self, target) -> None:
+        for drafter in (*self.lookups.values(), *self.models.values()):
+            if drafter.adopts_prefill:
+                drafter.adopt_prefill(target)
+
+    def _judge_shadows(self, tokens: torch.Tensor) -> None:
+        """Score last step's unchosen lookup drafts against what the target committed since."""
+        if not self.judge:
+            return
+        committed = tokens[self.context:].tolist()  # [accepted + 1] the last step's tokens
+        for name, draft in self.judge.items():
+            judged = min(len(draft), len(committed))
+            self.acceptance[name].observe(judged, _leading_matches(draft, committed))
+        self.judge = {}
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        self._judge_shadows(request.tokens)
+        self.asked, self.context = {}, request.tokens.shape[0]
+        drafts: dict[str, Proposal] = {}
+        for name, lookup in self.lookups.items():
+            proposal = lookup.propose(replace(request, k=min(request.k, self.limits[name])))
+            self.asked[name] = lookup
+            if len(proposal):
+                drafts[name] = proposal
+        limits = {name: len(proposal) for name, proposal in drafts.items()}
+        limits |= {name: min(request.k, self.limits[name]) for name in self.models}
+        rates = {name: self.acceptance[name].rate for name in limits}
+        choice = best_choice(self.profile, rates, limits, request.batch)
+        self.chosen = choice.method
+        self.judge = {name: proposal.tokens.tolist() for name, proposal in drafts.items()
+                      if name != choice.method}
+        if choice.method in drafts:
+            proposal = drafts[choice.method]
+            proposal = Proposal(proposal.tokens[: choice.k],
+                                None if proposal.draft_probs is None else proposal.draft_probs[: choice.k])
+        elif choice.method in self.models:
+            model = self.models[choice.method]
+            self.asked[choice.method] = model
+            proposal = model.propose(replace(request, k=choice.k))
+        else:
+            proposal = Proposal(request.tokens[:0])
+        self.drafted = len(proposal)
+        return replace(proposal, choice=(choice.method or self.plain, choice.k))
+
+    def commit(self, num_accepted: int) -> None:
+        for name, drafter in self.asked.items():
+            drafter.commit(num_accepted if name == self.chosen else 0)
+        if self.chosen is not None:
+            self.acceptance[self.chosen].observe(self.drafted, num_accepted)
+
+    def describe(self) -> str:
+        names = ", ".join([*self.lookups, *self.models])
+        return f"auto: chooses among {names} and plain decoding by the cost profile"

@@ -1,0 +1,256 @@
+"""The cost profile of a target on this machine: its forward over 1..17 rows with a fixed context
+cached, its prefill rate, and what each candidate drafter costs per proposal and per drafted
+token (with the acceptance it reached), all in seconds, measured in a few seconds (medians of
+few repeats) and cached as JSON under $XDG_CACHE_HOME/verispec/profiles/, keyed by the CPU (model
+name and flags), torch's version, the target's fingerprint (name, weight format, a hash of its
+weights' shapes and leading values) and the kernel its products run on: any change measures again.
+
+`auto` (verispec.drafters.auto) decides by it; `verispec profile` prints and draws it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from verispec.core.stopping import StoppingRules
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.drafters.auto import CostProfile, DrafterCost
+from verispec.drafters.base import Drafter
+from verispec.model.cached_model import CachedModel
+from verispec.model.loading import LoadedModel
+from verispec.model.packed import linear_fingerprint
+
+CONTEXT = 300  # tokens cached while the forward is timed
+MAX_ROWS = 17  # the widest forward timed: a 16-token draft and the token before it
+REPEATS = 3  # timings per row count (the median is kept)
+DRAFT_TOKENS = 24  # new tokens each drafter's timing run generates
+# Drafters are timed continuing this text (their acceptance on it is the profile's prior).
+TEXT = ("Write a short guide for a new gardener. Explain when to plant tomatoes, how often to "
+        "water them, which soil they like, and how to keep pests away without chemicals. Then "
+        "list three common mistakes beginners make and how to avoid each of them.")
+VERSION = 1  # of the file's layout: a new layout measures again
+
+# model -> {(its linear weights' fingerprint, threads, drafters): profile}
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "verispec" / "profiles"
+
+
+def cpu_identity() -> dict[str, str]:
+    """The CPU's model name and a digest of all its flags (Linux), else the architecture."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"model": platform.processor() or platform.machine(), "flags": ""}
+    fields = {}
+    for line in text.splitlines():
+        if ":" in line:
+            key, value = line.split(":", 1)
+            fields.setdefault(key.strip(), value.strip())
+    flags = " ".join(sorted(fields.get("flags", "").split()))
+    return {"model": fields.get("model name", platform.machine()),
+            "flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A hash of every parameter's name, shape, dtype and first 256 values: a different
+    checkpoint or format of the same model gives another (seconds of hashing are not spent on
+    reading every weight)."""
+    digest = hashlib.sha256()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        head = tensor.detach().reshape(-1)[:256].float().cpu()
+        digest.update(head.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def profile_key(target: LoadedModel, lm: CachedModel, drafters: list[str]) -> dict:
+    """Everything the profile's figures depend on."""
+    return {"version": VERSION, "cpu": cpu_identity(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "target": target.name, "format": lm.precision,
+            "weights": weights_digest(target.model), "kernel": lm.kernel, "path": lm.path,
+            "drafters": sorted(drafters)}
+
+
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cost_profile(target: LoadedModel, drafters: dict[str, Callable[[], Drafter]],
+                 limits: dict[str, int], refresh: bool = False) -> CostProfile:
+    """The profile of `target` with these candidate drafters (name -> a builder; each timed
+    drafting up to limits[name]): this process's, else the cached file's, else measured now and
+    cached (always measured with `refresh`)."""
+    # Within a process only the weights (and the threads) can change: no key is built on a hit.
+    memo = _MEMO.setdefault(target.model, {})
+    seen = (linear_fingerprint(target.model), torch.get_num_threads(), tuple(sorted(drafters)))
+    if seen in memo and not refresh:
+        return memo[seen]
+    lm = CachedModel(target.model)
+    key = profile_key(target, lm, list(drafters))
+    path = cache_dir() / f"{_digest(key)}.json"
+    profile = None if refresh else read_profile(path, key)
+    if profile is None:
+        profile = measure(target, lm, drafters, limits)
+        write_profile(path, key, profile)
+    memo[seen] = profile
+    return profile
+
+
+def read_profile(path: Path, key: dict) -> CostProfile | None:
+    """The profile cached at `path` if it was measured under `key` (None: absent, unreadable or
+    another key)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("key") != key:
+        return None
+    figures = data["profile"]
+    return CostProfile(tuple(figures["forward"]), figures["context"], figures["prefill_rate"],
+                       {name: DrafterCost(**cost) for name, cost in figures["drafters"].items()})
+
+
+def write_profile(path: Path, key: dict, profile: CostProfile) -> None:
+    """Cache `profile` (written whole, then renamed: a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"key": key, "profile": asdict(profile)}, indent=1))
+    partial.replace(path)
+
+
+def measure(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[], Drafter]],
+            limits: dict[str, int]) -> CostProfile:
+    """Time the target's forward by rows and prefill, then each drafter in a short generation."""
+    generator = torch.Generator().manual_seed(0)
+    cached = max(1, min(CONTEXT, target.context_length - MAX_ROWS))  # a short-context model's most
+    context = torch.randint(0, target.vocab_size, (cached,), generator=generator).to(lm.device)
+    lm.reset()
+    lm.forward(context[:64])  # warm-up
+    lm.reset()
+    started = time.perf_counter()
+    lm.forward(context)
+    prefill_rate = cached / (time.perf_counter() - started)
+    times: dict[int, list[float]] = {rows: [] for rows in range(1, MAX_ROWS + 1)}
+    for _ in range(REPEATS):
+        for rows in times:
+            block = torch.randint(0, target.vocab_size, (rows,), generator=generator).to(lm.device)
+            started = time.perf_counter()
+            lm.forward(block)
+            times[rows].append(time.perf_counter() - started)
+            lm.rewind(cached)
+    lm.reset()
+    forward = tuple(statistics.median(times[rows]) for rows in times)
+    prompt = _prompt(target, generator)
+    costs = {name: drafter_cost(target, build(), limits[name], prompt) for name, build in drafters.items()}
+    return CostProfile(forward, cached, prefill_rate, costs)
+
+
+def _prompt(target: LoadedModel, generator: torch.Generator) -> list[int]:
+    """TEXT in the target's tokens (random tokens for a model without a tokenizer, or whose
+    tokenizer makes little of it), within the context the drafters' runs leave."""
+    room = target.context_length - DRAFT_TOKENS - MAX_ROWS  # a draft is at most MAX_ROWS - 1 long
+    ids = [] if target.tokenizer is None else list(target.tokenizer(TEXT)["input_ids"])
+    if len(ids) < 8:
+        ids = torch.randint(0, target.vocab_size, (48,), generator=generator).tolist()
+    return ids[-room:]
+
+
+class _Alternating:
+    """A draft-length policy alternating between two lengths, so that a fit separates the cost of
+    a proposal from the cost of a drafted token."""
+
+    def __init__(self, short: int, long: int) -> None:
+        self.lengths, self.count = (short, long), 0
+
+    def next_k(self) -> int:
+        return self.lengths[self.count % 2]
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        self.count += 1
+
+
+def drafter_cost(target: LoadedModel, drafter: Drafter, limit: int, prompt: list[int]) -> DrafterCost:
+    """A drafter's seconds per proposal and per drafted token (least squares over the steps of a
+    short greedy generation, drafting 1 and `limit` tokens in turn) and its per-token acceptance
+    there (accepted tokens over accepted tokens plus refusals; None under 4 drafting steps)."""
+    engine = SpeculativeEngine(target.model, drafter, _Alternating(1, limit))
+    engine.generate(prompt, StoppingRules.build(4))  # warm-up
+    steps = engine.generate(prompt, StoppingRules.build(DRAFT_TOKENS)).steps[:-1]  # the last: no room
+    points = [(step.num_drafted, step.draft_seconds) for step in steps]
+    per_step, per_token = _fit(points)
+    drafting = [step for step in steps if step.num_drafted]
+    kept = sum(step.num_accepted for step in drafting)
+    refused = sum(step.num_accepted < step.num_drafted for step in drafting)
+    acceptance = kept / (kept + refused) if len(drafting) >= 4 and kept + refused else None
+    return DrafterCost(per_step, per_token, acceptance)
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) >= 0 with seconds ~ a + b * tokens, least squares; b = 0 where every step drafted
+    alike (a lookup drafting nothing, say).
+
+    >>> [round(v, 6) for v in _fit([(1, 0.003), (4, 0.009), (1, 0.003), (4, 0.009)])]
+    [0.001, 0.002]
+    """
+    xs, ys = [float(x) for x, _ in points], [y for _, y in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if spread == 0:
+        return statistics.median(ys), 0.0
+    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread)
+    return max(0.0, mean_y - slope * mean_x), slope
+
+
+def profile_table(profile: CostProfile) -> str:
+    """The profile as text: the forward by rows (ms, and in one-row forwards), the prefill rate,
+    each drafter's cost and measured acceptance."""
+    one = profile.forward[0]
+    lines = [f"target forward, {profile.context} tokens cached (ms; x one row):",
+             "  " + "  ".join(f"{rows}: {seconds * 1e3:.1f} ({seconds / one:.2f}x)"
+                              for rows, seconds in enumerate(profile.forward, 1)
+                              if rows in (1, 2, 4, 8, 12, 16, 17)),
+             f"prefill: {profile.prefill_rate:.0f} tokens/s",
+             "drafter      ms/proposal  ms/token  acceptance"]
+    for name, cost in profile.drafters.items():
+        accepted = "-" if cost.acceptance is None else f"{cost.acceptance:.3f}"
+        lines.append(f"{name:<12} {cost.per_step * 1e3:11.2f} {cost.per_token * 1e3:9.2f}  {accepted:>10}")
+    return "\n".join(lines)
+
+
+def plot_profile(profile: CostProfile, path: Path, title: str) -> Path:
+    """Draw the forward's cost by rows, with each drafter's k-token step (k drafts + the k + 1
+    row forward) beside it, as a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.2))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    rows = list(range(1, len(profile.forward) + 1))
+    axes.plot(rows, [s * 1e3 for s in profile.forward], marker="o", label="target forward")
+    for name, cost in profile.drafters.items():
+        steps = [profile.forward_seconds(k + 1) + cost.seconds(k) for k in range(1, len(rows))]
+        axes.plot(rows[1:], [s * 1e3 for s in steps], linestyle="--", label=f"{name}: a k-token step")
+    axes.set_xlabel("rows scored (a k-token draft: k + 1)")
+    axes.set_ylabel("milliseconds")
+    axes.set_ylim(bottom=0)
+    axes.set_title(title, fontsize=10)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    return path
