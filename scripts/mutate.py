@@ -250,6 +250,20 @@ MUTANTS = (
            ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each",
             "tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps"),
            "a block's rows attend with a scale one ulp off a one-token step's"),
+    Mutant("row-kernel-avx2-lone-row-unfused", "verispec/model/kernels/rows.cpp",
+           "          __m256 a0 = _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), ",
+           "          __m256 a0 = rows == 1 ? _mm256_add_ps(_mm256_mul_ps(lo, s0), _mm256_load_ps(a))"
+           " : _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), ",
+           ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits",
+            "tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps"),
+           "the AVX2 class rounds a lone row's scaled sum apart from its add (a block's: one FMA)"),
+    Mutant("row-attention-avx2-block-scale", "verispec/model/kernels/rows.cpp",
+           "                              static_cast<float>(scale), scores.data(), os[b]);",
+           "                              n > 1 ? std::nextafter(static_cast<float>(scale), 1.0f)"
+           " : static_cast<float>(scale), scores.data(), os[b]);",
+           ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each",
+            "tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps"),
+           "the AVX2 class's block rows attend with a scale one ulp off a one-token step's"),
     Mutant("row-attention-only-for-blocks", "verispec/model/lean.py",
            "            if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:",
            "            if invariant and not seen.whole and layer.window is None and w.row_kernel_attention"

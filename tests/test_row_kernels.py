@@ -99,7 +99,9 @@ def test_products_compute_the_weights_they_stand_for(kernel, kind):
     expected = x.to(torch.bfloat16).double() @ dense.double().T  # activations rounded to bfloat16
     got = product(x)
     assert got.shape == (ROWS, dense.shape[0])
-    assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    # the oneDNN class multiplies bfloat16 weights into bfloat16 sums: their rounding
+    tolerance = 1e-2 if kernel == rows.ONEDNN else 1e-5
+    assert (got.double() - expected).abs().max() <= tolerance * expected.abs().max()
 
 
 def test_the_check_catches_a_product_that_rounds_by_row_count():
@@ -202,14 +204,15 @@ def test_a_tiny_int4_target_computes_its_weights():
     assert (logits - reference).abs().max() < 0.02 * reference.abs().max()
 
 
-@pytest.mark.skipif(len(rows.supported()) < 2, reason="one kernel class runs here: nothing to compare")
+@pytest.mark.skipif(len(set(rows.SAME_BITS) & set(rows.supported())) < 2,
+                    reason="needs AVX512-BF16 and AVX2 (avx512-bf16, avx2): this CPU lacks one")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_classes_give_the_same_bits(dtype):
+def test_avx2_gives_avx512_bf16s_bits(dtype):
     """AVX2/FMA spells AVX512-BF16's arithmetic (rows.cpp), so a target's outputs do not depend
-    on which class the probe chose: every product kind and attention (causal, 40 and 33 keys, head
-    dims 16, 64 and 128), torch.equal."""
+    on which of the two the probe chose: every product kind and attention (causal, 40 and 33 keys,
+    head dims 16, 64 and 128), torch.equal."""
     x = activations(dtype=dtype)
-    by_class = {kernel: products(kernel) for kernel in rows.supported()}
+    by_class = {kernel: products(kernel) for kernel in rows.SAME_BITS}
     first, *others = by_class
     for kind in KINDS:
         assert all(torch.equal(by_class[first][kind][0](x), by_class[k][kind][0](x)) for k in others), kind

@@ -46,6 +46,17 @@
 #define VERISPEC_X86 0
 #endif
 
+// AMX where the compiler has its intrinsics (GCC 11+, clang); elsewhere the class is left out.
+#if VERISPEC_X86 && (defined(__clang__) || __GNUC__ >= 11)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define VERISPEC_AMX 1
+#define AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")))
+#else
+#define VERISPEC_AMX 0
+#endif
+
 namespace {
 
 // Rows whose accumulators a product keeps at once (a larger M runs in chunks of this many rows;
@@ -76,11 +87,31 @@ bool avx2() {
 #endif
 }
 
-// The kernel classes (rows.py's CLASSES): each computes the same bits; AVX2 spells AVX512-BF16's
-// arithmetic with float32 FMAs (see the AVX2 section).
-enum Isa : int64_t { ISA_AVX2 = 0, ISA_AVX512_BF16 = 1 };
+// AMX-BF16 tiles, with the process's permission to use them (Linux grants tile state on request:
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once).
+bool amx_bf16() {
+#if VERISPEC_AMX
+  static const bool granted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return tile && bf16 && avx512_bf16() && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
 
-bool runs(int64_t isa) { return isa == ISA_AVX2 ? avx2() : isa == ISA_AVX512_BF16 && avx512_bf16(); }
+// The kernel classes (rows.py's CLASSES). AVX2 spells AVX512-BF16's arithmetic with float32 FMAs
+// (the same bits, see the AVX2 section); AMX-BF16 runs products as 16-row tiles (its own bits)
+// and attends as AVX512-BF16 does.
+enum Isa : int64_t { ISA_AVX2 = 0, ISA_AVX512_BF16 = 1, ISA_AMX_BF16 = 2 };
+
+bool runs(int64_t isa) {
+  return isa == ISA_AVX2 ? avx2() : isa == ISA_AVX512_BF16 ? avx512_bf16() : isa == ISA_AMX_BF16 && amx_bf16();
+}
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "verispec row kernels: ", what); }
 
@@ -586,6 +617,126 @@ AVX2 void attend_avx2(const T* q, const T* keys, const T* values, const int32_t*
   }
 }
 
+// ---- AMX-BF16: 16-row tiles --------------------------------------------------------------------
+//
+// A product runs every block of rows as 16-row tiles (the last padded with zero rows), so each
+// tdpbf16ps is the same instruction on the same shape whatever the row count: a row's sums are a
+// function of its own activations (row invariance by construction; tests/test_row_kernels.py
+// checks it on a CPU with AMX). Tile registers: 0 the 16 x 16 float32 sums, 1 / 2 a 16 x 32
+// bfloat16 block of rows and the weights' 16 pairs x 16 outputs (rows.py's packed layout is
+// tdpbf16ps's B layout), 3 / 4 the same for groups of 16 inputs. The group's sums go through
+// memory to the AVX-512 code that scales them, as codes_tiles does. The hardware's order within a
+// pair may differ from vdpbf16ps's, so this class's bits are its own.
+
+#if VERISPEC_AMX
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+AMX_BF16 void configure_tiles() {
+  TileConfig config;
+  config.colsb[0] = 64, config.rows[0] = 16;  // sums: 16 rows x 16 float32
+  config.colsb[1] = 64, config.rows[1] = 16;  // rows: 16 x 32 bfloat16
+  config.colsb[2] = 64, config.rows[2] = 16;  // weights: 16 pairs x 16 outputs x 2
+  config.colsb[3] = 32, config.rows[3] = 16;  // rows: 16 x 16 bfloat16 (groups of 16)
+  config.colsb[4] = 64, config.rows[4] = 8;   // weights: 8 pairs
+  _tile_loadconfig(&config);
+}
+
+// xb: [Mp, K] bfloat16, Mp = M rounded up to 16, padding rows zero.
+template <int G, bool NIBBLES, bool HALF, bool MINS>
+AMX_BF16 void codes_tiles_amx(const uint16_t* xb, const float* xsum, int64_t M, int64_t K,
+                              const uint8_t* codes, const void* scales, const void* mins,
+                              float* out, int64_t N, int64_t t0, int64_t t1) {
+  constexpr int P = G / 2;
+  constexpr int64_t BYTES = NIBBLES ? TILE * G / 2 : TILE * G;
+  const int64_t groups = K / G;
+  alignas(64) float acc[16 * TILE];
+  alignas(64) float sums[16 * TILE];
+  alignas(64) uint16_t weights[P * 32];
+  configure_tiles();
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t r0 = 0; r0 < M; r0 += 16) {
+      const int64_t rows = std::min<int64_t>(16, M - r0);
+      for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(acc + r * TILE, _mm512_setzero_ps());
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t tg = t * groups + g;
+        for (int64_t line = 0; line < BYTES; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(codes + tg * BYTES + PREFETCH + line), _MM_HINT_T0);
+        __m512bh w[P];
+        unpack<P, NIBBLES>(codes + tg * BYTES, w);
+        for (int p = 0; p < P; ++p) _mm512_store_si512(weights + 32 * p, (__m512i)w[p]);
+        _tile_zero(0);
+        if constexpr (G == 32) {
+          _tile_loadd(1, xb + r0 * K + g * G, K * 2);
+          _tile_loadd(2, weights, 64);
+          _tile_dpbf16ps(0, 1, 2);
+        } else {
+          _tile_loadd(3, xb + r0 * K + g * G, K * 2);
+          _tile_loadd(4, weights, 64);
+          _tile_dpbf16ps(0, 3, 4);
+        }
+        _tile_stored(0, sums, 64);
+        const __m512 s = load_scales<HALF>(scales, tg * TILE);
+        __m512 m = _mm512_setzero_ps();
+        if constexpr (MINS) m = load_scales<HALF>(mins, tg * TILE);
+        for (int64_t r = 0; r < rows; ++r) {
+          __m512 a = _mm512_fmadd_ps(_mm512_load_ps(sums + r * TILE), s, _mm512_load_ps(acc + r * TILE));
+          if constexpr (MINS) a = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(r0 + r) * groups + g]), m, a);
+          _mm512_store_ps(acc + r * TILE, a);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        _mm512_storeu_ps(out + (r0 + r) * N + t * TILE, _mm512_load_ps(acc + r * TILE));
+    }
+  }
+  _tile_release();
+}
+
+template <int G, bool NIBBLES>
+CodesKernel pick_codes_amx(bool half, bool mins) {
+  if (half) return mins ? codes_tiles_amx<G, NIBBLES, true, true> : codes_tiles_amx<G, NIBBLES, true, false>;
+  return mins ? codes_tiles_amx<G, NIBBLES, false, true> : codes_tiles_amx<G, NIBBLES, false, false>;
+}
+
+template <bool BF16_OUT>
+AMX_BF16 void dense_tiles_amx(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* weight,
+                              void* out, int64_t N, int64_t t0, int64_t t1) {
+  const int64_t chunks = K / 32;
+  alignas(64) float sums[16 * TILE];
+  configure_tiles();
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t r0 = 0; r0 < M; r0 += 16) {
+      const int64_t rows = std::min<int64_t>(16, M - r0);
+      _tile_zero(0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint16_t* tile = weight + (t * chunks + c) * (TILE * 32);
+        for (int64_t line = 0; line < TILE * 32 * 2; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(tile) + PREFETCH + line, _MM_HINT_T0);
+        _tile_loadd(1, xb + r0 * K + c * 32, K * 2);
+        _tile_loadd(2, tile, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, sums, 64);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 a = _mm512_load_ps(sums + r * TILE);
+        if constexpr (BF16_OUT) {
+          uint16_t* o = static_cast<uint16_t*>(out) + (r0 + r) * N + t * TILE;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(a));
+        } else {
+          _mm512_storeu_ps(static_cast<float*>(out) + (r0 + r) * N + t * TILE, a);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+#endif  // VERISPEC_AMX
+
 // ---- attention -------------------------------------------------------------------------------
 
 // exp(x) for x <= 0 (softmax after subtracting the maximum): Cody-Waite reduction, a degree-6
@@ -797,6 +948,7 @@ std::vector<std::string> features() {
   std::vector<std::string> found;
   if (avx2()) found.push_back("avx2");
   if (avx512_bf16()) found.push_back("avx512_bf16");
+  if (amx_bf16()) found.push_back("amx_bf16");
   return found;
 }
 
@@ -841,15 +993,23 @@ at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& codes, const at::
     });
     return out;
   }
-  at::Tensor xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+  const bool tiles16 = isa == ISA_AMX_BF16;  // rows padded to 16 with zeros
+  const int64_t padded = tiles16 ? (M + 15) / 16 * 16 : M;
+  at::Tensor xb = at::empty({padded, K}, x.options().dtype(at::kBFloat16));
   uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr());
   to_bf16(x, xbp);
+  std::memset(xbp + M * K, 0, (padded - M) * K * 2);
   if (has_mins) {
     if (group == 32) group_sums<32>(xbp, M, K, sp);
     else group_sums<16>(xbp, M, K, sp);
   }
   CodesKernel kernel = group == 32 ? (nibbles ? pick_codes<32, true>(half, has_mins) : pick_codes<32, false>(half, has_mins))
                                    : (nibbles ? pick_codes<16, true>(half, has_mins) : pick_codes<16, false>(half, has_mins));
+#if VERISPEC_AMX
+  if (tiles16)
+    kernel = group == 32 ? (nibbles ? pick_codes_amx<32, true>(half, has_mins) : pick_codes_amx<32, false>(half, has_mins))
+                         : (nibbles ? pick_codes_amx<16, true>(half, has_mins) : pick_codes_amx<16, false>(half, has_mins));
+#endif
   at::parallel_for(0, tiles, tiles_per_task(M), [&](int64_t t0, int64_t t1) {
     kernel(xbp, sp, M, K, cp, scales.data_ptr(), mp, out.data_ptr<float>(), N, t0, t1);
   });
@@ -881,13 +1041,23 @@ at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& weight, int64_t N
     });
     return out;
   }
+  const bool tiles16 = isa == ISA_AMX_BF16;  // rows padded to 16 with zeros
+  const int64_t padded = tiles16 ? (M + 15) / 16 * 16 : M;
   at::Tensor xb = x;
-  if (x.scalar_type() != at::kBFloat16) {
-    xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+  if (x.scalar_type() != at::kBFloat16 || padded != M) {
+    xb = at::empty({padded, K}, x.options().dtype(at::kBFloat16));
     to_bf16(x, reinterpret_cast<uint16_t*>(xb.data_ptr()));
+    std::memset(reinterpret_cast<uint16_t*>(xb.data_ptr()) + M * K, 0, (padded - M) * K * 2);
   }
   const uint16_t* xbp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
   at::parallel_for(0, tiles, tiles_per_task(M), [&](int64_t t0, int64_t t1) {
+#if VERISPEC_AMX
+    if (tiles16) {
+      if (bf16_out) dense_tiles_amx<true>(xbp, M, K, w, out.data_ptr(), N, t0, t1);
+      else dense_tiles_amx<false>(xbp, M, K, w, out.data_ptr(), N, t0, t1);
+      return;
+    }
+#endif
     if (bf16_out) dense_tiles<true>(xbp, M, K, w, out.data_ptr(), N, t0, t1);
     else dense_tiles<false>(xbp, M, K, w, out.data_ptr(), N, t0, t1);
   });

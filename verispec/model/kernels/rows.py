@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
 from verispec.core.errors import VerispecError
 from verispec.model.kernels.build import cache_dir, library, library_name, load
@@ -39,7 +40,16 @@ TILE = 16  # output columns per 512-bit lane set
 GROUPS = (16, 32)
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # what `attention` takes
 # Kernel classes: (rows.cpp's Isa, the CPU feature it needs as `features()` names it, label).
-CLASSES = {"avx512-bf16": (1, "avx512_bf16", "AVX512-BF16"), "avx2": (0, "avx2", "AVX2/FMA")}
+# onednn-fixed16: torch's bfloat16 F.linear (oneDNN; AMX where the CPU has it) always called at
+# [16, in], rows padded, weights dequantized to bfloat16 (a 4-bit target's arithmetic changes), row
+# attention as AVX512-BF16's; probed only on a CPU with AMX, forceable on any with AVX512-BF16.
+CLASSES = {"amx-bf16": (2, "amx_bf16", "AMX-BF16"),
+           "onednn-fixed16": (1, "avx512_bf16", "oneDNN bfloat16 at 16 rows"),
+           "avx512-bf16": (1, "avx512_bf16", "AVX512-BF16"), "avx2": (0, "avx2", "AVX2/FMA")}
+ONEDNN = "onednn-fixed16"
+FIXED_ROWS = 16  # the oneDNN class's one shape: every call multiplies [16, in]
+# Classes that compute the same bits (rows.cpp: AVX2 spells vdpbf16ps); AMX's tiles have their own.
+SAME_BITS = ("avx512-bf16", "avx2")
 # The probe's products: a SmolLM2 layer's fused q/k/v, o, gate/up and down [out, in], 4-bit g32.
 PROBE_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 PROBE_ROWS = (1, 8)
@@ -145,6 +155,8 @@ def choice() -> Choice:
         label = CLASSES[forced][2]
         return (Choice(forced, f"forced (VERISPEC_KERNELS={forced})") if forced in names
                 else Choice(None, f"this CPU lacks {label} (VERISPEC_KERNELS={forced})"))
+    if ONEDNN in names and "amx-bf16" not in names:
+        names.remove(ONEDNN)  # oneDNN without AMX: the row kernels' own arithmetic, slower
     if not names:
         return Choice(None, "this CPU lacks AVX2 and AVX512-BF16")
     cached = cache_dir() / f"choice-{cpu_key()}.json"
@@ -177,6 +189,18 @@ def unavailable_reason() -> str:
 def name(kernel: str | None = None) -> str:
     """How stats name a kernel class (default: this process's)."""
     return f"verispec rows, {CLASSES[kernel or choice().name][2]}"
+
+
+def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, in] -> x @ weight.T [M, out] bfloat16 through oneDNN (F.linear), always at
+    [FIXED_ROWS, in]: the rows in chunks of 16, the last padded with zeros, so a row's bits cannot
+    depend on the row count (the probe and tests/test_row_kernels.py check its slot does not
+    either). weight: [out, in] bfloat16."""
+    xb = x.to(torch.bfloat16)
+    pad = -xb.shape[0] % FIXED_ROWS
+    if pad:
+        xb = torch.cat([xb, xb.new_zeros(pad, xb.shape[1])])
+    return torch.cat([F.linear(chunk, weight) for chunk in xb.split(FIXED_ROWS)])[: x.shape[0]]
 
 
 def isa(kernel: str | None) -> int:
@@ -242,9 +266,18 @@ class CodesProduct:
         self.kernel, self.isa = kernel or choice().name, isa(kernel)
         self.name = (f"{bits}-bit codes g{group}, {'float16' if half else 'float32'} scales "
                      f"({name(self.kernel)}, bfloat16 activations)")
+        self.dense = None  # [out, in] bfloat16: the weights as the oneDNN class multiplies them
+        if self.kernel == ONEDNN:
+            grouped = codes.float().reshape(self.out_features, -1, group) * scales.float()[..., None]
+            if mins is not None:
+                grouped = grouped + mins.float()[..., None]
+            self.dense = grouped.reshape(self.out_features, self.in_features).to(torch.bfloat16)
+            self.name = f"{bits}-bit codes g{group} as bfloat16 weights ({name(self.kernel)})"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
+        if self.dense is not None:
+            return fixed_shape_linear(flat, self.dense).float().reshape(*x.shape[:-1], self.out_features)
         out = library().linear_codes(flat, self.codes, self.scales, self.mins, self.group, self.nibbles,
                                      self.out_features, self.isa)
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -265,9 +298,13 @@ class DenseProduct:
         self.nbytes = self.packed.numel() * 2
         self.kernel, self.isa = kernel or choice().name, isa(kernel)
         self.name = f"bfloat16 ({name(self.kernel)})"
+        self.dense = weight.detach().to(torch.bfloat16).contiguous() if self.kernel == ONEDNN else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
+        if self.dense is not None:
+            out = fixed_shape_linear(flat, self.dense).to(x.dtype)
+            return out.reshape(*x.shape[:-1], self.out_features)
         bf16_out = x.dtype == torch.bfloat16
         out = library().linear_dense(flat, self.packed, self.out_features, bf16_out, self.isa)
         return out.reshape(*x.shape[:-1], self.out_features)
