@@ -205,7 +205,7 @@ class Int4Kernel(Kernel):
 
 
 class RowsInt4Kernel(Kernel):
-    """verispec's own row kernel (kernels/rows.cpp, AVX512-BF16): each weight tile unpacked once
+    """verispec's own row kernel (kernels/rows.cpp, this process's class): each weight tile unpacked once
     for every row, each row's arithmetic independent of the others (row-invariant from one row
     on); activations rounded to bfloat16, scales and minimums in float32, float32 out."""
 

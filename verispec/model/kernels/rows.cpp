@@ -24,8 +24,10 @@
 // Scales and minimums: [tiles, groups, 16] float32. Dense weights: [tiles, K / 32, 16, 16, 2]
 // bfloat16, element [t, c, p, j, e] the weight of output 16 t + j at input 32 c + 2 p + e.
 //
-// The kernels are compiled for AVX-512 with BF16 (function attributes); the rest of the file
-// is plain x86-64, so the library loads anywhere and `features()` says what this CPU can run.
+// Kernel classes (rows.py's CLASSES; `isa` arguments): AVX512-BF16 (the above), AVX2/FMA (the
+// same bits, eight lanes at a time) and AMX-BF16 (16-row tiles). Each is compiled for its
+// instruction set by function attributes; the rest of the file is plain x86-64, so the library
+// loads anywhere and `features()` says which classes this CPU can run.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
