@@ -79,8 +79,6 @@ def library() -> ModuleType | None:
 
 
 if __name__ == "__main__":  # `python -m verispec.model.kernels.build` (make install)
-    from verispec.model.kernels.rows import choice
-
-    chosen = choice()
-    print("verispec: row kernels " + (f"ready: {chosen.name}, {chosen.why}" if chosen.name
-                                      else f"not used: {chosen.why}"))
+    found, why = load()
+    print("verispec: row kernels " + (f"built (this CPU: {', '.join(found.features()) or 'no class'})"
+                                      if found is not None else f"not used: {why}"))
