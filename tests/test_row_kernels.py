@@ -253,3 +253,23 @@ def test_a_forced_class_runs_and_is_named(kernel):
     env["VERISPEC_KERNELS"] = "avx1024"
     failed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert failed.returncode != 0 and "VERISPEC_KERNELS='avx1024': expected one of" in failed.stderr
+
+
+def test_the_choice_is_cached_per_cpu_and_build(monkeypatch, tmp_path):
+    """The first process on a machine probes and writes its choice under the cache directory,
+    keyed by CPU model and flags, torch and the kernels' build; the next reads it, probing
+    nothing."""
+    monkeypatch.delenv("VERISPEC_KERNELS", raising=False)
+    monkeypatch.setattr(rows, "cache_dir", lambda: tmp_path)
+    probed = []
+    monkeypatch.setattr(rows, "probe", lambda names: probed.append(names) or dict.fromkeys(names, 0.001))
+    rows.choice.cache_clear()
+    try:
+        first = rows.choice()
+        rows.choice.cache_clear()
+        second = rows.choice()
+    finally:
+        rows.choice.cache_clear()
+    assert (tmp_path / f"choice-{rows.cpu_key()}.json").is_file()
+    assert second.name == first.name and second.why == first.why + " (cached)"
+    assert len(probed) == (1 if len(rows.supported()) > 1 else 0)
