@@ -57,6 +57,9 @@ SHARED_PREFILL = "tests/test_batch.py::test_samples_share_the_prefill_and_follow
 OWN_CACHE = "tests/test_batch.py::test_samples_of_one_prompt_each_own_their_cache"
 COPY_FROM = "tests/test_batch.py::test_copy_from_gives_a_cache_of_its_own"
 MTP_GRADIENTS = "tests/test_hydra_mtp.py::test_mtp_head_by_head_backward_gives_the_summed_losses_gradients"
+# The AVX2 class's invariance cases (tests/test_invariance.py builds them where AVX2 is not the
+# process's own class, as on an AVX-512 machine).
+AVX2_BLOCKS = "tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps"
 MTP_ORDER = "tests/test_hydra_mtp.py::test_mtp_training_backpropagates_head_by_head"
 EXPORT_IDS = "tests/test_eagle3.py::test_exported_aux_ids_point_the_engine_at_the_layers_the_drafter_reads"
 GREEDY = "tests/test_greedy_equality.py::test_every_drafter_matches_plain_decoding[4]"
@@ -250,6 +253,20 @@ MUTANTS = (
            ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each",
             "tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps"),
            "a block's rows attend with a scale one ulp off a one-token step's"),
+    Mutant("row-kernel-avx2-lone-row-unfused", "verispec/model/kernels/rows.cpp",
+           "          __m256 a0 = _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), ",
+           "          __m256 a0 = rows == 1 ? _mm256_add_ps(_mm256_mul_ps(lo, s0), _mm256_load_ps(a))"
+           " : _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), ",
+           ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits",
+            f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx2]"),
+           "the AVX2 class rounds a lone row's scaled sum apart from its add (a block's: one FMA)"),
+    Mutant("row-attention-avx2-block-scale", "verispec/model/kernels/rows.cpp",
+           "                              static_cast<float>(scale), scores.data(), os[b]);",
+           "                              n > 1 ? std::nextafter(static_cast<float>(scale), 1.0f)"
+           " : static_cast<float>(scale), scores.data(), os[b]);",
+           ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each",
+            f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx2]"),
+           "the AVX2 class's block rows attend with a scale one ulp off a one-token step's"),
     Mutant("row-attention-only-for-blocks", "verispec/model/lean.py",
            "            if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:",
            "            if invariant and not seen.whole and layer.window is None and w.row_kernel_attention"

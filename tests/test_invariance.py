@@ -5,9 +5,16 @@ sequences of other lengths. Switched off (invariant=False), the same checks fail
 shows it, so these tests are known to exercise the switch.
 
 Each case runs on the CPU and, where torch sees a GPU, on CUDA (float32, bfloat16 and float16
-there; the 4-bit target is CPU-only): without one the CUDA cases are skipped, never passed."""
+there; the 4-bit target is CPU-only): without one the CUDA cases are skipped, never passed. The
+CPU cases run on this process's row-kernel class (rows.choice()); the 4-bit and bfloat16 ones
+again on each other class this CPU runs (built under VERISPEC_KERNELS=<class>), skipped by name
+where it lacks one."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,6 +22,7 @@ import torch
 from tests.tiny import tiny_llama
 from verispec.core.errors import VerispecError
 from verispec.model.cached_model import CachedModel
+from verispec.model.kernels import rows
 from verispec.model.lean import Block, LeanDecoder, LeanWeights, forward_rows
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.model.lowbit import int4_target
@@ -22,6 +30,35 @@ from verispec.model.lowbit import int4_target
 DTYPES = {"cpu": ("float32", "bfloat16", "int4"), "cuda": ("float32", "bfloat16", "float16")}
 PREFIX = 10
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: no GPU on this machine")
+# Each row-kernel class besides the process's own, for the CPU targets that multiply through it.
+OTHER_KERNELS = [(model, dtype, kernel) for kernel in rows.CLASSES if kernel != rows.choice().name
+                 for model in ("tiny", "builtin") for dtype in ("bfloat16", "int4")]
+
+
+def needs(kernel: str) -> pytest.MarkDecorator:
+    """Skip, by name, a class this CPU does not run."""
+    label = rows.CLASSES[kernel][2]
+    return pytest.mark.skipif(kernel not in rows.supported(),
+                              reason=f"needs {label} ({kernel}): this CPU lacks it")
+
+
+@contextlib.contextmanager
+def kernel_class(kernel: str | None) -> Iterator[None]:
+    """rows.choice() is `kernel` inside (None: unchanged), as VERISPEC_KERNELS=<kernel> makes it."""
+    if kernel is None:
+        yield
+        return
+    before = os.environ.get("VERISPEC_KERNELS")
+    os.environ["VERISPEC_KERNELS"] = kernel
+    rows.choice.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["VERISPEC_KERNELS"]
+        else:
+            os.environ["VERISPEC_KERNELS"] = before
+        rows.choice.cache_clear()
 
 
 def device_of(weights: LeanWeights) -> torch.device:
@@ -57,27 +94,37 @@ def blocks_differing(weights: LeanWeights, tokens: torch.Tensor, invariant: bool
 
 
 @pytest.fixture(scope="module", params=[
-    *(pytest.param((model, dtype, device), marks=NO_CUDA if device == "cuda" else (),
-                   id=f"{model}-{dtype}-{device}")
-      for device in DTYPES for model in ("tiny", "builtin") for dtype in DTYPES[device]),
-    pytest.param(("tiny", "float32", "static"), id="tiny-float32-cpu-static")])
+    pytest.param((model, dtype, device, None), marks=NO_CUDA if device == "cuda" else (),
+                 id=f"{model}-{dtype}-{device}")
+    for device in DTYPES for model in ("tiny", "builtin") for dtype in DTYPES[device]] + [
+    pytest.param((model, dtype, "cpu", kernel), id=f"{model}-{dtype}-cpu-{kernel}",
+                 marks=[needs(kernel)] + ([pytest.mark.slow] if model == "builtin" else []))
+    for model, dtype, kernel in OTHER_KERNELS] + [
+    pytest.param(("tiny", "float32", "static", None), id="tiny-float32-cpu-static")])
 def weights(request) -> LeanWeights:
     """A tiny Llama, and the built-in model (SmolLM2-135M), in each dtype (int4: the 4-bit
-    target, on the GGUF's own blocks for the built-in model), lean, on each device; and the tiny
-    Llama on the CPU through the GPU's fixed-shape passes (`static`: graphs.StaticPasses, eager
-    there), so that their masks, slots, chunks and trees are checked on every machine."""
-    model, dtype, device = request.param
+    target, on the GGUF's own blocks for the built-in model), lean, on each device; on the CPU
+    also built on each row-kernel class; and the tiny Llama on the CPU through the GPU's
+    fixed-shape passes (`static`: graphs.StaticPasses, eager there), so that their masks, slots,
+    chunks and trees are checked on every machine."""
+    model, dtype, device, kernel = request.param
     if device == "static":
         weights = LeanWeights.of(tiny_llama(hidden=64))
         weights.fixed_rows, weights.static_keys = True, 100
         return weights
-    if model == "builtin":
-        return LeanWeights.of(load_model(DEFAULT_MODEL, dtype, device).model)
-    tiny = tiny_llama(hidden=64)
-    if dtype == "int4":
-        int4_target(tiny, None)
-        return LeanWeights.of(tiny)
-    return LeanWeights.of(tiny.to(device, getattr(torch, dtype)))
+    with kernel_class(kernel):
+        if model == "builtin":
+            weights = LeanWeights.of(load_model(DEFAULT_MODEL, dtype, device).model)
+        else:
+            tiny = tiny_llama(hidden=64)
+            if dtype == "int4":
+                int4_target(tiny, None)
+                weights = LeanWeights.of(tiny)
+            else:
+                weights = LeanWeights.of(tiny.to(device, getattr(torch, dtype)))
+    if kernel is not None:  # attention and products on that class
+        assert weights.row_kernel == kernel and rows.name(kernel) in weights.layers[0].qkv.name
+    return weights
 
 
 @pytest.fixture(scope="module")

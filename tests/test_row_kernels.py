@@ -28,6 +28,9 @@ from verispec.model.lowbit import Int4Groups, Int8Groups, RowsInt4Kernel, RowsIn
 pytestmark = pytest.mark.skipif(not rows.available(), reason=f"row kernels: {rows.unavailable_reason()}")
 
 ROWS = 17
+KERNELS = [pytest.param(kernel, id=kernel, marks=pytest.mark.skipif(
+    kernel not in rows.supported(), reason=f"needs {label} ({kernel}): this CPU lacks it"))
+    for kernel, (_, _, label) in rows.CLASSES.items()]
 
 
 def rows_differing(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> list[tuple[int, int]]:
@@ -56,12 +59,12 @@ def int8_groups(w: torch.Tensor) -> Int8Groups:
     return found
 
 
-def codes(q: Int4Groups) -> rows.CodesProduct:
-    return rows.CodesProduct(q.codes, q.scales, q.mins)
+def products(kernel: str) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]:
+    """Each kind of product the kernels run on one class, with the weights [out, in] it stands for."""
 
+    def codes(q: Int4Groups) -> rows.CodesProduct:
+        return rows.CodesProduct(q.codes, q.scales, q.mins, kernel=kernel)
 
-def products() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]:
-    """Each kind of product the kernels run, with the weights [out, in] it stands for."""
     w = weight()
     g32, g16, g64 = (Int4Groups.quantize(w, group) for group in (32, 16, 64))
     half = Int4Groups(g32.codes, g32.scales.half().float(), g32.mins.half().float())  # a GGUF's own
@@ -71,26 +74,34 @@ def products() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], torch.
         "int4 g32 float16 scales": (codes(half), half.dequantize()),
         "int4 g16": (codes(g16), g16.dequantize()),
         "int4 g64 (as g32)": (codes(g64), g64.dequantize()),
-        "int8 g32 no minimums": (rows.CodesProduct(q8.codes, q8.scales, None, bits=8), q8.dequantize()),
-        "bfloat16 dense": (rows.DenseProduct(w), w.to(torch.bfloat16).float()),
+        "int8 g32 no minimums": (rows.CodesProduct(q8.codes, q8.scales, None, bits=8, kernel=kernel),
+                                 q8.dequantize()),
+        "bfloat16 dense": (rows.DenseProduct(w, kernel=kernel), w.to(torch.bfloat16).float()),
     }
 
 
-@pytest.mark.parametrize("kind", list(products()))
+KINDS = list(products(rows.choice().name)) if rows.available() else []
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_products_give_each_row_its_own_bits(kind, dtype):
-    product, _ = products()[kind]
+def test_products_give_each_row_its_own_bits(kernel, kind, dtype):
+    product, _ = products(kernel)[kind]
     assert rows_differing(product, activations(dtype=dtype)) == []
 
 
-@pytest.mark.parametrize("kind", list(products()))
-def test_products_compute_the_weights_they_stand_for(kind):
-    product, dense = products()[kind]
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_products_compute_the_weights_they_stand_for(kernel, kind):
+    product, dense = products(kernel)[kind]
     x = activations()
     expected = x.to(torch.bfloat16).double() @ dense.double().T  # activations rounded to bfloat16
     got = product(x)
     assert got.shape == (ROWS, dense.shape[0])
-    assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    # the oneDNN class multiplies bfloat16 weights into bfloat16 sums: their rounding
+    tolerance = 1e-2 if kernel == rows.ONEDNN else 1e-5
+    assert (got.double() - expected).abs().max() <= tolerance * expected.abs().max()
 
 
 def test_the_check_catches_a_product_that_rounds_by_row_count():
@@ -114,24 +125,25 @@ def attention_inputs(dtype: torch.dtype, head_dim: int = 64):
     return q, keys, values
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_attention_rows_match_one_query_each(dtype, head_dim):
+def test_attention_rows_match_one_query_each(kernel, dtype, head_dim):
     """A causal block's row i is the one-query call over the first 40 - 5 + i + 1 keys; a tree
     row over its mask's keys is the one-query call over those keys gathered in order."""
     q, keys, values = attention_inputs(dtype, head_dim)
-    block = rows.attention(q, keys, values, 40, None, 0.125)
+    block = rows.attention(q, keys, values, 40, None, 0.125, kernel)
     for i in range(5):
-        alone = rows.attention(q[:, :, i: i + 1], keys, values, 40 - 5 + i + 1, None, 0.125)
+        alone = rows.attention(q[:, :, i: i + 1], keys, values, 40 - 5 + i + 1, None, 0.125, kernel)
         assert torch.equal(block[:, i], alone[:, 0])
     mask = torch.ones(5, 40, dtype=torch.bool)
     mask[:, 35:] = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0],
                                  [1, 1, 0, 0, 1]], dtype=torch.bool)
-    tree = rows.attention(q, keys, values, 40, mask, 0.125)
+    tree = rows.attention(q, keys, values, 40, mask, 0.125, kernel)
     for i in range(5):
         seen = mask[i].nonzero()[:, 0]
         gathered = [t[:, :, seen].contiguous() for t in (keys, values)]
-        alone = rows.attention(q[:, :, i: i + 1], *gathered, len(seen), None, 0.125)
+        alone = rows.attention(q[:, :, i: i + 1], *gathered, len(seen), None, 0.125, kernel)
         assert torch.equal(tree[:, i], alone[:, 0])
     reference = F.scaled_dot_product_attention(
         q.double(), keys[:, :, :40].double(), values[:, :, :40].double(), attn_mask=mask, scale=0.125,
@@ -157,7 +169,9 @@ def test_the_lean_targets_run_on_the_row_kernels(dtype):
     else:
         assert isinstance(weights.layers[0].qkv, rows.DenseProduct)
     kernel = CachedModel(model).kernel
-    assert rows.NAME in kernel and "attention verispec rows" in kernel
+    chosen = rows.choice()
+    assert rows.name() in kernel and "attention verispec rows" in kernel
+    assert f"row kernels {chosen.name}: {chosen.why}" in kernel  # which class, and why
 
 
 def test_turned_off_the_previous_kernels_run():
@@ -168,7 +182,7 @@ def test_turned_off_the_previous_kernels_run():
             "c.forward(torch.tensor([3, 4, 5])); c.forward(torch.tensor([6, 7])); print(c.kernel)")
     env = dict(os.environ, VERISPEC_KERNELS="off")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert "aten int4pack" in out.stdout and rows.NAME not in out.stdout
+    assert "aten int4pack" in out.stdout and "verispec rows" not in out.stdout
 
 
 def test_a_tiny_int4_target_computes_its_weights():
@@ -188,3 +202,74 @@ def test_a_tiny_int4_target_computes_its_weights():
                 plain.get_submodule(name).weight.copy_(module.weight)
         reference = plain(tokens[None]).logits[0]
     assert (logits - reference).abs().max() < 0.02 * reference.abs().max()
+
+
+@pytest.mark.skipif(len(set(rows.SAME_BITS) & set(rows.supported())) < 2,
+                    reason="needs AVX512-BF16 and AVX2 (avx512-bf16, avx2): this CPU lacks one")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_gives_avx512_bf16s_bits(dtype):
+    """AVX2/FMA spells AVX512-BF16's arithmetic (rows.cpp), so a target's outputs do not depend
+    on which of the two the probe chose: every product kind and attention (causal, 40 and 33 keys,
+    head dims 16, 64 and 128), torch.equal."""
+    x = activations(dtype=dtype)
+    by_class = {kernel: products(kernel) for kernel in rows.SAME_BITS}
+    first, *others = by_class
+    for kind in KINDS:
+        assert all(torch.equal(by_class[first][kind][0](x), by_class[k][kind][0](x)) for k in others), kind
+    for head_dim in (16, 64, 128):
+        q, keys, values = attention_inputs(dtype, head_dim)
+        for length in (40, 33):
+            expected = rows.attention(q, keys, values, length, None, 0.125, first)
+            assert all(torch.equal(rows.attention(q, keys, values, length, None, 0.125, k), expected)
+                       for k in others)
+
+
+def test_the_choice_is_the_fastest_class_that_keeps_rows_invariant(monkeypatch):
+    """`choose` takes the fastest class the probe found row-invariant and says why; the probe
+    itself finds every class this CPU runs invariant."""
+    measured = rows.probe(rows.supported())
+    assert set(measured) == set(rows.supported()) and None not in measured.values()
+    monkeypatch.setattr(rows, "probe", lambda names: {"avx512-bf16": 0.002, "avx2": 0.001})
+    chosen = rows.choose(["avx512-bf16", "avx2"])
+    assert chosen.name == "avx2" and "fastest of {avx512-bf16 2.00 ms, avx2 1.00 ms}" in chosen.why
+    monkeypatch.setattr(rows, "probe", lambda names: {"avx512-bf16": 0.002, "avx2": None})
+    assert rows.choose(["avx512-bf16", "avx2"]).name == "avx512-bf16"
+    monkeypatch.setattr(rows, "probe", lambda names: {"avx2": None})
+    assert rows.choose(["avx2"]).name is None
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_forced_class_runs_and_is_named(kernel):
+    """VERISPEC_KERNELS=<class> runs that class, and the stats say so; an unknown class is a
+    clear error."""
+    code = ("from tests.tiny import tiny_llama; from verispec.model.lowbit import int4_target;"
+            "from verispec.model.cached_model import CachedModel; import torch;"
+            "m = tiny_llama(hidden=64); int4_target(m, None); c = CachedModel(m);"
+            "c.forward(torch.tensor([3, 4, 5])); print(c.kernel)")
+    env = dict(os.environ, VERISPEC_KERNELS=kernel)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert f"({rows.name(kernel)}, bfloat16 activations)" in out.stdout
+    assert f"row kernels {kernel}: forced (VERISPEC_KERNELS={kernel})" in out.stdout
+    env["VERISPEC_KERNELS"] = "avx1024"
+    failed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert failed.returncode != 0 and "VERISPEC_KERNELS='avx1024': expected one of" in failed.stderr
+
+
+def test_the_choice_is_cached_per_cpu_and_build(monkeypatch, tmp_path):
+    """The first process on a machine probes and writes its choice under the cache directory,
+    keyed by CPU model and flags, torch and the kernels' build; the next reads it, probing
+    nothing."""
+    monkeypatch.delenv("VERISPEC_KERNELS", raising=False)
+    monkeypatch.setattr(rows, "cache_dir", lambda: tmp_path)
+    probed = []
+    monkeypatch.setattr(rows, "probe", lambda names: probed.append(names) or dict.fromkeys(names, 0.001))
+    rows.choice.cache_clear()
+    try:
+        first = rows.choice()
+        rows.choice.cache_clear()
+        second = rows.choice()
+    finally:
+        rows.choice.cache_clear()
+    assert (tmp_path / f"choice-{rows.cpu_key()}.json").is_file()
+    assert second.name == first.name and second.why == first.why + " (cached)"
+    assert len(probed) == (1 if len(rows.supported()) > 1 else 0)

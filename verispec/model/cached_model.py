@@ -84,7 +84,15 @@ class CachedModel:
 
     @property
     def kernel(self) -> str:
-        """How the target's linear products run, for stats and reports."""
+        """How the target's linear products run, for stats and reports; where the row kernels
+        run, which class and why (rows.choice())."""
+        described = self._products()
+        if "verispec rows" not in described:
+            return described
+        chosen = rows.choice()
+        return f"{described}; row kernels {chosen.name}: {chosen.why}"
+
+    def _products(self) -> str:
         lean = self.lean
         attention = ("; attention verispec rows (float32)"
                      if lean is not None and lean.invariant and lean.weights.row_kernel_attention else "")
@@ -103,7 +111,7 @@ class CachedModel:
             return f"{dtype} (fused F.linear at {FIXED_ROWS} rows)"
         if self.lean is not None:
             dense_rows = isinstance(self.lean.weights.layers[0].qkv, rows.DenseProduct)
-            runs = rows.NAME if dense_rows else "oneDNN prepacked"
+            runs = rows.name() if dense_rows else "oneDNN prepacked"
             return f"{dtype} ({runs}, fused){attention}"
         packed = "oneDNN prepacked, " if self.runner is not self.model else ""
         return f"{dtype} ({packed}Hugging Face forward)"

@@ -232,7 +232,7 @@ class RowCodes:
 
 
 class RowsBlocksKernel(Kernel):
-    """A GGUF tensor's blocks through verispec's row kernels (kernels/rows.cpp, AVX512-BF16): the
+    """A GGUF tensor's blocks through verispec's row kernels (kernels/rows.cpp, this process's class): the
     file's codes, scales and minimums as they are, activations rounded to bfloat16, float32 sums,
     each row's arithmetic independent of the other rows (row-invariant by construction). A fused
     product over tensors of several forms (nibbles or bytes, groups of 16 or 32, minimums or not)

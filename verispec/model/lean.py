@@ -271,6 +271,8 @@ class LeanWeights:
         # call for a block's rows, the same arithmetic for a row whatever came with it.
         self.row_kernel_attention = (on_cpu and rows.available() and self.head_dim in rows.HEAD_DIMS
                                      and self.embed.weight.dtype in (torch.float32, torch.bfloat16))
+        # The row kernels' class at load: the target's arithmetic for its life (rows.choice()).
+        self.row_kernel = rows.choice().name if self.row_kernel_attention else None
 
         def stack(product: Callable[[list[nn.Linear]], Product]) -> list[Layer]:
             def one(i: int) -> Layer:
@@ -491,7 +493,7 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
             keys, values = cache.append(k, heads(v, n, w.kv_heads, None))
             if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:
                 attended.append(rows.attention(q, cache.keys, cache.values, cache.length, seen.rows,
-                                               w.scaling))
+                                               w.scaling, w.row_kernel))
                 continue
             if n == 1 and seen.mask is None and layer.window is not None:  # one row: the last keys
                 keys, values = keys[:, :, -layer.window:], values[:, :, -layer.window:]

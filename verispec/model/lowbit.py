@@ -205,7 +205,7 @@ class Int4Kernel(Kernel):
 
 
 class RowsInt4Kernel(Kernel):
-    """verispec's own row kernel (kernels/rows.cpp, AVX512-BF16): each weight tile unpacked once
+    """verispec's own row kernel (kernels/rows.cpp, this process's class): each weight tile unpacked once
     for every row, each row's arithmetic independent of the others (row-invariant from one row
     on); activations rounded to bfloat16, scales and minimums in float32, float32 out."""
 
@@ -213,7 +213,7 @@ class RowsInt4Kernel(Kernel):
         self.group = weight.group
         self.product = rows.CodesProduct(weight.codes, weight.scales, weight.mins)
         self.nbytes = self.product.nbytes
-        self.name = f"int4 g{self.group} ({rows.NAME}, bfloat16 activations)"
+        self.name = f"int4 g{self.group} ({rows.name()}, bfloat16 activations)"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)
@@ -227,7 +227,7 @@ class RowsInt8Kernel(Kernel):
         self.product = rows.CodesProduct(weight.codes, weight.scales, None, bits=8)
         self.nbytes = self.product.nbytes
         group = weight.codes.shape[1] // weight.scales.shape[1]
-        self.name = f"int8 g{group} ({rows.NAME}, bfloat16 activations)"
+        self.name = f"int8 g{group} ({rows.name()}, bfloat16 activations)"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)

@@ -1,12 +1,11 @@
 """Builds rows.cpp once per machine into the user's cache and loads it; says why not where it
-cannot (no compiler, no ninja, not x86-64, a CPU without AVX512-BF16).
+cannot (no compiler, no ninja, not x86-64). Which kernel class runs is rows.py's `choice()`.
 
 The library goes to $XDG_CACHE_HOME/verispec/kernels/<name>/ (default ~/.cache), named by a
 hash of the source and of torch's version, so an edited source or another torch builds anew;
 nothing is downloaded. The first use builds it (about a minute on 2 cores, through
 torch.utils.cpp_extension and ninja); `make install` builds it ahead. Everything else loads
-the built file directly (milliseconds). VERISPEC_KERNELS=off turns the kernels off (the
-previous kernels run), for comparisons.
+the built file directly (milliseconds).
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ from types import ModuleType
 import torch
 
 SOURCE = Path(__file__).with_name("rows.cpp")
-# What the kernels need from the CPU (rows.cpp's `features()` reports what this one has).
-NEEDED = "avx512_bf16"
 
 
 def cache_dir() -> Path:
@@ -62,9 +59,7 @@ def _import(name: str, path: Path) -> ModuleType:
 
 @functools.cache
 def load() -> tuple[ModuleType | None, str]:
-    """The row-kernel library and "" where this machine runs it, else None and why not."""
-    if os.environ.get("VERISPEC_KERNELS", "").lower() in ("off", "0", "no"):
-        return None, "turned off (VERISPEC_KERNELS=off)"
+    """The row-kernel library and "" where it builds and loads here, else None and why not."""
     if sys.platform != "linux" or os.uname().machine != "x86_64":
         return None, "built for x86-64 Linux only"
     name = library_name()
@@ -75,16 +70,15 @@ def load() -> tuple[ModuleType | None, str]:
     except (OSError, RuntimeError, ImportError, ValueError) as error:
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         return None, f"could not be built ({reason[:200]})"
-    if NEEDED not in library.features():
-        return None, f"this CPU lacks {NEEDED.upper().replace('_', '-')}"
     return library, ""
 
 
 def library() -> ModuleType | None:
-    """The loaded row kernels, or None where they do not run here (`load` says why)."""
+    """The loaded row-kernel library, or None where it does not load here (`load` says why)."""
     return load()[0]
 
 
 if __name__ == "__main__":  # `python -m verispec.model.kernels.build` (make install)
     found, why = load()
-    print("verispec: row kernels " + ("ready" if found is not None else f"not used: {why}"))
+    print("verispec: row kernels " + (f"built (this CPU: {', '.join(found.features()) or 'no class'})"
+                                      if found is not None else f"not used: {why}"))

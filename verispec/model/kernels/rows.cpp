@@ -24,8 +24,10 @@
 // Scales and minimums: [tiles, groups, 16] float32. Dense weights: [tiles, K / 32, 16, 16, 2]
 // bfloat16, element [t, c, p, j, e] the weight of output 16 t + j at input 32 c + 2 p + e.
 //
-// The kernels are compiled for AVX-512 with BF16 (function attributes); the rest of the file
-// is plain x86-64, so the library loads anywhere and `features()` says what this CPU can run.
+// Kernel classes (rows.py's CLASSES; `isa` arguments): AVX512-BF16 (the above), AVX2/FMA (the
+// same bits, eight lanes at a time) and AMX-BF16 (16-row tiles). Each is compiled for its
+// instruction set by function attributes; the rest of the file is plain x86-64, so the library
+// loads anywhere and `features()` says which classes this CPU can run.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -41,8 +43,20 @@
 #include <immintrin.h>
 #define VERISPEC_X86 1
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 #else
 #define VERISPEC_X86 0
+#endif
+
+// AMX where the compiler has its intrinsics (GCC 11+, clang); elsewhere the class is left out.
+#if VERISPEC_X86 && (defined(__clang__) || __GNUC__ >= 11)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define VERISPEC_AMX 1
+#define AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")))
+#else
+#define VERISPEC_AMX 0
 #endif
 
 namespace {
@@ -64,6 +78,41 @@ bool avx512_bf16() {
 #else
   return false;
 #endif
+}
+
+bool avx2() {
+#if VERISPEC_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+// AMX-BF16 tiles, with the process's permission to use them (Linux grants tile state on request:
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once).
+bool amx_bf16() {
+#if VERISPEC_AMX
+  static const bool granted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return tile && bf16 && avx512_bf16() && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+// The kernel classes (rows.py's CLASSES). AVX2 spells AVX512-BF16's arithmetic with float32 FMAs
+// (the same bits, see the AVX2 section); AMX-BF16 runs products as 16-row tiles (its own bits)
+// and attends as AVX512-BF16 does.
+enum Isa : int64_t { ISA_AVX2 = 0, ISA_AVX512_BF16 = 1, ISA_AMX_BF16 = 2 };
+
+bool runs(int64_t isa) {
+  return isa == ISA_AVX2 ? avx2() : isa == ISA_AVX512_BF16 ? avx512_bf16() : isa == ISA_AMX_BF16 && amx_bf16();
 }
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "verispec row kernels: ", what); }
@@ -246,6 +295,450 @@ AVX512_BF16 void dense_tiles(const uint16_t* xb, int64_t M, int64_t K, const uin
   }
 }
 
+// ---- AVX2 / FMA: the same arithmetic, eight lanes at a time ------------------------------------
+//
+// Every x86 CPU since 2013 has these. They compute the AVX512-BF16 kernels' bits: vdpbf16ps adds
+// a pair's two products to a float32 lane one after the other (odd element first), each product of
+// two bfloat16 values exact in float32, each addition rounded to nearest even, so two float32 FMAs
+// (odd, then even) on bfloat16-valued operands give the same sums; the reductions below spell the
+// trees of _mm512_reduce_add_ps and lane_sums. (vdpbf16ps also reads subnormal inputs as zero and
+// flushes subnormal sums: the conversion to bfloat16 here does the first; the second, sums under
+// 1e-38, is not reproduced.) A 16-output tile is two 8-lane halves; weights are unpacked to float32
+// once per tile and group into a buffer in L1, then applied to every row.
+
+// x [M, K] (float32 or bfloat16) -> its values rounded to bfloat16 (nearest even, subnormals to
+// zero: _mm512_cvtneps_pbh's rounding), as float32.
+AVX2 void to_bf16_floats(const at::Tensor& x, float* out) {
+  const int64_t numel = x.numel();
+  if (x.scalar_type() == at::kBFloat16) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    int64_t i = 0;
+    for (; i + 8 <= numel; i += 8) {
+      __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+    for (; i < numel; ++i) {
+      uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+      std::memcpy(out + i, &bits, 4);
+    }
+    return;
+  }
+  const float* src = x.data_ptr<float>();
+  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+  const __m256i exponent = _mm256_set1_epi32(0x7f800000), sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  int64_t i = 0;
+  for (; i + 8 <= numel; i += 8) {
+    __m256i b = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+    const __m256i subnormal = _mm256_cmpeq_epi32(_mm256_and_si256(b, exponent), _mm256_setzero_si256());
+    b = _mm256_blendv_epi8(b, _mm256_and_si256(b, sign), subnormal);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    b = _mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(half, lsb)), high);
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(b));
+  }
+  for (; i < numel; ++i) {
+    uint32_t b;
+    std::memcpy(&b, src + i, 4);
+    if ((b & 0x7f800000u) == 0) b &= 0x80000000u;
+    b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+    std::memcpy(out + i, &b, 4);
+  }
+}
+
+// _mm512_reduce_add_ps of the 16 lanes (lo: 0..7, hi: 8..15), by its tree.
+AVX2 inline float reduce16(__m256 lo, __m256 hi) {
+  const __m256 t3 = _mm256_add_ps(hi, lo);
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_permute_ps(t6, 0x4e));
+  return _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
+}
+
+// group_sums' values: per group, lane l = x[2l + 1] + x[2l] (a vdpbf16ps against ones), reduced.
+template <int G>
+AVX2 void group_sums_avx2(const float* xf, int64_t M, int64_t K, float* sums) {
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < K / G; ++g) {
+      const float* p = xf + r * K + g * G;
+      __m256 lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes 0..7, 8..15
+      for (int h = 0; h < G / 16; ++h) {
+        const __m256 a = _mm256_loadu_ps(p + 16 * h), b = _mm256_loadu_ps(p + 16 * h + 8);
+        // even elements (x[2l]) and odd (x[2l + 1]) of 16 inputs, lanes l = 0..7 in order
+        const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        const __m256 pa = _mm256_permutevar8x32_ps(a, order), pb = _mm256_permutevar8x32_ps(b, order);
+        const __m256 even = _mm256_permute2f128_ps(pa, pb, 0x20), odd = _mm256_permute2f128_ps(pa, pb, 0x31);
+        lanes[h] = _mm256_add_ps(_mm256_add_ps(_mm256_setzero_ps(), odd), even);
+      }
+      sums[r * (K / G) + g] = reduce16(lanes[0], lanes[1]);
+    }
+  }
+}
+
+// One row's sum over a tile-group: wf [P][2][16] float32 (pair p, element e, output j), x the row's
+// G inputs; four chains as dot_rows, each pair odd element first. Returns outputs 0..7, 8..15.
+template <int P>
+AVX2 inline void dot_rows_avx2(const float* wf, const float* x, __m256& lo, __m256& hi) {
+  __m256 c[4][2];
+  for (int k = 0; k < 4; ++k) c[k][0] = c[k][1] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+  for (int i = 0; i < P; i += 4) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const float* w = wf + (i + k) * 32;
+      const __m256 x1 = _mm256_broadcast_ss(x + 2 * (i + k) + 1), x0 = _mm256_broadcast_ss(x + 2 * (i + k));
+      c[k][0] = _mm256_fmadd_ps(_mm256_load_ps(w + 16), x1, c[k][0]);
+      c[k][1] = _mm256_fmadd_ps(_mm256_load_ps(w + 24), x1, c[k][1]);
+      c[k][0] = _mm256_fmadd_ps(_mm256_load_ps(w), x0, c[k][0]);
+      c[k][1] = _mm256_fmadd_ps(_mm256_load_ps(w + 8), x0, c[k][1]);
+    }
+  }
+  lo = _mm256_add_ps(_mm256_add_ps(c[0][0], c[1][0]), _mm256_add_ps(c[2][0], c[3][0]));
+  hi = _mm256_add_ps(_mm256_add_ps(c[0][1], c[1][1]), _mm256_add_ps(c[2][1], c[3][1]));
+}
+
+// Sixteen codes of one pair register (bytes 2j + e of `bytes`, j = 0..7 per 16 bytes) -> wf's
+// [2][16] float32 for that pair; NIBBLES: the low nibbles for `pair` and the high for `pair + 1`.
+template <bool NIBBLES>
+AVX2 inline void unpack_avx2(const uint8_t* bytes, float* wf) {
+  for (int half = 0; half < 2; ++half) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * half));
+    if constexpr (NIBBLES) {
+      const __m256i v = _mm256_cvtepu8_epi16(b);  // 32-bit lane j: e = 0 in bits 0..7, e = 1 in 16..23
+      const __m256i low = _mm256_set1_epi32(0x0f);
+      _mm256_store_ps(wf + 8 * half, _mm256_cvtepi32_ps(_mm256_and_si256(v, low)));
+      _mm256_store_ps(wf + 16 + 8 * half, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16), low)));
+      _mm256_store_ps(wf + 32 + 8 * half, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), low)));
+      _mm256_store_ps(wf + 48 + 8 * half, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 20), low)));
+    } else {
+      const __m256i v = _mm256_cvtepi8_epi16(b);
+      _mm256_store_ps(wf + 8 * half, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16)));
+      _mm256_store_ps(wf + 16 + 8 * half, _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16)));
+    }
+  }
+}
+
+template <bool HALF>
+AVX2 inline __m256 load_scales_avx2(const void* p, int64_t at) {
+  if constexpr (HALF) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + at)));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + at);
+  }
+}
+
+template <int G, bool NIBBLES, bool HALF, bool MINS>
+AVX2 void codes_tiles_avx2(const float* xf, const float* xsum, int64_t M, int64_t K,
+                           const uint8_t* codes, const void* scales, const void* mins,
+                           float* out, int64_t N, int64_t t0, int64_t t1) {
+  constexpr int P = G / 2;
+  constexpr int64_t BYTES = NIBBLES ? TILE * G / 2 : TILE * G;
+  const int64_t groups = K / G;
+  alignas(64) float acc[ROW_CHUNK * TILE];
+  alignas(64) float wf[P * 32];
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
+      const int64_t rows = std::min(ROW_CHUNK, M - r0);
+      std::fill(acc, acc + rows * TILE, 0.0f);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t tg = t * groups + g;
+        for (int64_t line = 0; line < BYTES; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(codes + tg * BYTES + PREFETCH + line), _MM_HINT_T0);
+        const uint8_t* c = codes + tg * BYTES;
+        if constexpr (NIBBLES) {
+          for (int q = 0; q < P / 2; ++q) unpack_avx2<true>(c + 32 * q, wf + 64 * q);
+        } else {
+          for (int p = 0; p < P; ++p) unpack_avx2<false>(c + 32 * p, wf + 32 * p);
+        }
+        const __m256 s0 = load_scales_avx2<HALF>(scales, tg * TILE), s1 = load_scales_avx2<HALF>(scales, tg * TILE + 8);
+        __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+        if constexpr (MINS) m0 = load_scales_avx2<HALF>(mins, tg * TILE), m1 = load_scales_avx2<HALF>(mins, tg * TILE + 8);
+        for (int64_t r = 0; r < rows; ++r) {
+          __m256 lo, hi;
+          dot_rows_avx2<P>(wf, xf + (r0 + r) * K + g * G, lo, hi);
+          float* a = acc + r * TILE;
+          __m256 a0 = _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), a1 = _mm256_fmadd_ps(hi, s1, _mm256_load_ps(a + 8));
+          if constexpr (MINS) {
+            const __m256 sum = _mm256_set1_ps(xsum[(r0 + r) * groups + g]);
+            a0 = _mm256_fmadd_ps(sum, m0, a0), a1 = _mm256_fmadd_ps(sum, m1, a1);
+          }
+          _mm256_store_ps(a, a0), _mm256_store_ps(a + 8, a1);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (r0 + r) * N + t * TILE, acc + r * TILE, TILE * 4);
+    }
+  }
+}
+
+using CodesKernelAvx2 = void (*)(const float*, const float*, int64_t, int64_t, const uint8_t*,
+                                 const void*, const void*, float*, int64_t, int64_t, int64_t);
+
+template <int G, bool NIBBLES>
+CodesKernelAvx2 pick_codes_avx2(bool half, bool mins) {
+  if (half) return mins ? codes_tiles_avx2<G, NIBBLES, true, true> : codes_tiles_avx2<G, NIBBLES, true, false>;
+  return mins ? codes_tiles_avx2<G, NIBBLES, false, true> : codes_tiles_avx2<G, NIBBLES, false, false>;
+}
+
+// float32 lanes -> bfloat16 bits (nearest even; finite values as _mm512_cvtneps_pbh).
+AVX2 inline void store_bf16_avx2(uint16_t* o, __m256 v) {
+  __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), packed);
+}
+
+template <bool BF16_OUT>
+AVX2 void dense_tiles_avx2(const float* xf, int64_t M, int64_t K, const uint16_t* weight,
+                           void* out, int64_t N, int64_t t0, int64_t t1) {
+  constexpr int P = 16;
+  const int64_t chunks = K / 32;
+  alignas(64) float acc[ROW_CHUNK * TILE];
+  alignas(64) float wf[P * 32];
+  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
+      const int64_t rows = std::min(ROW_CHUNK, M - r0);
+      std::fill(acc, acc + rows * TILE, 0.0f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint16_t* tile = weight + (t * chunks + c) * (TILE * 32);
+        for (int64_t line = 0; line < TILE * 32 * 2; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(tile) + PREFETCH + line, _MM_HINT_T0);
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+          for (int half = 0; half < 2; ++half) {  // a 32-bit word: element 0 low, 1 high
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * p + 16 * half));
+            _mm256_store_ps(wf + 32 * p + 8 * half, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+            _mm256_store_ps(wf + 32 * p + 16 + 8 * half, _mm256_castsi256_ps(_mm256_and_si256(v, top)));
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          __m256 lo, hi;
+          dot_rows_avx2<P>(wf, xf + (r0 + r) * K + c * 32, lo, hi);
+          float* a = acc + r * TILE;
+          _mm256_store_ps(a, _mm256_add_ps(_mm256_load_ps(a), lo));
+          _mm256_store_ps(a + 8, _mm256_add_ps(_mm256_load_ps(a + 8), hi));
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* a = acc + r * TILE;
+        if constexpr (BF16_OUT) {
+          uint16_t* o = static_cast<uint16_t*>(out) + (r0 + r) * N + t * TILE;
+          store_bf16_avx2(o, _mm256_load_ps(a));
+          store_bf16_avx2(o + 8, _mm256_load_ps(a + 8));
+        } else {
+          std::memcpy(static_cast<float*>(out) + (r0 + r) * N + t * TILE, a, TILE * 4);
+        }
+      }
+    }
+  }
+}
+
+// exp_nonpositive's lanes: scalef(p, n) is p * 2^n, exact but for its one rounding, as is the
+// product by 2^n built in the exponent field (n >= -126 here: 2^n normal).
+AVX2 inline __m256 exp_nonpositive_avx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+template <typename T>
+AVX2 inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// (s0 + s1) of u's two 128-bit quarters, s_k = (u[4k] + u[4k+2]) + (u[4k+1] + u[4k+3]).
+AVX2 inline float quarter_sums(__m256 u) {
+  const __m256 a = _mm256_add_ps(u, _mm256_permute_ps(u, 0x4e));  // [u0+u2, u1+u3, ...]
+  const __m256 b = _mm256_add_ps(a, _mm256_permute_ps(a, 0xb1));  // lane 0: s_k
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1)));
+}
+
+// lane_sums' value for one vector (lanes lo: 0..7, hi: 8..15): (s0 + s1) + (s2 + s3).
+AVX2 inline float lane_sum_avx2(__m256 lo, __m256 hi) { return quarter_sums(lo) + quarter_sums(hi); }
+
+// attend's arithmetic for one query head (GB = 1: a head's bits do not depend on GB).
+template <int C, typename T>
+AVX2 void attend_avx2(const T* q, const T* keys, const T* values, const int32_t* index,
+                      int64_t count, int64_t stride, float scale, float* scores, T* out) {
+  constexpr int64_t D = 16 * C;
+  __m256 qv[2 * C];
+  for (int c = 0; c < 2 * C; ++c) qv[c] = load8(q + 8 * c);
+  float top = -INFINITY;
+  for (int64_t j = 0; j < count; ++j) {
+    const T* k = keys + static_cast<int64_t>(index[j]) * D;
+    _mm_prefetch(reinterpret_cast<const char*>(keys + static_cast<int64_t>(index[std::min<int64_t>(j + 16, stride - 1)]) * D), _MM_HINT_T0);
+    __m256 lo = _mm256_mul_ps(qv[0], load8(k)), hi = _mm256_mul_ps(qv[1], load8(k + 8));
+    for (int c = 1; c < C; ++c) {
+      lo = _mm256_fmadd_ps(qv[2 * c], load8(k + 16 * c), lo);
+      hi = _mm256_fmadd_ps(qv[2 * c + 1], load8(k + 16 * c + 8), hi);
+    }
+    scores[j] = lane_sum_avx2(lo, hi) * scale;
+    top = std::max(top, scores[j]);
+  }
+  const __m256 peak = _mm256_set1_ps(top);
+  __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t j0 = 0; j0 < count; j0 += 8) {  // lanes j0 % 16 / 8 of 16
+    const __m256 e = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + j0), peak));
+    const int64_t valid = std::min<int64_t>(8, count - j0);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 kept = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), lanes)));
+    _mm256_storeu_ps(scores + j0, kept);
+    total[(j0 / 8) % 2] = _mm256_add_ps(total[(j0 / 8) % 2], kept);
+  }
+  const __m256 inverse = _mm256_set1_ps(1.0f / reduce16(total[0], total[1]));
+  __m256 o[2 * C];
+  for (int c = 0; c < 2 * C; ++c) o[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; ++j) {
+    const T* v = values + static_cast<int64_t>(index[j]) * D;
+    _mm_prefetch(reinterpret_cast<const char*>(values + static_cast<int64_t>(index[std::min<int64_t>(j + 16, stride - 1)]) * D), _MM_HINT_T0);
+    const __m256 e = _mm256_set1_ps(scores[j]);
+    for (int c = 0; c < 2 * C; ++c) o[c] = _mm256_fmadd_ps(e, load8(v + 8 * c), o[c]);
+  }
+  for (int c = 0; c < 2 * C; ++c) {
+    const __m256 r = _mm256_mul_ps(o[c], inverse);
+    if constexpr (std::is_same_v<T, float>) {
+      _mm256_storeu_ps(out + 8 * c, r);
+    } else {
+      store_bf16_avx2(reinterpret_cast<uint16_t*>(out + 8 * c), r);
+    }
+  }
+}
+
+// ---- AMX-BF16: 16-row tiles --------------------------------------------------------------------
+//
+// A product runs every block of rows as 16-row tiles (the last padded with zero rows), so each
+// tdpbf16ps is the same instruction on the same shape whatever the row count: a row's sums are a
+// function of its own activations (row invariance by construction; tests/test_row_kernels.py
+// checks it on a CPU with AMX). Tile registers: 0 the 16 x 16 float32 sums, 1 / 2 a 16 x 32
+// bfloat16 block of rows and the weights' 16 pairs x 16 outputs (rows.py's packed layout is
+// tdpbf16ps's B layout), 3 / 4 the same for groups of 16 inputs. The group's sums go through
+// memory to the AVX-512 code that scales them, as codes_tiles does. The hardware's order within a
+// pair may differ from vdpbf16ps's, so this class's bits are its own.
+
+#if VERISPEC_AMX
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+AMX_BF16 void configure_tiles() {
+  TileConfig config;
+  config.colsb[0] = 64, config.rows[0] = 16;  // sums: 16 rows x 16 float32
+  config.colsb[1] = 64, config.rows[1] = 16;  // rows: 16 x 32 bfloat16
+  config.colsb[2] = 64, config.rows[2] = 16;  // weights: 16 pairs x 16 outputs x 2
+  config.colsb[3] = 32, config.rows[3] = 16;  // rows: 16 x 16 bfloat16 (groups of 16)
+  config.colsb[4] = 64, config.rows[4] = 8;   // weights: 8 pairs
+  _tile_loadconfig(&config);
+}
+
+// xb: [Mp, K] bfloat16, Mp = M rounded up to 16, padding rows zero.
+template <int G, bool NIBBLES, bool HALF, bool MINS>
+AMX_BF16 void codes_tiles_amx(const uint16_t* xb, const float* xsum, int64_t M, int64_t K,
+                              const uint8_t* codes, const void* scales, const void* mins,
+                              float* out, int64_t N, int64_t t0, int64_t t1) {
+  constexpr int P = G / 2;
+  constexpr int64_t BYTES = NIBBLES ? TILE * G / 2 : TILE * G;
+  const int64_t groups = K / G;
+  alignas(64) float acc[16 * TILE];
+  alignas(64) float sums[16 * TILE];
+  alignas(64) uint16_t weights[P * 32];
+  configure_tiles();
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t r0 = 0; r0 < M; r0 += 16) {
+      const int64_t rows = std::min<int64_t>(16, M - r0);
+      for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(acc + r * TILE, _mm512_setzero_ps());
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t tg = t * groups + g;
+        for (int64_t line = 0; line < BYTES; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(codes + tg * BYTES + PREFETCH + line), _MM_HINT_T0);
+        __m512bh w[P];
+        unpack<P, NIBBLES>(codes + tg * BYTES, w);
+        for (int p = 0; p < P; ++p) _mm512_store_si512(weights + 32 * p, (__m512i)w[p]);
+        _tile_zero(0);
+        if constexpr (G == 32) {
+          _tile_loadd(1, xb + r0 * K + g * G, K * 2);
+          _tile_loadd(2, weights, 64);
+          _tile_dpbf16ps(0, 1, 2);
+        } else {
+          _tile_loadd(3, xb + r0 * K + g * G, K * 2);
+          _tile_loadd(4, weights, 64);
+          _tile_dpbf16ps(0, 3, 4);
+        }
+        _tile_stored(0, sums, 64);
+        const __m512 s = load_scales<HALF>(scales, tg * TILE);
+        __m512 m = _mm512_setzero_ps();
+        if constexpr (MINS) m = load_scales<HALF>(mins, tg * TILE);
+        for (int64_t r = 0; r < rows; ++r) {
+          __m512 a = _mm512_fmadd_ps(_mm512_load_ps(sums + r * TILE), s, _mm512_load_ps(acc + r * TILE));
+          if constexpr (MINS) a = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(r0 + r) * groups + g]), m, a);
+          _mm512_store_ps(acc + r * TILE, a);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        _mm512_storeu_ps(out + (r0 + r) * N + t * TILE, _mm512_load_ps(acc + r * TILE));
+    }
+  }
+  _tile_release();
+}
+
+template <int G, bool NIBBLES>
+CodesKernel pick_codes_amx(bool half, bool mins) {
+  if (half) return mins ? codes_tiles_amx<G, NIBBLES, true, true> : codes_tiles_amx<G, NIBBLES, true, false>;
+  return mins ? codes_tiles_amx<G, NIBBLES, false, true> : codes_tiles_amx<G, NIBBLES, false, false>;
+}
+
+template <bool BF16_OUT>
+AMX_BF16 void dense_tiles_amx(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* weight,
+                              void* out, int64_t N, int64_t t0, int64_t t1) {
+  const int64_t chunks = K / 32;
+  alignas(64) float sums[16 * TILE];
+  configure_tiles();
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t r0 = 0; r0 < M; r0 += 16) {
+      const int64_t rows = std::min<int64_t>(16, M - r0);
+      _tile_zero(0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint16_t* tile = weight + (t * chunks + c) * (TILE * 32);
+        for (int64_t line = 0; line < TILE * 32 * 2; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(tile) + PREFETCH + line, _MM_HINT_T0);
+        _tile_loadd(1, xb + r0 * K + c * 32, K * 2);
+        _tile_loadd(2, tile, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, sums, 64);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 a = _mm512_load_ps(sums + r * TILE);
+        if constexpr (BF16_OUT) {
+          uint16_t* o = static_cast<uint16_t*>(out) + (r0 + r) * N + t * TILE;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(a));
+        } else {
+          _mm512_storeu_ps(static_cast<float*>(out) + (r0 + r) * N + t * TILE, a);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+#endif  // VERISPEC_AMX
+
 // ---- attention -------------------------------------------------------------------------------
 
 // exp(x) for x <= 0 (softmax after subtracting the maximum): Cody-Waite reduction, a degree-6
@@ -368,7 +861,7 @@ constexpr int head_block() { return C >= 8 ? 1 : C >= 4 ? 3 : 4; }
 
 template <int C, typename T>
 void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                    const at::Tensor& mask, int64_t length, double scale, at::Tensor& out) {
+                    const at::Tensor& mask, int64_t length, double scale, at::Tensor& out, int64_t isa) {
   // q: [heads, n, D] (any strides but D's); keys, values: [kv_heads, capacity, D] contiguous
   constexpr int64_t D = 16 * C;
   constexpr int BLOCK = head_block<C>();
@@ -411,6 +904,12 @@ void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
           qs[b] = qp + head * q.stride(0) + i * q.stride(1);
           os[b] = op + i * heads * D + head * D;
         }
+        if (isa == ISA_AVX2) {
+          for (int64_t b = 0; b < block; ++b)
+            attend_avx2<C, T>(qs[b], kp + h * capacity * D, vp + h * capacity * D, index.data(), count, padded,
+                              static_cast<float>(scale), scores.data(), os[b]);
+          continue;
+        }
         auto run = [&](auto kernel) {
           kernel(qs, kp + h * capacity * D, vp + h * capacity * D, index.data(), count, padded,
                  static_cast<float>(scale), scores.data(), os);
@@ -426,15 +925,15 @@ void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
 
 template <typename T>
 void attention_dispatch(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                        const at::Tensor& mask, int64_t length, double scale, at::Tensor& out) {
+                        const at::Tensor& mask, int64_t length, double scale, at::Tensor& out, int64_t isa) {
   switch (q.size(2) / 16) {
-    case 1: attention_rows<1, T>(q, keys, values, mask, length, scale, out); break;
-    case 2: attention_rows<2, T>(q, keys, values, mask, length, scale, out); break;
-    case 4: attention_rows<4, T>(q, keys, values, mask, length, scale, out); break;
-    case 5: attention_rows<5, T>(q, keys, values, mask, length, scale, out); break;
-    case 6: attention_rows<6, T>(q, keys, values, mask, length, scale, out); break;
-    case 8: attention_rows<8, T>(q, keys, values, mask, length, scale, out); break;
-    case 16: attention_rows<16, T>(q, keys, values, mask, length, scale, out); break;
+    case 1: attention_rows<1, T>(q, keys, values, mask, length, scale, out, isa); break;
+    case 2: attention_rows<2, T>(q, keys, values, mask, length, scale, out, isa); break;
+    case 4: attention_rows<4, T>(q, keys, values, mask, length, scale, out, isa); break;
+    case 5: attention_rows<5, T>(q, keys, values, mask, length, scale, out, isa); break;
+    case 6: attention_rows<6, T>(q, keys, values, mask, length, scale, out, isa); break;
+    case 8: attention_rows<8, T>(q, keys, values, mask, length, scale, out, isa); break;
+    case 16: attention_rows<16, T>(q, keys, values, mask, length, scale, out, isa); break;
     default: check(false, "head_dim of 16, 32, 64, 80, 96, 128 or 256");
   }
 }
@@ -449,16 +948,19 @@ int64_t tiles_per_task(int64_t rows) { return std::max<int64_t>(1, 8 / std::max<
 
 std::vector<std::string> features() {
   std::vector<std::string> found;
+  if (avx2()) found.push_back("avx2");
   if (avx512_bf16()) found.push_back("avx512_bf16");
+  if (amx_bf16()) found.push_back("amx_bf16");
   return found;
 }
 
 // x [M, K] float32 or bfloat16 -> x @ w.T [M, N] float32, w given as group codes; scales and
 // mins float32 or float16 alike, mins None for w = code * scale.
 at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, int64_t group, bool nibbles, int64_t N) {
+                        const c10::optional<at::Tensor>& mins, int64_t group, bool nibbles, int64_t N,
+                        int64_t isa) {
 #if VERISPEC_X86
-  check(avx512_bf16(), "this CPU lacks AVX512-BF16");
+  check(runs(isa), "this CPU does not run this kernel class");
   check(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] matrix");
   check(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
@@ -471,24 +973,47 @@ at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& codes, const at::
             scales.numel() == N * K / group, "codes and scales of this shape");
   check(!has_mins || (mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
                       mins->numel() == scales.numel()), "minimums like the scales");
-  at::Tensor xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor sums;
+  if (has_mins) sums = at::empty({M, K / group}, x.options().dtype(at::kFloat));
+  const int64_t tiles = N / TILE;
+  float* sp = has_mins ? sums.data_ptr<float>() : nullptr;
+  const void* mp = has_mins ? mins->data_ptr() : nullptr;
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  if (isa == ISA_AVX2) {
+    at::Tensor xf = at::empty({M, K}, x.options().dtype(at::kFloat));
+    float* xfp = xf.data_ptr<float>();
+    to_bf16_floats(x, xfp);
+    if (has_mins) {
+      if (group == 32) group_sums_avx2<32>(xfp, M, K, sp);
+      else group_sums_avx2<16>(xfp, M, K, sp);
+    }
+    CodesKernelAvx2 kernel = group == 32 ? (nibbles ? pick_codes_avx2<32, true>(half, has_mins) : pick_codes_avx2<32, false>(half, has_mins))
+                                         : (nibbles ? pick_codes_avx2<16, true>(half, has_mins) : pick_codes_avx2<16, false>(half, has_mins));
+    at::parallel_for(0, tiles, tiles_per_task(M), [&](int64_t t0, int64_t t1) {
+      kernel(xfp, sp, M, K, cp, scales.data_ptr(), mp, out.data_ptr<float>(), N, t0, t1);
+    });
+    return out;
+  }
+  const bool tiles16 = isa == ISA_AMX_BF16;  // rows padded to 16 with zeros
+  const int64_t padded = tiles16 ? (M + 15) / 16 * 16 : M;
+  at::Tensor xb = at::empty({padded, K}, x.options().dtype(at::kBFloat16));
   uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr());
   to_bf16(x, xbp);
-  at::Tensor sums;
+  std::memset(xbp + M * K, 0, (padded - M) * K * 2);
   if (has_mins) {
-    sums = at::empty({M, K / group}, x.options().dtype(at::kFloat));
-    if (group == 32) group_sums<32>(xbp, M, K, sums.data_ptr<float>());
-    else group_sums<16>(xbp, M, K, sums.data_ptr<float>());
+    if (group == 32) group_sums<32>(xbp, M, K, sp);
+    else group_sums<16>(xbp, M, K, sp);
   }
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const int64_t tiles = N / TILE;
   CodesKernel kernel = group == 32 ? (nibbles ? pick_codes<32, true>(half, has_mins) : pick_codes<32, false>(half, has_mins))
                                    : (nibbles ? pick_codes<16, true>(half, has_mins) : pick_codes<16, false>(half, has_mins));
-  const float* sp = has_mins ? sums.data_ptr<float>() : nullptr;
-  const void* mp = has_mins ? mins->data_ptr() : nullptr;
+#if VERISPEC_AMX
+  if (tiles16)
+    kernel = group == 32 ? (nibbles ? pick_codes_amx<32, true>(half, has_mins) : pick_codes_amx<32, false>(half, has_mins))
+                         : (nibbles ? pick_codes_amx<16, true>(half, has_mins) : pick_codes_amx<16, false>(half, has_mins));
+#endif
   at::parallel_for(0, tiles, tiles_per_task(M), [&](int64_t t0, int64_t t1) {
-    kernel(xbp, sp, M, K, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(), mp,
-           out.data_ptr<float>(), N, t0, t1);
+    kernel(xbp, sp, M, K, cp, scales.data_ptr(), mp, out.data_ptr<float>(), N, t0, t1);
   });
   return out;
 #else
@@ -498,23 +1023,43 @@ at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& codes, const at::
 }
 
 // x [M, K] -> x @ w.T [M, N] in `out_dtype` (float32 or bfloat16), w packed bfloat16.
-at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& weight, int64_t N, bool bf16_out) {
+at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& weight, int64_t N, bool bf16_out, int64_t isa) {
 #if VERISPEC_X86
-  check(avx512_bf16(), "this CPU lacks AVX512-BF16");
+  check(runs(isa), "this CPU does not run this kernel class");
   check(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] matrix");
   check(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
   check(K % 32 == 0 && N % TILE == 0 && weight.numel() == N * K, "a packed weight of this shape");
-  at::Tensor xb = x;
-  if (x.scalar_type() != at::kBFloat16) {
-    xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
-    to_bf16(x, reinterpret_cast<uint16_t*>(xb.data_ptr()));
-  }
-  const uint16_t* xbp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
   at::Tensor out = at::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const int64_t tiles = N / TILE;
   const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  if (isa == ISA_AVX2) {
+    at::Tensor xf = at::empty({M, K}, x.options().dtype(at::kFloat));
+    to_bf16_floats(x, xf.data_ptr<float>());
+    const float* xfp = xf.data_ptr<float>();
+    at::parallel_for(0, tiles, tiles_per_task(M), [&](int64_t t0, int64_t t1) {
+      if (bf16_out) dense_tiles_avx2<true>(xfp, M, K, w, out.data_ptr(), N, t0, t1);
+      else dense_tiles_avx2<false>(xfp, M, K, w, out.data_ptr(), N, t0, t1);
+    });
+    return out;
+  }
+  const bool tiles16 = isa == ISA_AMX_BF16;  // rows padded to 16 with zeros
+  const int64_t padded = tiles16 ? (M + 15) / 16 * 16 : M;
+  at::Tensor xb = x;
+  if (x.scalar_type() != at::kBFloat16 || padded != M) {
+    xb = at::empty({padded, K}, x.options().dtype(at::kBFloat16));
+    to_bf16(x, reinterpret_cast<uint16_t*>(xb.data_ptr()));
+    std::memset(reinterpret_cast<uint16_t*>(xb.data_ptr()) + M * K, 0, (padded - M) * K * 2);
+  }
+  const uint16_t* xbp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
   at::parallel_for(0, tiles, tiles_per_task(M), [&](int64_t t0, int64_t t1) {
+#if VERISPEC_AMX
+    if (tiles16) {
+      if (bf16_out) dense_tiles_amx<true>(xbp, M, K, w, out.data_ptr(), N, t0, t1);
+      else dense_tiles_amx<false>(xbp, M, K, w, out.data_ptr(), N, t0, t1);
+      return;
+    }
+#endif
     if (bf16_out) dense_tiles<true>(xbp, M, K, w, out.data_ptr(), N, t0, t1);
     else dense_tiles<false>(xbp, M, K, w, out.data_ptr(), N, t0, t1);
   });
@@ -529,9 +1074,9 @@ at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& weight, int64_t N
 // the first `length` slots valid; mask [n, length] bool or None (causal: row i sees the first
 // length - n + i + 1). Returns [n, heads * D] in q's dtype.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                     const c10::optional<at::Tensor>& mask, int64_t length, double scale) {
+                     const c10::optional<at::Tensor>& mask, int64_t length, double scale, int64_t isa) {
 #if VERISPEC_X86
-  check(avx512_bf16(), "this CPU lacks AVX512-BF16");
+  check(runs(isa), "this CPU does not run this kernel class");
   check(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "q [heads, n, D], keys/values [kv_heads, slots, D]");
   check(q.stride(2) == 1 && keys.is_contiguous() && values.is_contiguous(), "contiguous head dims and caches");
   check(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(), "one dtype");
@@ -544,8 +1089,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
     check(m.scalar_type() == at::kBool && m.size(0) == q.size(1) && m.size(1) == length, "mask [n, length] bool");
   }
   at::Tensor out = at::empty({q.size(1), q.size(0) * D}, q.options());
-  if (q.scalar_type() == at::kFloat) attention_dispatch<float>(q, keys, values, m, length, scale, out);
-  else if (q.scalar_type() == at::kBFloat16) attention_dispatch<at::BFloat16>(q, keys, values, m, length, scale, out);
+  if (q.scalar_type() == at::kFloat) attention_dispatch<float>(q, keys, values, m, length, scale, out, isa);
+  else if (q.scalar_type() == at::kBFloat16) attention_dispatch<at::BFloat16>(q, keys, values, m, length, scale, out, isa);
   else check(false, "float32 or bfloat16 attention");
   return out;
 #else
