@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from verispec.bench.contender import Outcome
 from verispec.core.errors import VerispecError
 
 INSTALL_HINT = ("llama.cpp baselines need the optional extra: pip install 'verispec[llamacpp]' "
@@ -18,18 +19,9 @@ INSTALL_HINT = ("llama.cpp baselines need the optional extra: pip install 'veris
 LOOKUP_TOKENS = 10  # llama.cpp's prompt lookup drafts this many tokens (as hf-pld does)
 
 
-def available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def llamacpp_generator(gguf: Path, lookup: bool, threads: int, max_new_tokens: int,
-                       eos: set[int], context: int = 4096
-                       ) -> Callable[[list[int]], tuple[list[int], float]]:
-    """prompt ids -> (new token ids, seconds including the prompt's prefill), greedy, through
+                       eos: set[int], context: int = 4096) -> Callable[[list[int]], Outcome]:
+    """prompt ids -> Outcome (new token ids, seconds including the prompt's prefill), greedy, through
     llama.cpp on `gguf` with `threads` threads; with lookup, llama-cpp-python's prompt lookup
     (LlamaPromptLookupDecoding: an n-gram search in Python, logits kept for every position), not
     llama.cpp's own lookup."""
@@ -44,7 +36,7 @@ def llamacpp_generator(gguf: Path, lookup: bool, threads: int, max_new_tokens: i
                 draft_model=draft, logits_all=lookup, verbose=False)
     stop = eos | {llm.token_eos()}
 
-    def generate(prompt_ids: list[int]) -> tuple[list[int], float]:
+    def generate(prompt_ids: list[int]) -> Outcome:
         llm.reset()  # no reuse of the previous prompt's cache: every run prefills, as verispec's do
         started = time.perf_counter()
         tokens: list[int] = []
@@ -54,6 +46,6 @@ def llamacpp_generator(gguf: Path, lookup: bool, threads: int, max_new_tokens: i
             tokens.append(token)
             if len(tokens) >= max_new_tokens:
                 break
-        return tokens, time.perf_counter() - started
+        return Outcome(tokens, time.perf_counter() - started, None)
 
     return generate
