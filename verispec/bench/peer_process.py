@@ -5,8 +5,9 @@ takes its own row down and nothing else.
 The parent sends a question's prompt ids and waits; the child runs the peer exactly as the bench
 ran it in process (its own clock around the prompt's prefill and decoding, its own peak memory)
 and sends the Outcome back. The child idles while the parent times verispec's rows, so the rows
-run interleaved one at a time as before. Started with `spawn`: a fork of a process whose OpenMP
-pool has run can hang, and the child must not inherit the parent's models.
+run interleaved one at a time as before. Children are forked from a fork server that has
+imported verispec and torch but never computed (a fork of a process whose OpenMP pool has run
+can hang, and a child must not inherit the parent's models); where there is none, spawned.
 """
 
 from __future__ import annotations
@@ -54,6 +55,16 @@ def death(exitcode: int | None) -> str:
     return f"exit {exitcode}"
 
 
+def process_context() -> multiprocessing.context.BaseContext:
+    """The fork server with the baselines' imports done once (a child starts in a fraction of a
+    second instead of importing torch and transformers anew); spawn where there is none."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["verispec.bench.baselines"])
+    return context
+
+
 def _serve(connection: Connection, job: Job, threads: int) -> None:
     """The child: build the peer, say "ready" (or the VerispecError that refused it), then answer
     each prompt with its Outcome until the parent closes the pipe."""
@@ -88,7 +99,7 @@ class PeerProcess:
 
     def __init__(self, label: str, job: Job, threads: int):
         self.label = label
-        context = multiprocessing.get_context("spawn")
+        context = process_context()
         self._connection, child = context.Pipe()
         self._process = context.Process(target=_serve, args=(child, job, threads), daemon=True,
                                         name=f"verispec peer {label}")
