@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from verispec.bench.contender import BenchConfig, Contender, Outcome, exit_layer
-from verispec.bench.llamacpp import LOOKUP_TOKENS, llamacpp_generator
+from verispec.bench.llamacpp import LOOKUP_TOKENS, llamacpp_decoder, llamacpp_generator
 from verispec.bench.peer_process import Job, PeerProcess
 from verispec.core.errors import VerispecError
 from verispec.core.types import SamplingParams
@@ -143,8 +143,9 @@ def hf_job(name: str, target: LoadedModel, draft: LoadedModel | None, config: Be
 
 
 def llamacpp(lookup: bool) -> Prepare:
-    """A baseline: llama.cpp's greedy decoding of the target's own GGUF file (with lookup,
-    llama-cpp-python's Python-level prompt lookup)."""
+    """A baseline: llama.cpp's greedy decoding of the target's own GGUF file, as llama.cpp's own
+    programs decode (its greedy sampler); with lookup, llama-cpp-python's Python-level prompt
+    lookup."""
     def prepare(name: str, target: LoadedModel, draft: LoadedModel | None, config: BenchConfig,
                 sampling: SamplingParams) -> Job:
         if target.gguf is None:
@@ -152,10 +153,11 @@ def llamacpp(lookup: bool) -> Prepare:
                                 f"built-in name ({target.name} has none)")
         if not sampling.greedy:
             raise VerispecError(f"{name} runs greedy decoding only: use --temperature 0")
-        return Job(llamacpp_generator, {"gguf": target.gguf, "lookup": lookup,
-                                        "threads": torch.get_num_threads(),
-                                        "max_new_tokens": config.max_new_tokens,
-                                        "eos": set(target.eos_token_ids)})
+        arguments = {"gguf": target.gguf, "threads": torch.get_num_threads(),
+                     "max_new_tokens": config.max_new_tokens, "eos": set(target.eos_token_ids)}
+        if lookup:
+            return Job(llamacpp_generator, arguments | {"lookup": True})
+        return Job(llamacpp_decoder, arguments)
 
     return prepare
 
