@@ -3,6 +3,7 @@ loses its own row, named in the report and results.json, and every other row sta
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -12,9 +13,11 @@ import pytest
 
 from verispec.bench.baselines import BASELINES, Baseline
 from verispec.bench.contender import Outcome
+from verispec.bench.llamacpp import llamacpp_decoder, llamacpp_generator
 from verispec.bench.peer_process import Job, PeerCrashed, PeerProcess, death
 from verispec.bench.runner import BenchConfig, run_bench
 from verispec.core.errors import VerispecError
+from verispec.model.loading import DEFAULT_MODEL, builtin_gguf
 
 
 def start_dying(how: str, after: int = 0) -> Callable[[list[int]], Outcome]:
@@ -78,3 +81,34 @@ def test_a_peer_that_refuses_stops_the_bench_before_it_runs(tiny_dir, questions,
         run_bench(BenchConfig(model=str(tiny_dir), out=tmp_path / "out", questions=questions,
                               methods=["picky"], warmup=0), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+NEEDS_LLAMACPP = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                    reason="the llamacpp extra: make llamacpp")
+
+
+@NEEDS_LLAMACPP
+def test_llamacpp_decode_loop_runs_the_gguf_as_generate_does():
+    """The low-level loop (llama.cpp's greedy sampler) decodes what llama-cpp-python's generate()
+    decodes, prefills anew each run, and stops at an end token or max_new_tokens."""
+    gguf, prompt = builtin_gguf(DEFAULT_MODEL), list(range(400, 440))
+    decode = llamacpp_decoder(gguf, threads=1, max_new_tokens=12, eos=set())
+    first = decode(prompt)
+    assert len(first.tokens) == 12 and first.seconds > 0 and first.target_forwards is None
+    assert decode(prompt).tokens == first.tokens  # the cache is cleared: the same run again
+    assert llamacpp_generator(gguf, False, 1, 12, set())(prompt).tokens == first.tokens
+    end = first.tokens[3]
+    assert llamacpp_decoder(gguf, 1, 12, {end})(prompt).tokens == first.tokens[:first.tokens.index(end)]
+
+
+@pytest.mark.slow  # the built-in 4-bit target and llama.cpp: .ci/run's bench covers it on every CI run
+@NEEDS_LLAMACPP
+def test_bench_runs_llamacpp_in_its_own_process(questions, tmp_path):
+    out = tmp_path / "bench"
+    results = run_bench(BenchConfig(model=DEFAULT_MODEL, dtype="int4", out=out, questions=questions,
+                                    max_new_tokens=16, warmup=0, methods=["llama.cpp", "llama.cpp-lookup"]),
+                        progress=False)
+    assert not results.config["crashed"]
+    for label in ("llama.cpp", "llama.cpp-lookup"):
+        runs = [r for r in results.runs if r.label == label]
+        assert len(runs) == 2 and all(r.peer and r.new_tokens > 0 for r in runs)

@@ -7,6 +7,7 @@ verispec's 4-bit `ar` and the agreement reported, never required.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +64,8 @@ def llamacpp_decoder(gguf: Path, threads: int, max_new_tokens: int, eos: set[int
         import llama_cpp as cpp
     except ImportError:
         raise VerispecError(INSTALL_HINT) from None
+    # llama-cpp-python routes llama.cpp's log to this logger: errors only, as Llama(verbose=False).
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
     cpp.llama_backend_init()
     model = cpp.llama_model_load_from_file(str(gguf).encode(), cpp.llama_model_default_params())
     if not model:

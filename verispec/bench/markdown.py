@@ -347,7 +347,8 @@ def _memory_section(results: Results) -> list[str]:
             "`weights`: the drafter's own weights in MiB (shared tensors, such as the target's "
             "embedding, not counted). `peak`: the process's most resident memory (MiB) during the "
             "method's runs; every method's weights are loaded at once, so it differs between "
-            "methods only by their working memory.", ""
+            "methods only by their working memory. A baseline's is its own child process's (its "
+            "own copy of what it runs).", ""
             ] + _table(["method", "drafter runs", "weights", "peak"], rows)
 
 
