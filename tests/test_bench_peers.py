@@ -8,12 +8,13 @@ import json
 import os
 import signal
 from collections.abc import Callable
+from itertools import islice
 
 import pytest
 
 from verispec.bench.baselines import BASELINES, Baseline
 from verispec.bench.contender import Outcome
-from verispec.bench.llamacpp import llamacpp_decoder, llamacpp_generator
+from verispec.bench.llamacpp import llamacpp_decoder
 from verispec.bench.peer_process import Job, PeerCrashed, PeerProcess, death
 from verispec.bench.runner import BenchConfig, run_bench
 from verispec.core.errors import VerispecError
@@ -90,13 +91,18 @@ NEEDS_LLAMACPP = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is Non
 @NEEDS_LLAMACPP
 def test_llamacpp_decode_loop_runs_the_gguf_as_generate_does():
     """The low-level loop (llama.cpp's greedy sampler) decodes what llama-cpp-python's generate()
-    decodes, prefills anew each run, and stops at an end token or max_new_tokens."""
+    decodes with the same context settings (llama.cpp's defaults turn flash attention on here;
+    llama-cpp-python's leave it off, which changes bits), prefills anew each run, and stops at an
+    end token or max_new_tokens."""
+    from llama_cpp import Llama
+
     gguf, prompt = builtin_gguf(DEFAULT_MODEL), list(range(400, 440))
     decode = llamacpp_decoder(gguf, threads=1, max_new_tokens=12, eos=set())
     first = decode(prompt)
     assert len(first.tokens) == 12 and first.seconds > 0 and first.target_forwards is None
     assert decode(prompt).tokens == first.tokens  # the cache is cleared: the same run again
-    assert llamacpp_generator(gguf, False, 1, 12, set())(prompt).tokens == first.tokens
+    reference = Llama(model_path=str(gguf), n_threads=1, flash_attn=True, verbose=False)
+    assert list(islice(reference.generate(prompt, top_k=1, temp=0.0), 12)) == first.tokens
     end = first.tokens[3]
     assert llamacpp_decoder(gguf, 1, 12, {end})(prompt).tokens == first.tokens[:first.tokens.index(end)]
 
