@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="depth-300 timings per path (median)")
     options = parser.parse_args()
     gguf = builtin_gguf(DEFAULT_MODEL)
-    target = load_model(DEFAULT_MODEL, "int4")
+    target = load_model(DEFAULT_MODEL)  # its tokenizer and end tokens (the GGUF is what runs)
     eos = set(target.eos_token_ids)
     questions = load_questions(None, None, options.limit_per_task)
     prompts = [encode_prompt(target, q.prompt, chat=True) for q in questions]
