@@ -25,7 +25,7 @@ from verispec.core.types import GenerationResult, SamplingParams, Step
 from verispec.decoding.beam import BeamDecoder, BeamResult, BeamSettings, check_drafter
 from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.display import TokenPieces
-from verispec.methods import PLAIN, engine_for, resolve
+from verispec.methods import PLAIN, engine_for_checked, resolve
 from verispec.model.loading import LoadedModel, check_prompt
 from verispec.options import DraftOptions
 
@@ -133,7 +133,7 @@ def build_request(target: LoadedModel, prompts: Prompts, *, chat: bool | None = 
     if beams is not None:
         with about("method"):
             try:
-                check_drafter(engine_for(target, request.method, request.options).drafter)
+                check_drafter(engine_for_checked(target, request.method, request.options).drafter)
             except VerispecError as error:
                 raise VerispecError(f"method {method!r} cannot draft for beam search: {error}") from None
     return request
@@ -257,7 +257,7 @@ def run(target: LoadedModel, request: Request, engine: SpeculativeEngine | None 
     one batch and gives a list (a prompt's samples together). Beam search gives BeamResults: per
     prompt its n best, best first. A Hugging Face-style `streamer` (put/end) receives the prompt,
     then each committed block of tokens (one sequence only)."""
-    engine = engine or engine_for(target, request.method, request.options)
+    engine = engine or engine_for_checked(target, request.method, request.options)
     if request.beams is not None:
         if streamer is not None:
             raise VerispecError("a streamer takes one sequence; beam search returns whole sequences")
@@ -293,7 +293,7 @@ def stream(target: LoadedModel, request: Request, engine: SpeculativeEngine | No
         raise VerispecError("stream takes one prompt and one sequence; generate takes batches and beams")
     if target.tokenizer is None:
         raise VerispecError(f"{target.name} has no tokenizer: streaming text needs one")
-    engine = engine or engine_for(target, request.method, request.options)
+    engine = engine or engine_for_checked(target, request.method, request.options)
     (spec,) = request.specs()
     yield from stream_text(engine.steps(spec.prompt_ids, spec.stopping, spec.sampling, spec.seed,
                                         prediction=spec.prediction, constraint=spec.constraint,

@@ -24,7 +24,7 @@ from verispec.bench.questions import load_questions
 from verispec.bench.records import AR, HF, write_json
 from verispec.core.errors import VerispecError
 from verispec.core.policies import LoadCap
-from verispec.methods import METHODS, engine_for, resolve
+from verispec.methods import METHODS, engine_for_checked, resolve
 from verispec.model.hf_generate import hf_generate_batch
 from verispec.model.loading import LoadedModel, load_model
 from verispec.options import DraftOptions
@@ -66,7 +66,7 @@ def hf_batched(target: LoadedModel, config: BatchBenchConfig) -> Decode:
 def verispec_batched(target: LoadedModel, method: str, k: int | None, config: BatchBenchConfig) -> Decode:
     """A method decoding each batch as one Request (greedy), on one engine built for it."""
     options = resolve(method, DraftOptions(k=k))
-    engine = engine_for(target, method, options)
+    engine = engine_for_checked(target, method, options)
     if not config.load_cap:
         engine.load_cap = LoadCap(())
 

@@ -35,7 +35,7 @@ from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import forget_outputs
-from verispec.methods import Method, Needs, engine_for, resolve, resolve_tree
+from verispec.methods import Method, Needs, engine_for_checked, resolve, resolve_tree
 from verispec.model.cached_model import CachedModel
 from verispec.model.loading import LoadedModel, load_model
 from verispec.options import DEFAULT_TREE, DraftOptions
@@ -185,7 +185,7 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
                              + ([f"tree={tree.topk}x{tree.nodes}"] if tree else [])
                              + (["typical"] if rule == "typical" else []))
             options = method_options(method, k, target, draft, config, tree, rule)
-            engine = engine_for(target, method, options)
+            engine = engine_for_checked(target, method, options)
             reason = None if config.beams is None else beam_refusal(engine)
             if reason is not None:
                 refused[method] = reason

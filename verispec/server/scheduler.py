@@ -21,7 +21,7 @@ from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import Step
 from verispec.decoding.engine import RowFailure, Speculation
-from verispec.methods import METHODS, PLAIN, build_engine, resolve, speculation_for
+from verispec.methods import METHODS, PLAIN, build_engine, resolve, speculation_for_checked
 from verispec.model.loading import LoadedModel, context_length
 from verispec.options import DraftOptions
 from verispec.request import Request
@@ -261,7 +261,7 @@ class Scheduler:
                 raise VerispecError(f"this server holds {MAX_SPECULATIONS} ways of speculating "
                                     "(method, k, tree), all in use; use the method's default k and tree")
             del self._speculations[unused]
-        self._speculations[key] = how = speculation_for(self.target, method, options)
+        self._speculations[key] = how = speculation_for_checked(self.target, method, options)
         if self._pinned:  # one a client chose (not a --method default): keep one idle drafter
             self._engine.pool_limit[how] = IDLE_PER_CHOSEN
         return how
