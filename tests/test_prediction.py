@@ -84,7 +84,7 @@ def test_predicted_outputs_match_plain_decoding_and_are_counted(target, truth, d
     made = None if drafter is None else PromptLookupDrafter(max_ngram=3)
     engine = SpeculativeEngine(target, made, ConstantK(k))
     for prediction in (truth, edited(truth)):
-        result = engine.generate(PROMPT, StoppingRules.build(NEW), prediction=prediction)
+        result = engine.generate(SequenceSpec(PROMPT, StoppingRules.build(NEW), prediction=prediction))
         assert result.token_ids == truth
         stats = result.stats
         drafted = sum(s.num_drafted for s in result.steps if s.source is DraftSource.PREDICTION)
@@ -101,7 +101,7 @@ def test_predicted_outputs_match_plain_decoding_and_are_counted(target, truth, d
                     after_edit += step.num_accepted
                 position += len(step.tokens)
             assert after_edit >= 5
-    plain = engine.generate(PROMPT, StoppingRules.build(NEW))
+    plain = engine.generate(SequenceSpec(PROMPT, StoppingRules.build(NEW)))
     assert plain.token_ids == truth and plain.stats.accepted_prediction_tokens == 0
 
 
