@@ -63,7 +63,8 @@ class SequenceSpec:
     """What one sequence decodes: its prompt, when it stops, how it samples, and what the caller
     adds for it alone: a predicted output's token ids (drafted first wherever the output is in
     it), a grammar the output must match (this sequence advances its own copy), and how many top
-    alternatives to report with each token's log-probability (None: no logprobs)."""
+    alternatives to report with each token's log-probability under the target, read from the
+    verification pass's logits (None: no logprobs). The engine takes it as checked (a Request's)."""
 
     prompt_ids: list[int]
     stopping: StoppingRules
@@ -87,9 +88,8 @@ class SequenceSpec:
 
 
 def sequence_seed(seed: int | None, prompt: int, sequences: int = 1, sequence: int = 0) -> int | None:
-    """The one seeding rule: sequence j of prompt i (of `sequences` per prompt) of a request seeded
-    with `seed` is seeded with seed + i * sequences + j, so no two of its sequences share a seed
-    (None: unseeded).
+    """The one seeding rule: sequence j of prompt i (`sequences` per prompt) is seeded with
+    seed + i * sequences + j, so no two sequences of a request share a seed (None: unseeded).
 
     >>> [sequence_seed(10, prompt, 2, sequence) for prompt in (0, 1) for sequence in (0, 1)]
     [10, 11, 12, 13]
@@ -246,11 +246,9 @@ class SpeculativeEngine:
     def __init__(self, target: PreTrainedModel, drafter: Drafter | None = None,
                  policy: DraftLengthPolicy | None = None, acceptance: str = "exact",
                  spawn: Callable[[], Drafter] | None = None, load_cap: LoadCap | None = None) -> None:
-        """acceptance: "exact" (lossless) or "typical" (Medusa's typical acceptance, LOSSY under
-        sampling; see verispec.verifiers.typical). spawn: makes a fresh drafter like `drafter`
-        for another sequence of a batch. policy: each sequence starts from a copy of it.
-        load_cap: the draft length allowed per sequence at each batch size (default: measured)."""
-        verifier_for(SamplingParams(), acceptance)  # reject an unknown rule before any work
+        """drafter, policy, acceptance, spawn: the engine's own Speculation (see it; policy default:
+        k = 5 with a drafter). load_cap: the draft length allowed per sequence at each batch size
+        (default: measured)."""
         self.model = target
         self.target = CachedModel(target)
         self.drafter = drafter
@@ -409,9 +407,7 @@ class SpeculativeEngine:
         """Start `sequences` sequences of `spec` (they share its prefill; each is seeded by
         `sequence_seed` and follows its own copy of the constraint); each joins the batch at the
         next `step`. speculation: how they draft (default: the engine's own; see
-        verispec.methods.build_speculation). With spec.logprobs set, each Step reports its tokens'
-        log-probabilities under the target, read from the verification pass's logits. Returns
-        their ids."""
+        verispec.methods.build_speculation). Returns their ids."""
         ids: list[int] = []
         first = None
         try:
