@@ -455,12 +455,12 @@ def test_the_bench_runs_hf_uag_beside_the_draft_and_reports_the_boundary(saved, 
     setting = BenchConfig(model=str(saved[0]), out=tmp_path / "bench", questions=questions, max_new_tokens=12,
                           warmup=0, draft=str(saved[1]), exit_layer=1)
     target, draft = load_model(str(saved[0])), load_model(str(saved[1]))
-    contenders, left_out = build_contenders(setting, target, draft, GREEDY)
+    contenders, left_out = build_contenders(setting, target, draft, GREEDY, [[1, 2]])
     labels = [c.label for c in contenders]
     assert "hf-uag" in labels and "draft" in labels and "hf-assisted" not in labels
     assert left_out == {"hf-assisted": "the draft's tokenizer is not the target's (hf-uag runs the pair)"}
     with pytest.raises(VerispecError, match="hf-uag runs the pair"):
-        build_contenders(replace(setting, methods=["hf-assisted"]), target, draft, GREEDY)
+        build_contenders(replace(setting, methods=["hf-assisted"]), target, draft, GREEDY, [[1, 2]])
     results = run_bench(replace(setting, methods=["draft", "hf-uag"]), progress=False)
     runs = {(r.label, r.question_id): r for r in results.runs}
     assert all(runs[label, q].identical_to_baseline for label in ("draft", "hf-uag", "hf") for q in (0, 1))
