@@ -502,7 +502,5 @@ def _own_layers(hidden: torch.Tensor, layers: tuple[int, ...], own: tuple[int, .
     after its own `own` layers (a subset of `layers`)."""
     if own == layers:
         return hidden
-    width = hidden.shape[1] // (1 + len(layers))
-    parts = [hidden[:, :width]] + [hidden[:, width * (1 + layers.index(layer)):
-                                          width * (2 + layers.index(layer))] for layer in own]
-    return torch.cat(parts, dim=1)
+    keep = [0] + [1 + layers.index(layer) for layer in own]  # the final states, then own layers'
+    return hidden.reshape(hidden.shape[0], 1 + len(layers), -1)[:, keep].flatten(1)  # [n, .]
