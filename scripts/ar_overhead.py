@@ -15,7 +15,7 @@ import time
 import torch
 
 from verispec.core.stopping import StoppingRules
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.model.cached_model import CachedModel
 from verispec.model.loading import DEFAULT_MODEL, load_model
 
@@ -26,7 +26,7 @@ def measure(dtype: str, new: int, prompt_tokens: int, clock) -> tuple[float, flo
     engine = SpeculativeEngine(model)
     prompt = list(range(1000, 1000 + prompt_tokens))
     stopping = StoppingRules(max_new_tokens=new, eos_token_ids=set())
-    answer = engine.generate(prompt, stopping).token_ids
+    answer = engine.generate(SequenceSpec(prompt, stopping)).token_ids
     bare = CachedModel(model)
     fed = torch.tensor([prompt[-1], *answer[:-1]])
 
@@ -39,7 +39,7 @@ def measure(dtype: str, new: int, prompt_tokens: int, clock) -> tuple[float, flo
     ar, plain = [], []
     for _ in range(3):
         started = clock()
-        engine.generate(prompt, stopping)
+        engine.generate(SequenceSpec(prompt, stopping))
         ar.append(clock() - started)
         started = clock()
         loop()

@@ -23,6 +23,7 @@ import torch
 from scripts.held_out import held_out
 from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
+from verispec.decoding.engine import SequenceSpec
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import auto_profile, build_engine
 from verispec.model.loading import DEFAULT_MODEL
@@ -54,7 +55,7 @@ def main() -> int:
         except VerispecError as error:
             print(f"{method}: skipped ({error})")
     for engine in engines.values():  # warm-up
-        engine.generate(prompts[0], StoppingRules.build(16))
+        engine.generate(SequenceSpec(prompts[0], StoppingRules.build(16)))
     names = list(engines)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     chose: collections.Counter = collections.Counter()
@@ -64,7 +65,7 @@ def main() -> int:
         for name in names[i % len(names):] + names[: i % len(names)]:
             forget_outputs(target.model)  # suffix must not draft from another engine's answer
             started = time.perf_counter()
-            result = engines[name].generate(ids, StoppingRules.build(args.max_new_tokens))
+            result = engines[name].generate(SequenceSpec(ids, StoppingRules.build(args.max_new_tokens)))
             seconds[name].append(time.perf_counter() - started)
             outputs[name] = result.token_ids
             if name == "auto":

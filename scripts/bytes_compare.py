@@ -31,6 +31,7 @@ from verispec.bench.machine import machine_info
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SequenceSpec
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import build_engine
 from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load_model
@@ -88,7 +89,8 @@ def run_all(models: dict[str, LoadedModel], prompts: dict[str, list[str]], metho
     totals: dict = collections.defaultdict(collections.Counter)
     engines = {(m, label): build_engine(models[m], *METHOD_SET[label]) for m in models for label in methods}
     for (m, _), engine in engines.items():  # warm-up
-        engine.generate(encode_prompt(models[m], "def f(x):", chat=False), StoppingRules.build(16))
+        engine.generate(
+            SequenceSpec(encode_prompt(models[m], "def f(x):", chat=False), StoppingRules.build(16)))
     order = [(m, label) for label in methods for m in models]
     for kind, texts in prompts.items():
         for i, text in enumerate(texts):
@@ -100,7 +102,7 @@ def run_all(models: dict[str, LoadedModel], prompts: dict[str, list[str]], metho
                 forget_outputs(target.model)  # suffix drafts from its own earlier outputs only
                 rules = StoppingRules.build(budgets[m], target.eos_token_ids)
                 started = time.perf_counter()
-                result = engine.generate(ids, rules, sampling, seed=i)
+                result = engine.generate(SequenceSpec(ids, rules, sampling, seed=i))
                 seconds = time.perf_counter() - started
                 out = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
                 row = totals[(m, kind, label)]

@@ -25,6 +25,7 @@ from held_out import compare, held_out
 
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationStats
+from verispec.decoding.engine import SequenceSpec
 from verispec.methods import METHODS, build_engine
 from verispec.options import DraftOptions
 from verispec.request import encode_prompt
@@ -66,7 +67,7 @@ def main() -> None:
         options = DraftOptions(k=k, draft=None if path == "shipped" else path)
         engine = engines[f"{args.method} {path} k={k}"] = build_engine(target, args.method, options)
         for name, prompts in sets.items():
-            stats = GenerationStats.total([engine.generate(ids, StoppingRules.build(96)).stats
+            stats = GenerationStats.total([engine.generate(SequenceSpec(ids, StoppingRules.build(96))).stats
                                            for ids in prompts])
             alpha = [round(a / max(1, r), 3)
                      for a, r in zip(stats.accepted_by_position, stats.reached_by_position)]

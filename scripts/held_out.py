@@ -11,7 +11,7 @@ import collections
 import time
 
 from verispec.core.stopping import StoppingRules
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.suffix import forget_outputs
 from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.request import encode_prompt
@@ -36,13 +36,13 @@ def compare(engines: dict[str, SpeculativeEngine], prompts: list[list[int]],
     seconds, tokens, steps = collections.Counter(), collections.Counter(), collections.Counter()
     drafting, draft_seconds, verify_seconds = (collections.Counter(), collections.Counter(),
                                                collections.Counter())
-    engines[names[0]].generate(prompts[0], StoppingRules.build(32))  # warm-up
+    engines[names[0]].generate(SequenceSpec(prompts[0], StoppingRules.build(32)))  # warm-up
     for i, ids in enumerate(prompts):
         outputs = {}
         for name in names[i % len(names):] + names[: i % len(names)]:
             forget_outputs(engines[name].model)  # suffix must not draft from another engine's answer
             started = time.perf_counter()
-            result = engines[name].generate(ids, StoppingRules.build(max_new_tokens))
+            result = engines[name].generate(SequenceSpec(ids, StoppingRules.build(max_new_tokens)))
             seconds[name] += time.perf_counter() - started
             tokens[name] += len(result.token_ids)
             steps[name] += len(result.steps)

@@ -26,6 +26,7 @@ import torch
 from verispec.core.sampling import warp_probs
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SequenceSpec
 from verispec.methods import build_engine
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.options import DraftOptions
@@ -55,15 +56,16 @@ def main(out_dir: str, method: str = "eagle", count: int = 8, seed: int = 797) -
     target = load_model(DEFAULT_MODEL, "float32")
     prompts = [encode_prompt(target, p, chat=True) for p in make_prompts(count, seed)]
     engines = {rule: build_engine(target, method, DraftOptions(acceptance=rule)) for rule in RULES}
-    engines["exact"].generate(prompts[0], StoppingRules.build(16), SAMPLING, 0)  # warm-up
+    engines["exact"].generate(SequenceSpec(prompts[0], StoppingRules.build(16), SAMPLING, 0))  # warm-up
     seconds, tokens, forwards, likelihood = Counter(), Counter(), Counter(), Counter()
     for index, prompt in enumerate(prompts):
         for sample in range(SAMPLES):
             order = RULES[index % len(RULES):] + RULES[: index % len(RULES)]
             for rule in order:
                 started = time.perf_counter()
-                result = engines[rule].generate(prompt, StoppingRules.build(NEW), SAMPLING,
-                                                seed * 1000 + index * SAMPLES + sample)
+                result = engines[rule].generate(
+                    SequenceSpec(prompt, StoppingRules.build(NEW), SAMPLING,
+                                 seed * 1000 + index * SAMPLES + sample))
                 seconds[rule] += time.perf_counter() - started
                 tokens[rule] += len(result.token_ids)
                 forwards[rule] += result.stats.target_forwards

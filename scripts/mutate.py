@@ -171,7 +171,7 @@ MUTANTS = (
            ("tests/test_serve_sampling.py",),
            "the server decodes greedily whatever temperature the request gives"),
     Mutant("server-ignores-seed", "verispec/server/requests.py",
-           "seed=body.seed, n=body.n", "seed=None, n=body.n",
+           "seed=body.seed, sequences=body.n", "seed=None, sequences=body.n",
            ("tests/test_serve_sampling.py",),
            "the server drops the request's seed"),
     Mutant("grammar-q-not-renormalized", "verispec/core/grammar.py",

@@ -27,6 +27,7 @@ import torch
 from verispec.core.grammar import Constraint, Grammar
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationStats
+from verispec.decoding.engine import SequenceSpec
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import build_engine
 from verispec.model.loading import load
@@ -96,8 +97,9 @@ def run(engine, prompts: list[list[int]], stopping: StoppingRules,
     stats, outputs = [], []
     started = time.perf_counter()
     for prompt, prediction in zip(prompts, predictions or [None] * len(prompts)):
-        result = engine.generate(prompt, stopping, prediction=prediction,
-                                 constraint=None if constraint is None else constraint.copy())
+        result = engine.generate(
+            SequenceSpec(prompt, stopping, prediction=prediction,
+                         constraint=None if constraint is None else constraint.copy()))
         stats.append(result.stats)
         outputs.append(result.token_ids)
     return GenerationStats.total(stats), time.perf_counter() - started, outputs

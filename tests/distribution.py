@@ -176,7 +176,7 @@ def sample_runs(engine: SpeculativeEngine, prompt: list[int], n: int, sampling: 
                        [SequenceSpec(prompt, StoppingRules.build(n), sampling, seed + start,
                                      prediction=prediction,
                                      constraint=None if constraint is None else constraint.copy())],
-                       samples=min(per_batch, runs - start))]
+                       sequences=min(per_batch, runs - start))]
     finally:
         torch.set_num_threads(threads)
     for result in results:

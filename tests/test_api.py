@@ -6,6 +6,7 @@ import pytest
 
 import verispec
 from tests.tiny import plain_greedy, tiny_llama, tiny_tokenizer
+from verispec.methods import engine_for_checked
 
 PROMPT = "w10 w11 w12 w10 w11"
 
@@ -154,6 +155,23 @@ def test_a_batch_of_prompts_gives_each_prompts_own_answer(tiny_dir, target):
                                         **kwargs)
             assert [r.token_ids for r in results] == truth, kwargs
             assert results[1].text == tiny_tokenizer().decode(truth[1], skip_special_tokens=True)
+
+
+def test_a_beam_request_builds_its_engine_once(tiny_dir, monkeypatch):
+    """build_request checks a beam request without building a drafter; run builds the method's
+    engine once and refuses there a drafter that cannot draft for beam search, naming the method."""
+    built = []
+
+    def counted(target, method, options):
+        built.append(method)
+        return engine_for_checked(target, method, options)
+
+    monkeypatch.setattr(verispec.request, "engine_for_checked", counted)
+    verispec.generate(str(tiny_dir), PROMPT, method="pld", num_beams=2, max_new_tokens=4)
+    assert built == ["pld"]
+    with pytest.raises(verispec.VerispecError, match="'lookahead' cannot draft for beam search") as refused:
+        verispec.generate(str(tiny_dir), PROMPT, method="lookahead", num_beams=2, max_new_tokens=4)
+    assert refused.value.field == "method" and built == ["pld", "lookahead"]
 
 
 def test_num_return_sequences_draws_seeded_samples(tiny_dir):

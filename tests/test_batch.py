@@ -24,8 +24,9 @@ from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.methods import build_engine, build_speculation
 from verispec.model.cached_model import CachedModel
-from verispec.model.loading import load_model
+from verispec.model.loading import LoadedModel, load_model
 from verispec.options import DraftOptions
+from verispec.request import build_request
 
 # Rows of different lengths, repetitive (lookup finds drafts) and not; budgets end at different
 # steps; row 3 also stops at an EOS its solo decoding reaches (rules_for).
@@ -50,7 +51,8 @@ def makers(target) -> dict:
 
 def rules_for(target) -> list[StoppingRules]:
     """Each row's budget; row 3 stops at the 11th token of its solo decoding, made its EOS."""
-    solo = SpeculativeEngine(target).generate(PROMPTS[3], StoppingRules.build(BUDGETS[3])).token_ids
+    solo = SpeculativeEngine(target).generate(
+        SequenceSpec(PROMPTS[3], StoppingRules.build(BUDGETS[3]))).token_ids
     eos = solo[10]
     assert eos not in solo[:10]
     rules = [StoppingRules.build(b) for b in BUDGETS]
@@ -60,7 +62,7 @@ def rules_for(target) -> list[StoppingRules]:
 
 def solo(target, rules) -> list[list[int]]:
     engine = SpeculativeEngine(target)
-    return [engine.generate(p, r).token_ids for p, r in zip(PROMPTS, rules)]
+    return [engine.generate(SequenceSpec(p, r)).token_ids for p, r in zip(PROMPTS, rules)]
 
 
 @pytest.mark.parametrize("k", [1, 3, 8, 16])
@@ -163,9 +165,9 @@ def test_samples_of_one_prompt_each_own_their_cache(make_target):
     engine = SpeculativeEngine(model, make(), ConstantK(3), spawn=make)
     assert (engine.target.lean is None) == (make_target is tiny_foreign)
     sampling, rules = SamplingParams(do_sample=True, temperature=0.9), StoppingRules.build(20)
-    batched = engine.generate_batch(SequenceSpec.batch([PROMPTS[0]], rules, sampling, seed=5, samples=3),
-                                    samples=3)
-    alone = [engine.generate(PROMPTS[0], rules, sampling, seed=5 + i) for i in range(3)]
+    batched = engine.generate_batch(SequenceSpec.batch([PROMPTS[0]], rules, sampling, seed=5, sequences=3),
+                                    sequences=3)
+    alone = [engine.generate(SequenceSpec(PROMPTS[0], rules, sampling, seed=5 + i)) for i in range(3)]
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
     assert len({tuple(r.token_ids) for r in alone}) == 3
     assert all(sum(s.num_drafted for s in r.steps) > 0 for r in batched)
@@ -194,7 +196,8 @@ def test_each_row_adapts_its_own_draft_length(target):
     make = lambda: early_exit_drafter(target, 2, VOCAB)  # noqa: E731 (accepted now and then)
     rules = [StoppingRules.build(b) for b in BUDGETS]
     solo_engine = SpeculativeEngine(target, make(), HeuristicK(2))
-    alone = [[s.num_drafted for s in solo_engine.generate(p, r).steps] for p, r in zip(PROMPTS, rules)]
+    alone = [[s.num_drafted for s in solo_engine.generate(SequenceSpec(p, r)).steps]
+             for p, r in zip(PROMPTS, rules)]
     engine = SpeculativeEngine(target, make(), HeuristicK(2), spawn=make, load_cap=LoadCap(()))
     together = [[s.num_drafted for s in r.steps]
                 for r in engine.generate_batch(SequenceSpec.batch(PROMPTS, rules))]
@@ -207,8 +210,8 @@ def test_seeded_batches_repeat_and_rows_differ(target):
     make = lambda: PromptLookupDrafter(3, 1)  # noqa: E731
     engine = SpeculativeEngine(target, make(), ConstantK(4), spawn=make)
     sampling = SamplingParams(do_sample=True, temperature=1.0)
-    specs = SequenceSpec.batch(PROMPTS[:2], StoppingRules.build(20), sampling, seed=5, samples=3)
-    runs = [[r.token_ids for r in engine.generate_batch(specs, samples=3)] for _ in range(2)]
+    specs = SequenceSpec.batch(PROMPTS[:2], StoppingRules.build(20), sampling, seed=5, sequences=3)
+    runs = [[r.token_ids for r in engine.generate_batch(specs, sequences=3)] for _ in range(2)]
     assert runs[0] == runs[1]
     assert len({tuple(t) for t in runs[0][:3]}) > 1  # a prompt's samples are not copies
 
@@ -228,15 +231,17 @@ def test_load_cap_limits_drafts_by_batch_size(target):
 
 
 def test_bad_batches_are_refused_before_any_work(target):
-    make = lambda: PromptLookupDrafter(3, 1)  # noqa: E731
-    engine = SpeculativeEngine(target, make(), ConstantK(4), spawn=make)
+    """The request checks a batch (the engine takes its specs as checked); an engine without
+    `spawn` refuses a second sequence with nothing left running."""
+    loaded = LoadedModel(target, None, "tiny")
     with pytest.raises(VerispecError, match="outside the vocabulary"):
-        engine.generate_batch(SequenceSpec.batch([[1, 2], [1, VOCAB + 3]], StoppingRules.build(4)))
+        build_request(loaded, [[1, 2], [1, VOCAB + 3]], max_new_tokens=4)
     with pytest.raises(VerispecError, match="empty"):
-        engine.generate_batch(SequenceSpec.batch([[1, 2], []], StoppingRules.build(4)))
-    with pytest.raises(VerispecError, match="samples"):
-        engine.add(SequenceSpec([1, 2], StoppingRules.build(4)), samples=0)
-    assert not engine.active
+        build_request(loaded, [[1, 2], []], max_new_tokens=4)
+    with pytest.raises(VerispecError, match="number of sequences") as refused:
+        build_request(loaded, [[1, 2]], sequences=0)
+    assert refused.value.field == "sequences"
+    make = lambda: PromptLookupDrafter(3, 1)  # noqa: E731
     lonely = SpeculativeEngine(target, make(), ConstantK(4))  # no spawn: one sequence only
     with pytest.raises(VerispecError, match="cannot be copied"):
         lonely.generate_batch(SequenceSpec.batch(PROMPTS[:2], StoppingRules.build(4)))

@@ -7,12 +7,13 @@ from dataclasses import replace
 
 import pytest
 
+import verispec.request
 from verispec.bench.report import results_json
 from verispec.bench.runner import BenchConfig, choose_methods, run_bench
 from verispec.cli import main
 from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
-from verispec.methods import METHODS, Method
+from verispec.methods import METHODS, Method, resolve
 from verispec.options import DEFAULT_TREE
 from verispec.verifiers import greedy
 
@@ -25,6 +26,21 @@ SUMMARY_FIELDS = {"speedup_vs_hf", "speedup_vs_ar", "mean_accepted_tokens", "tok
 def config(tiny_dir, questions, out, **kwargs):
     return BenchConfig(model=str(tiny_dir), out=out, questions=questions, max_new_tokens=12,
                        warmup=0, exit_layer=1, **kwargs)
+
+
+def test_the_bench_resolves_each_method_once_per_run(tiny_dir, questions, tmp_path, monkeypatch):
+    """One check of a method and its options per contender, not one per question (two questions
+    and a warm-up here)."""
+    resolved = []
+
+    def counted(method, options):
+        resolved.append(method)
+        return resolve(method, options)
+
+    monkeypatch.setattr(verispec.request, "resolve", counted)
+    setting = replace(config(tiny_dir, questions, tmp_path / "once", methods=["pld"]), warmup=1)
+    run_bench(setting, progress=False)
+    assert sorted(resolved) == ["ar", "pld"]
 
 
 def test_bench_writes_every_field_report_and_plots(tiny_dir, questions, tmp_path):

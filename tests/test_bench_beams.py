@@ -91,7 +91,7 @@ def test_the_default_set_leaves_out_what_cannot_run_beam_search(tiny_dir, tmp_pa
     target = load_model(str(tiny_dir))
     setting = BenchConfig(model=str(tiny_dir), out=tmp_path, max_new_tokens=8, exit_layer=1,
                           beams=BeamSettings(2))
-    contenders, left_out = build_contenders(setting, target, None, SamplingParams())
+    contenders, left_out = build_contenders(setting, target, None, SamplingParams(), [[1, 2]])
     labels = [c.label for c in contenders]
     assert labels[:2] == ["hf", "ar"] and {"pld", "self-int4", "early-exit"} <= set(labels)
     assert {"lookahead", "suffix", "hf-pld", "hf-early-exit"} <= set(left_out)

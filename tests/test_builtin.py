@@ -9,6 +9,7 @@ import verispec
 from verispec.cli import main
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
+from verispec.decoding.engine import SequenceSpec
 from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.trained_exit import trained_exit_drafter
@@ -62,7 +63,7 @@ def test_shipped_drafters_load_and_are_exact(smollm, prompt_ids, method):
     assert shipped_drafter(smollm.model, method) is not None, f"no {method} drafter ships"
     reference = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW).token_ids
     engine = build_engine(smollm, method)
-    result = engine.generate(prompt_ids, StoppingRules.build(NEW, smollm.eos_token_ids))
+    result = engine.generate(SequenceSpec(prompt_ids, StoppingRules.build(NEW, smollm.eos_token_ids)))
     assert result.token_ids == reference
     assert result.stats.mean_accepted_tokens > 1.0  # some drafts are accepted
 
@@ -72,7 +73,7 @@ def test_shipped_heads_are_exact_in_trees_and_through_generate(smollm, prompt_id
     reference = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW).token_ids
     assert verispec.generate(smollm, prompt_ids, max_new_tokens=NEW, method=method).token_ids == reference
     tree = build_engine(smollm, method, DraftOptions(k=4, tree=TreeSettings(2, 6)))
-    assert tree.generate(prompt_ids, StoppingRules.build(NEW)).token_ids == reference
+    assert tree.generate(SequenceSpec(prompt_ids, StoppingRules.build(NEW))).token_ids == reference
 
 
 def test_trained_exit_agrees_with_the_target_more_than_the_plain_exit(smollm, prompt_ids):
@@ -105,11 +106,11 @@ def test_builtin_gguf_blocks_are_the_weights_the_target_runs(smollm):
 def test_builtin_self_speculation_is_exact(smollm, prompt_ids, method):
     reference = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW).token_ids
     engine = build_engine(smollm, method)
-    result = engine.generate(prompt_ids, StoppingRules.build(NEW))
+    result = engine.generate(SequenceSpec(prompt_ids, StoppingRules.build(NEW)))
     assert result.token_ids == reference
     assert result.stats.mean_accepted_tokens > 3, method  # the target's own weights agree
     tree = build_engine(smollm, "self-int4", DraftOptions(k=4, tree=TreeSettings(2, 8)))
-    assert tree.generate(prompt_ids, StoppingRules.build(NEW)).token_ids == reference
+    assert tree.generate(SequenceSpec(prompt_ids, StoppingRules.build(NEW))).token_ids == reference
 
 
 def test_builtin_int4_drafter_is_small(smollm):

@@ -20,7 +20,7 @@ from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import Fate, SamplingParams, Step
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.display import TokenPieces
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.mtp import MTPDrafter
@@ -149,7 +149,7 @@ def test_byte_model_methods_match_plain_decoding(tiny, prompt, k):
     """Greedy: MTP self-speculation (chain and tree), pld, suffix and lookahead give the plain
     decoding's bytes exactly."""
     loaded, heads = tiny
-    truth = build_engine(loaded, "ar").generate(prompt, StoppingRules.build(NEW)).token_ids
+    truth = build_engine(loaded, "ar").generate(SequenceSpec(prompt, StoppingRules.build(NEW))).token_ids
     assert sum(b >= 0x80 for b in bytes_of(truth)) > 10  # multi-byte characters in the output
     cases = {"mtp": DraftOptions(k=k, draft=str(heads)),
              "mtp-tree": DraftOptions(k=k, draft=str(heads), tree=TreeSettings(2, 6)),
@@ -158,7 +158,7 @@ def test_byte_model_methods_match_plain_decoding(tiny, prompt, k):
              "lookahead": DraftOptions(k=min(k, 3))}
     for name, options in cases.items():
         result = build_engine(loaded, name.removesuffix("-tree"), options).generate(
-            prompt, StoppingRules.build(NEW))
+            SequenceSpec(prompt, StoppingRules.build(NEW)))
         assert result.token_ids == truth, f"{name} at k={k} diverged from plain decoding"
 
 
@@ -166,7 +166,7 @@ def test_mtp_self_speculation_keeps_drafts_on_bytes(tiny, prompt):
     """The equality above is not only rejections: the heads' drafts are mostly kept."""
     loaded, heads = tiny
     result = build_engine(loaded, "mtp", DraftOptions(draft=str(heads))).generate(
-        prompt, StoppingRules.build(NEW))
+        SequenceSpec(prompt, StoppingRules.build(NEW)))
     assert result.stats.mean_accepted_tokens > 2.0
 
 
@@ -290,9 +290,9 @@ def test_shipped_byte_model_runs_its_own_heads_exactly():
     prompt = loaded.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write a Python function that reverses a string."}],
         add_generation_prompt=True, tokenize=True, return_dict=False)
-    truth = build_engine(loaded, "ar").generate(prompt, StoppingRules.build(96)).token_ids
+    truth = build_engine(loaded, "ar").generate(SequenceSpec(prompt, StoppingRules.build(96))).token_ids
     for method in ("mtp", "pld", "suffix"):
-        result = build_engine(loaded, method).generate(prompt, StoppingRules.build(96))
+        result = build_engine(loaded, method).generate(SequenceSpec(prompt, StoppingRules.build(96)))
         assert result.token_ids == truth, method
 
 

@@ -146,7 +146,7 @@ def test_a_draft_in_another_vocabulary_matches_plain_decoding(words, k):
     (nothing proposed): still the same tokens."""
     target, _, prompt, truth = words
     perfect = SpeculativeEngine(target, oracle_drafter(words), ConstantK(k)).generate(
-        prompt, StoppingRules.build(NEW))
+        SequenceSpec(prompt, StoppingRules.build(NEW)))
     assert perfect.token_ids == truth
     assert perfect.stats.target_forwards == passes_when_all_kept(k)
     assert perfect.stats.boundary_lost == 2 * sum(1 for step in perfect.steps if step.num_drafted)
@@ -154,7 +154,7 @@ def test_a_draft_in_another_vocabulary_matches_plain_decoding(words, k):
     slips = wrong_words(words)
     for errors in (set(slips[::2]), set(slips[1::3])):
         result = SpeculativeEngine(target, oracle_drafter(words, errors), ConstantK(k)).generate(
-            prompt, StoppingRules.build(NEW))
+            SequenceSpec(prompt, StoppingRules.build(NEW)))
         assert result.token_ids == truth, f"k={k}, errors {errors}"
         partial += [s for s in result.steps if 0 < s.num_accepted < s.num_drafted]
         refused += [s for s in result.steps if s.num_drafted and s.num_accepted == 0]
@@ -177,7 +177,7 @@ def test_the_reverse_direction_a_word_draft_for_a_character_target():
     for k in (1, 3, 6):
         oracle = TextOracle(crossing.draft, [text], set(), stray=3)
         result = SpeculativeEngine(target, CrossDrafter(oracle, crossing, len(target_tokenizer)),
-                                   ConstantK(k)).generate(prompt, StoppingRules.build(NEW))
+                                   ConstantK(k)).generate(SequenceSpec(prompt, StoppingRules.build(NEW)))
         assert result.token_ids == truth
         assert result.stats.target_forwards == passes_when_all_kept(k)
         assert k == 1 or result.stats.foreign_tokens < NEW  # a draft token spells several
@@ -273,7 +273,8 @@ def test_the_drafts_own_options_work_across_tokenizers(words):
     target, _, prompt, truth = words
 
     def run(drafter: CrossDrafter, policy) -> verispec.GenerationResult:
-        result = SpeculativeEngine(target, drafter, policy).generate(prompt, StoppingRules.build(NEW))
+        result = SpeculativeEngine(target, drafter, policy).generate(
+            SequenceSpec(prompt, StoppingRules.build(NEW)))
         assert result.token_ids == truth
         return result
 
@@ -454,12 +455,12 @@ def test_the_bench_runs_hf_uag_beside_the_draft_and_reports_the_boundary(saved, 
     setting = BenchConfig(model=str(saved[0]), out=tmp_path / "bench", questions=questions, max_new_tokens=12,
                           warmup=0, draft=str(saved[1]), exit_layer=1)
     target, draft = load_model(str(saved[0])), load_model(str(saved[1]))
-    contenders, left_out = build_contenders(setting, target, draft, GREEDY)
+    contenders, left_out = build_contenders(setting, target, draft, GREEDY, [[1, 2]])
     labels = [c.label for c in contenders]
     assert "hf-uag" in labels and "draft" in labels and "hf-assisted" not in labels
     assert left_out == {"hf-assisted": "the draft's tokenizer is not the target's (hf-uag runs the pair)"}
     with pytest.raises(VerispecError, match="hf-uag runs the pair"):
-        build_contenders(replace(setting, methods=["hf-assisted"]), target, draft, GREEDY)
+        build_contenders(replace(setting, methods=["hf-assisted"]), target, draft, GREEDY, [[1, 2]])
     results = run_bench(replace(setting, methods=["draft", "hf-uag"]), progress=False)
     runs = {(r.label, r.question_id): r for r in results.runs}
     assert all(runs[label, q].identical_to_baseline for label in ("draft", "hf-uag", "hf") for q in (0, 1))

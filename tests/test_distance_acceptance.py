@@ -11,7 +11,7 @@ from verispec.core.errors import VerispecError
 from verispec.core.policies import ConstantK
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.model import ModelDrafter
 from verispec.verifiers import verifier_for
 
@@ -27,7 +27,8 @@ def runs():
     out = {}
     for rule in ("exact", "tv:0", "tv:0.25", "tv:1"):
         engine = SpeculativeEngine(target, ModelDrafter(draft, VOCAB), ConstantK(3), acceptance=rule)
-        results = [engine.generate(PROMPT, StoppingRules.build(24), SAMPLING, seed) for seed in SEEDS]
+        results = [engine.generate(
+            SequenceSpec(PROMPT, StoppingRules.build(24), SAMPLING, seed)) for seed in SEEDS]
         out[rule] = ([r.token_ids for r in results],
                      sum(s.num_accepted for r in results for s in r.steps),
                      sum(s.num_drafted for r in results for s in r.steps))

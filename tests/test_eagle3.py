@@ -30,7 +30,7 @@ from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, default_aux_layers, eagle3_settings
 from verispec.drafters.learned import save_drafter
@@ -418,11 +418,11 @@ def test_cli_trains_an_eagle3_that_decodes_exactly(target, tmp_path, capsys):
     settings = json.loads((out / "drafter.json").read_text())["settings"]
     assert settings["aux_layers"] == [0, 1, 2] and settings["draft_vocab"] == 40
     prompt = [1, 17, 42, 9, 33, 17, 42, 5]
-    plain = build_engine(target, "ar").generate(prompt, StoppingRules.build(30)).token_ids
+    plain = build_engine(target, "ar").generate(SequenceSpec(prompt, StoppingRules.build(30))).token_ids
     for tree in (None, TreeSettings(3, 8)):
         options = DraftOptions(k=3, draft=str(out), tree=tree)
         assert build_engine(target, "eagle3", options).generate(
-            prompt, StoppingRules.build(30)).token_ids == plain, tree
+            SequenceSpec(prompt, StoppingRules.build(30))).token_ids == plain, tree
     # Data built without aux states (an eagle run's) is refused with what to do.
     plain_data = build_dataset(target, tmp_path / "plain", num_prompts=2, max_new_tokens=4)
     assert main(["train", "eagle3", "--target", target.name, "--out", str(tmp_path / "x"),

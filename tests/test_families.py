@@ -17,7 +17,7 @@ from tests.tiny import FAMILY_NAMES, WINDOW, tiny_family, tiny_foreign
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.methods import build_engine
@@ -123,10 +123,10 @@ def test_methods_without_training_are_exact_on_each_family(name, dtype):
     target = LoadedModel(build(name, dtype, seed=3), None, f"tiny-{name}")
     plain = build_engine(target, "ar")
     assert plain.target.lean is not None
-    references = [plain.generate(p, StoppingRules.build(40)).token_ids for p in PROMPTS]
+    references = [plain.generate(SequenceSpec(p, StoppingRules.build(40))).token_ids for p in PROMPTS]
     for method in METHODS:
         engine = build_engine(target, method)
-        results = [engine.generate(p, StoppingRules.build(40)) for p in PROMPTS]
+        results = [engine.generate(SequenceSpec(p, StoppingRules.build(40))) for p in PROMPTS]
         assert [r.token_ids for r in results] == references, method
         assert sum(step.num_accepted for r in results for step in r.steps) > 0, method
 
@@ -183,7 +183,8 @@ def test_builtin_gemma3_runs_lean_and_every_method_is_exact(dtype):
         assert stats.dtype == "gguf" and "Q4_K:" in stats.kernel
     prompts = [encode_prompt(target, text) for text in GEMMA_PROMPTS]
     plain = build_engine(target, "ar")
-    references = [plain.generate(p, StoppingRules.build(24)).token_ids for p in prompts]
+    references = [plain.generate(SequenceSpec(p, StoppingRules.build(24))).token_ids for p in prompts]
     for method in METHODS:
         engine = build_engine(target, method)
-        assert [engine.generate(p, StoppingRules.build(24)).token_ids for p in prompts] == references, method
+        assert [engine.generate(
+            SequenceSpec(p, StoppingRules.build(24))).token_ids for p in prompts] == references, method

@@ -22,6 +22,7 @@ from tests.test_row_kernels import rows_differing
 from tests.tiny import tiny_llama
 from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
+from verispec.decoding.engine import SequenceSpec
 from verispec.methods import build_engine
 from verispec.model import gguf_blocks
 from verispec.model.cached_model import CachedModel
@@ -306,11 +307,12 @@ def test_methods_are_exact_on_the_stored_target(target):
     drafts were kept (this random model seldom repeats itself, so pld and suffix keep few)."""
     prompts = [[1, 17, 42, 9, 33, 17, 42, 5, 17, 42, 9, 33], [1, 60, 7]]
     plain = build_engine(target, "ar")
-    references = [plain.generate(prompt, StoppingRules.build(32)).token_ids for prompt in prompts]
+    references = [plain.generate(
+        SequenceSpec(prompt, StoppingRules.build(32))).token_ids for prompt in prompts]
     accepted = 0
     for method in ("pld", "suffix", "lookahead", "self-int4"):
         engine = build_engine(target, method)
-        results = [engine.generate(prompt, StoppingRules.build(32)) for prompt in prompts]
+        results = [engine.generate(SequenceSpec(prompt, StoppingRules.build(32))) for prompt in prompts]
         assert [r.token_ids for r in results] == references, method
         assert sum(step.draft_depth for r in results for step in r.steps) > 0, method
         accepted += sum(step.num_accepted for r in results for step in r.steps)

@@ -96,7 +96,7 @@ def constrained(engine: SpeculativeEngine, prompt: list[int], grammar_state: Con
     """A constrained run; a token the grammar refuses reaching the output (the engine stops with
     an error) fails the test's assertion that the run is masked plain decoding."""
     try:
-        return engine.generate(prompt, StoppingRules.build(n), constraint=grammar_state)
+        return engine.generate(SequenceSpec(prompt, StoppingRules.build(n), constraint=grammar_state))
     except VerispecError as error:
         raise AssertionError(f"the output left the grammar: {error}") from error
 
@@ -136,11 +136,11 @@ def test_drafts_leaving_the_grammar_are_cut_before_verification(target, tokenize
     prompt, truth = PROMPTS[0], references[0]
     k = 6
     random = SpeculativeEngine(target, RandomDrafter(VOCAB), ConstantK(k)).generate(
-        prompt, StoppingRules.build(NEW), constraint=constraint(tokenizer))
+        SequenceSpec(prompt, StoppingRules.build(NEW), constraint=constraint(tokenizer)))
     drafted = [s.num_drafted for s in random.steps if s.source is not DraftSource.GRAMMAR]
     assert min(drafted) < k and random.token_ids == truth, drafted
     oracle = SpeculativeEngine(target, OracleDrafter(len(prompt), truth, set(), VOCAB), ConstantK(k))
-    oracle = oracle.generate(prompt, StoppingRules.build(NEW), constraint=constraint(tokenizer))
+    oracle = oracle.generate(SequenceSpec(prompt, StoppingRules.build(NEW), constraint=constraint(tokenizer)))
     assert any(s.num_accepted == k for s in oracle.steps if s.source is not DraftSource.GRAMMAR)
 
 
@@ -150,7 +150,8 @@ def test_a_row_with_a_grammar_beside_rows_without(target, tokenizer, references)
     other = Grammar.of(regex=r"(w3[0-9]w4[0-8])+")
     engine = SpeculativeEngine(target, PromptLookupDrafter(max_ngram=3), ConstantK(4),
                                spawn=lambda: PromptLookupDrafter(max_ngram=3), load_cap=LoadCap(()))
-    alone_free = SpeculativeEngine(target).generate(PROMPTS[1], StoppingRules.build(NEW)).token_ids
+    alone_free = SpeculativeEngine(target).generate(
+        SequenceSpec(PROMPTS[1], StoppingRules.build(NEW))).token_ids
     rules = StoppingRules.build(NEW)
     results = engine.generate_batch([
         SequenceSpec(PROMPTS[0], rules, constraint=constraint(tokenizer)), SequenceSpec(PROMPTS[1], rules),
@@ -168,7 +169,7 @@ def test_a_complete_grammar_ends_the_sequence(target, tokenizer):
     assert len(truth) < NEW and tokenizer.decode(truth).endswith("w10w11")
     for drafter in (None, PromptLookupDrafter(max_ngram=3), ModelDrafter(target, VOCAB)):
         result = SpeculativeEngine(target, drafter, ConstantK(5)).generate(
-            PROMPTS[0], StoppingRules.build(NEW), constraint=constraint(tokenizer, grammar))
+            SequenceSpec(PROMPTS[0], StoppingRules.build(NEW), constraint=constraint(tokenizer, grammar)))
         assert result.token_ids == truth and result.steps[-1].finished
 
 

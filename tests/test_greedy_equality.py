@@ -10,7 +10,7 @@ from tests.tiny import VOCAB, plain_greedy, tiny_foreign, tiny_llama
 from verispec.core.policies import ConstantK, HeuristicK
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.early_exit import early_exit_drafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter
@@ -26,7 +26,7 @@ def references(target):
 
 def run(target, drafter, k, prompt, policy=None):
     engine = SpeculativeEngine(target, drafter, policy or ConstantK(k))
-    return engine.generate(prompt, StoppingRules.build(NEW))
+    return engine.generate(SequenceSpec(prompt, StoppingRules.build(NEW)))
 
 
 def drafters(target, prompt, truth):
@@ -66,7 +66,7 @@ def test_models_off_the_lean_path_match_plain_decoding(k):
                               }.items():
             engine = SpeculativeEngine(model, drafter, ConstantK(k))
             assert engine.target.lean is None
-            result = engine.generate(prompt, StoppingRules.build(NEW))
+            result = engine.generate(SequenceSpec(prompt, StoppingRules.build(NEW)))
             assert result.token_ids == truth, f"{name} with k={k} diverged from plain decoding"
 
 
@@ -93,7 +93,7 @@ def test_every_step_adds_its_accepted_drafts_and_one_target_token(target, refere
     for drafter, k in cases:
         engine = SpeculativeEngine(target, drafter, ConstantK(k))
         emitted, full = [], 0
-        for _, step in zip(range(NEW), engine.steps(prompt, StoppingRules.build(NEW))):
+        for _, step in zip(range(NEW), engine.steps(SequenceSpec(prompt, StoppingRules.build(NEW)))):
             assert len(step.tokens) == step.num_accepted + 1, (k, step.num_drafted, step.num_accepted)
             full += step.num_drafted > 0 and step.num_accepted == step.num_drafted
             emitted += step.tokens
@@ -131,13 +131,14 @@ def test_kv_cache_stays_consistent_over_many_rejection_cycles(target):
     for drafter in (oracle, draft):
         engine = SpeculativeEngine(target, drafter, ConstantK(6))
         length = len(prompt)
-        for step in engine.steps(prompt, StoppingRules.build(300)):
+        for step in engine.steps(SequenceSpec(prompt, StoppingRules.build(300))):
             length += len(step.tokens)
             assert engine.target.length == length - 1  # all committed tokens but the last
             if isinstance(drafter, ModelDrafter):
                 assert drafter.lm.length <= length - 1
         assert length == len(prompt) + 300
-    result = SpeculativeEngine(target, oracle, ConstantK(6)).generate(prompt, StoppingRules.build(300))
+    result = SpeculativeEngine(target, oracle, ConstantK(6)).generate(
+        SequenceSpec(prompt, StoppingRules.build(300)))
     assert result.token_ids == truth
     assert sum(s.num_accepted < s.num_drafted for s in result.steps) > 50
 
@@ -147,7 +148,7 @@ def test_memory_is_flat_over_many_calls(target):
     engine = SpeculativeEngine(target, ModelDrafter(tiny_llama(seed=7, layers=1), VOCAB), ConstantK(4))
     sizes = []
     for _ in range(200):
-        engine.generate(PROMPTS[1], StoppingRules.build(6))
+        engine.generate(SequenceSpec(PROMPTS[1], StoppingRules.build(6)))
         sizes.append((engine.target.length, engine.drafter.lm.length))
     assert len(set(sizes)) == 1
 
@@ -168,10 +169,10 @@ def test_bfloat16_speculation_matches_bfloat16_plain_decoding():
     """Exactness is relative to the dtype the target runs in: here bfloat16 against bfloat16."""
     bf16 = tiny_llama(seed=0).to(torch.bfloat16)
     prompt = PROMPTS[0]
-    plain = SpeculativeEngine(bf16).generate(prompt, StoppingRules.build(32)).token_ids
-    assert SpeculativeEngine(bf16).generate(prompt, StoppingRules.build(32)).token_ids == plain
+    plain = SpeculativeEngine(bf16).generate(SequenceSpec(prompt, StoppingRules.build(32))).token_ids
+    assert SpeculativeEngine(bf16).generate(SequenceSpec(prompt, StoppingRules.build(32))).token_ids == plain
     fast = SpeculativeEngine(bf16, ModelDrafter(bf16, VOCAB), ConstantK(4))
-    assert fast.generate(prompt, StoppingRules.build(32)).token_ids == plain
+    assert fast.generate(SequenceSpec(prompt, StoppingRules.build(32))).token_ids == plain
 
 
 def test_a_model_drafter_tree_holds_its_own_chain(target, references):

@@ -19,7 +19,7 @@ from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.hydra import HydraDrafter, HydraNet, hydra_settings
 from verispec.drafters.learned import ReducedHead
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
@@ -68,7 +68,7 @@ def plain(model, prompt: list[int], new: int) -> list[int]:
     tiny tokenizer's unknown word, so it is the reference for the pad-free prompt only.)"""
     if 0 not in prompt:
         return plain_greedy(model, prompt, new)
-    return SpeculativeEngine(model).generate(prompt, StoppingRules.build(new)).token_ids
+    return SpeculativeEngine(model).generate(SequenceSpec(prompt, StoppingRules.build(new))).token_ids
 
 
 def _random(kind: str, model, heads: int = 3, tree: TreeSettings | None = None):
@@ -106,7 +106,7 @@ def test_hydra_and_mtp_match_plain_decoding(loaded, trained, prompts, k):
         truth = plain(loaded.model, prompt, NEW)
         for name, drafter in drafters.items():
             result = SpeculativeEngine(loaded.model, drafter, ConstantK(k)).generate(
-                prompt, StoppingRules.build(NEW))
+                SequenceSpec(prompt, StoppingRules.build(NEW)))
             assert result.token_ids == truth, f"{name} with k={k} diverged from plain decoding"
 
 
@@ -115,7 +115,7 @@ def test_trained_heads_are_accepted_on_their_training_prompts(loaded, trained, p
     for kind in KINDS:
         for tree in (None, TreeSettings(3, 8)):
             engine = build_engine(loaded, kind, _options(trained[kind], tree))
-            result = engine.generate(prompts[0], StoppingRules.build(NEW))
+            result = engine.generate(SequenceSpec(prompts[0], StoppingRules.build(NEW)))
             assert result.stats.mean_accepted_tokens > 1.5, (kind, tree)
 
 
@@ -130,7 +130,7 @@ def test_mtp_caches_restart_with_every_generation(loaded, trained, prompts):
         """The tokens, and the heads' caches at the last step (a finished sequence's drafter is
         emptied when it leaves the batch)."""
         tokens, caches = [], []
-        for step in engine.steps(prompts[0], StoppingRules.build(NEW)):
+        for step in engine.steps(SequenceSpec(prompts[0], StoppingRules.build(NEW))):
             tokens += step.tokens
             cache = engine.drafter.cache  # every head's, the heads as its batch
             keys = None if cache.keys is None else cache.keys[:, :, : cache.length].clone()

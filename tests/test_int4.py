@@ -64,8 +64,8 @@ def test_every_method_is_exact_to_the_4bit_target(target, method, options):
     accepted = 0
     for text in PROMPTS:
         ids = encode_prompt(target, text, chat=True)
-        reference = plain.generate(ids, StoppingRules.build(32))
-        result = fast.generate(ids, StoppingRules.build(32))
+        reference = plain.generate(SequenceSpec(ids, StoppingRules.build(32)))
+        result = fast.generate(SequenceSpec(ids, StoppingRules.build(32)))
         assert result.token_ids == reference.token_ids, text
         accepted += sum(step.num_accepted for step in result.steps)
     assert accepted > 0
@@ -74,7 +74,8 @@ def test_every_method_is_exact_to_the_4bit_target(target, method, options):
 def test_a_batch_on_the_4bit_target_matches_each_prompt_alone(target):
     engine = build_engine(target, "pld")
     prompts = [encode_prompt(target, text, chat=True) for text in PROMPTS]
-    alone = [build_engine(target, "ar").generate(p, StoppingRules.build(24)).token_ids for p in prompts]
+    alone = [build_engine(target, "ar").generate(
+        SequenceSpec(p, StoppingRules.build(24))).token_ids for p in prompts]
     results = engine.generate_batch(SequenceSpec.batch(prompts, StoppingRules.build(24)))
     assert [r.token_ids for r in results] == alone
 
@@ -91,8 +92,10 @@ def test_a_hugging_face_model_is_quantized_to_groups_of_32(tmp_path):
     rounded = float_head.to(torch.bfloat16).float() if cpu_packs(torch.bfloat16) else float_head
     assert torch.equal(head, rounded)
     assert torch.equal(loaded.model.get_input_embeddings().weight, floats.model.get_input_embeddings().weight)
-    reference = build_engine(loaded, "ar").generate([1, 2, 3], StoppingRules.build(12)).token_ids
-    assert build_engine(loaded, "pld").generate([1, 2, 3], StoppingRules.build(12)).token_ids == reference
+    reference = build_engine(loaded, "ar").generate(
+        SequenceSpec([1, 2, 3], StoppingRules.build(12))).token_ids
+    assert build_engine(loaded, "pld").generate(
+        SequenceSpec([1, 2, 3], StoppingRules.build(12))).token_ids == reference
 
 
 def test_bad_4bit_requests_get_clear_errors(tmp_path):
@@ -121,9 +124,9 @@ def test_every_shipped_drafter_is_exact_to_the_4bit_target(target):
     greedy output. (The trained early exit failed there with "'ExitAdapter' object has no
     attribute 'weight'", the distilled student with "Unexpected key(s) in state_dict".)"""
     ids = encode_prompt(target, PROMPTS[1], chat=True)
-    reference = build_engine(target, "ar").generate(ids, StoppingRules.build(12)).token_ids
+    reference = build_engine(target, "ar").generate(SequenceSpec(ids, StoppingRules.build(12))).token_ids
     for method in SHIPPED:
-        result = build_engine(target, method).generate(ids, StoppingRules.build(12))
+        result = build_engine(target, method).generate(SequenceSpec(ids, StoppingRules.build(12)))
         assert result.token_ids == reference, method
         assert sum(step.num_drafted for step in result.steps) > 0, method
 

@@ -85,7 +85,7 @@ def test_dataset_holds_answers_and_hidden_states(loaded, data):
     # the tiny tokenizer's unknown word, which HF generate() would mask without a mask given.)
     prompt = s.tokens[: s.prompt_len].tolist()
     answer = s.tokens[s.prompt_len:].tolist()
-    plain = SpeculativeEngine(loaded.model).generate(prompt, StoppingRules.build(len(answer)))
+    plain = SpeculativeEngine(loaded.model).generate(SequenceSpec(prompt, StoppingRules.build(len(answer))))
     assert answer == plain.token_ids
 
 
@@ -259,7 +259,7 @@ def test_learned_drafters_match_plain_decoding(loaded, trained, k):
         truth = plain_greedy(loaded.model, prompt, NEW)
         for name, drafter in _drafters(loaded, trained).items():
             engine = SpeculativeEngine(loaded.model, drafter, ConstantK(k))
-            result = engine.generate(prompt, StoppingRules.build(NEW))
+            result = engine.generate(SequenceSpec(prompt, StoppingRules.build(NEW)))
             assert result.token_ids == truth, f"{name} with k={k} diverged from plain decoding"
 
 
@@ -316,7 +316,7 @@ def test_engine_hands_drafters_the_targets_hidden_states(loaded, layers):
             pass
 
     engine = SpeculativeEngine(loaded.model, Recorder(), ConstantK(2))
-    engine.generate(PROMPTS[0], StoppingRules.build(20))
+    engine.generate(SequenceSpec(PROMPTS[0], StoppingRules.build(20)))
     assert len(seen) > 3
     for request in seen:
         with torch.no_grad():
@@ -370,7 +370,7 @@ def test_sampled_drafts_report_their_q(loaded, trained):
 def test_seeded_sampling_repeats_exactly(loaded, trained):
     engine = build_engine(loaded, "eagle", DraftOptions(k=4, draft=str(trained["eagle"])))
     sampling = SamplingParams(do_sample=True, temperature=1.0)
-    runs = [engine.generate(PROMPTS[0], StoppingRules.build(NEW), sampling, seed=5).token_ids
+    runs = [engine.generate(SequenceSpec(PROMPTS[0], StoppingRules.build(NEW), sampling, seed=5)).token_ids
             for _ in range(2)]
     assert runs[0] == runs[1]
 
@@ -434,7 +434,7 @@ def test_cli_trains_a_mid_state_eagle_that_decodes_exactly(loaded, data, trained
     for method in ("eagle", "eagle-pld"):
         engine = build_engine(loaded, method, DraftOptions(k=3, draft=str(out)))
         for prompt in PROMPTS:
-            result = engine.generate(prompt, StoppingRules.build(NEW))
+            result = engine.generate(SequenceSpec(prompt, StoppingRules.build(NEW)))
             assert result.token_ids == plain_greedy(loaded.model, prompt, NEW), method
     capsys.readouterr()
     assert main(["train", "medusa", "--target", str(loaded.name), "--out", str(tmp_path / "m"),
@@ -640,8 +640,9 @@ def test_no_method_leaks_across_200_generations(loaded, trained):
     def calls(count: int) -> None:
         for engine in engines:
             for i, prompt in enumerate(prompts[:count]):
-                engine.generate(prompt, StoppingRules.build(12), SamplingParams(do_sample=bool(i % 2)),
-                                seed=i)
+                engine.generate(
+                    SequenceSpec(prompt, StoppingRules.build(12), SamplingParams(do_sample=bool(i % 2)),
+                                 seed=i))
 
     calls(20)
     before = _rss_mib()

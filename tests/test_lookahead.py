@@ -16,7 +16,7 @@ from verispec.core.sampling import sample
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import side_block
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.lookahead import LookaheadDrafter, lookahead_branch
 from verispec.methods import build_engine
@@ -73,14 +73,14 @@ def test_lookahead_matches_plain_decoding(target, references, window, ngram, gue
                                        ConstantK(k))
             length = len(prompt)
             steps = []
-            for step in engine.steps(prompt, StoppingRules.build(NEW)):
+            for step in engine.steps(SequenceSpec(prompt, StoppingRules.build(NEW))):
                 length += len(step.tokens)
                 assert engine.target.length == length - 1  # the side rows never stay cached
                 steps.append(step)
             assert [t for s in steps for t in s.tokens] == truth, (window, ngram, guesses, k, pool_context)
     # The pool does its work: more than one token per target forward on the repetitive prompt.
     result = SpeculativeEngine(target, LookaheadDrafter(5, 4, 5), ConstantK(3)).generate(
-        PROMPTS[0], StoppingRules.build(NEW))
+        SequenceSpec(PROMPTS[0], StoppingRules.build(NEW)))
     assert result.stats.mean_accepted_tokens > 1.5
 
 
@@ -91,19 +91,19 @@ def test_lookahead_off_the_lean_path_and_with_a_varying_k_matches_plain_decoding
         for window, ngram, guesses, k in SETTINGS[1:4]:
             engine = SpeculativeEngine(model, LookaheadDrafter(window, ngram, guesses), ConstantK(k))
             assert engine.target.lean is None
-            assert engine.generate(prompt, StoppingRules.build(NEW)).token_ids == truth
+            assert engine.generate(SequenceSpec(prompt, StoppingRules.build(NEW))).token_ids == truth
     engine = SpeculativeEngine(target, LookaheadDrafter(4, 5, 4), HeuristicK(2))
-    assert engine.generate(PROMPTS[0], StoppingRules.build(NEW)).token_ids == references[0]
+    assert engine.generate(SequenceSpec(PROMPTS[0], StoppingRules.build(NEW))).token_ids == references[0]
 
 
 def test_no_state_leaks_across_calls(target, references):
     drafter = LookaheadDrafter(4, 4, 4, pool_context=True)
     engine = SpeculativeEngine(target, drafter, ConstantK(3))
-    first = engine.generate(PROMPTS[0], StoppingRules.build(NEW))
+    first = engine.generate(SequenceSpec(PROMPTS[0], StoppingRules.build(NEW)))
     assert any(step.num_accepted for step in first.steps)  # the pool drafted, and drafts were kept
     assert not drafter.pool and not drafter.levels  # a finished sequence's drafter is emptied
-    other = engine.generate(PROMPTS[1], StoppingRules.build(NEW))
-    again = engine.generate(PROMPTS[0], StoppingRules.build(NEW))
+    other = engine.generate(SequenceSpec(PROMPTS[1], StoppingRules.build(NEW)))
+    again = engine.generate(SequenceSpec(PROMPTS[0], StoppingRules.build(NEW)))
     assert other.token_ids == references[1] and again.token_ids == references[0]
     assert [len(s.tokens) for s in again.steps] == [len(s.tokens) for s in first.steps]
     drafter.reset()
@@ -192,7 +192,7 @@ def test_seeded_sampling_repeats(target):
     sampling = SamplingParams(do_sample=True, temperature=0.8)
 
     def tokens(seed: int) -> list[int]:
-        return engine.generate(PROMPTS[0], StoppingRules.build(24), sampling, seed).token_ids
+        return engine.generate(SequenceSpec(PROMPTS[0], StoppingRules.build(24), sampling, seed)).token_ids
 
     assert tokens(1) == tokens(1) and tokens(1) != tokens(2)
 
@@ -204,6 +204,6 @@ def test_builtin_model_lookahead_is_exact():
     reference = verispec.generate(smollm, prompt, max_new_tokens=24).token_ids
     for options in (DraftOptions(), DraftOptions(k=2, lookahead_window=3, lookahead_pool_context=True)):
         result = build_engine(smollm, "lookahead", options).generate(
-            prompt, StoppingRules.build(24, smollm.eos_token_ids))
+            SequenceSpec(prompt, StoppingRules.build(24, smollm.eos_token_ids)))
         assert result.token_ids == reference[: len(result.token_ids)]
         assert len(result.token_ids) == len(reference)

@@ -12,10 +12,11 @@ from verispec.core.errors import VerispecError
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import DraftSource, SamplingParams
+from verispec.decoding.constrained import GrammarDrafter, GrammarState
 from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
-from verispec.drafters.base import DraftRequest
+from verispec.drafters.base import CAPABILITIES, Drafter, DraftRequest, Wrapper
 from verispec.drafters.ngram import PromptLookupDrafter
-from verispec.drafters.prediction import PredictionDrafter, realign
+from verispec.drafters.prediction import PredictionDrafter, PredictionFirst, realign
 
 NEW = 40
 PROMPT = [1, 60, 7, 9]
@@ -42,6 +43,26 @@ def test_realign_finds_the_nearest_occurrence_after_the_last_agreement():
     assert realign([5, 6], [9], near=0) is None
 
 
+@pytest.mark.parametrize("wrap", [lambda inner: PredictionFirst([1, 2], inner),
+                                  lambda inner: GrammarDrafter(GrammarState(None), inner)],
+                         ids=["prediction", "grammar"])
+def test_wrappers_take_every_capability_of_the_drafter_inside(wrap):
+    """Every capability Drafter declares (a new one too) comes from the wrapped drafter, but the
+    wrapper's OWN ones; with no drafter inside, Drafter's defaults."""
+    assert {"needs_hidden", "hidden_layers", "adopts_prefill", "tree"} <= set(CAPABILITIES) - Wrapper.OWN
+    inner = Drafter()
+    for name in CAPABILITIES:
+        setattr(inner, name, object())  # a value no wrapper has of its own
+    wrapper = wrap(inner)
+    for name in CAPABILITIES:
+        if name in Wrapper.OWN:
+            assert getattr(wrapper, name) is getattr(Wrapper, name), name
+        else:
+            assert getattr(wrapper, name) is getattr(inner, name), name
+    alone = wrap(None)
+    assert alone.uses_room and not alone.needs_hidden and alone.tree is None
+
+
 def test_prediction_drafter_follows_and_realigns():
     drafter = PredictionDrafter([10, 11, 12, 13, 14, 15])
 
@@ -63,7 +84,7 @@ def test_predicted_outputs_match_plain_decoding_and_are_counted(target, truth, d
     made = None if drafter is None else PromptLookupDrafter(max_ngram=3)
     engine = SpeculativeEngine(target, made, ConstantK(k))
     for prediction in (truth, edited(truth)):
-        result = engine.generate(PROMPT, StoppingRules.build(NEW), prediction=prediction)
+        result = engine.generate(SequenceSpec(PROMPT, StoppingRules.build(NEW), prediction=prediction))
         assert result.token_ids == truth
         stats = result.stats
         drafted = sum(s.num_drafted for s in result.steps if s.source is DraftSource.PREDICTION)
@@ -80,7 +101,7 @@ def test_predicted_outputs_match_plain_decoding_and_are_counted(target, truth, d
                     after_edit += step.num_accepted
                 position += len(step.tokens)
             assert after_edit >= 5
-    plain = engine.generate(PROMPT, StoppingRules.build(NEW))
+    plain = engine.generate(SequenceSpec(PROMPT, StoppingRules.build(NEW)))
     assert plain.token_ids == truth and plain.stats.accepted_prediction_tokens == 0
 
 

@@ -17,6 +17,7 @@ from verispec.core.sampling import warp_probs
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
+from verispec.decoding.engine import SequenceSpec
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
@@ -151,7 +152,7 @@ def test_self_drafters_match_plain_decoding(loaded, references, k):
     for name, drafter in self_drafters(loaded).items():
         engine = SpeculativeEngine(loaded.model, drafter, ConstantK(k))
         for prompt, truth in zip(PROMPTS, references):
-            result = engine.generate(prompt, StoppingRules.build(NEW))
+            result = engine.generate(SequenceSpec(prompt, StoppingRules.build(NEW)))
             assert result.token_ids == truth, f"self {name} with k={k} diverged from plain decoding"
 
 
@@ -159,7 +160,7 @@ def test_self_drafters_match_plain_decoding(loaded, references, k):
 def test_registered_methods_match_plain_decoding(loaded, references, method):
     engine = build_engine(loaded, method, DraftOptions(k=5))
     for prompt, truth in zip(PROMPTS, references):
-        assert engine.generate(prompt, StoppingRules.build(NEW)).token_ids == truth
+        assert engine.generate(SequenceSpec(prompt, StoppingRules.build(NEW))).token_ids == truth
     assert "int" in engine.drafter.describe() or "bf16" in engine.drafter.describe()
 
 
@@ -230,7 +231,7 @@ def test_sampling_with_self_drafters_emits_the_target_distribution(loaded):
     n = 6000
     first, second = torch.zeros(VOCAB), torch.zeros(VOCAB)
     for seed in range(n):
-        tokens = engine.generate(prompt, StoppingRules.build(2), sampling, seed=seed).token_ids
+        tokens = engine.generate(SequenceSpec(prompt, StoppingRules.build(2), sampling, seed=seed)).token_ids
         first[tokens[0]] += 1
         second[tokens[1]] += 1
     bound = math.sqrt(2 * (VOCAB * math.log(2) + math.log(1e6)) / n)

@@ -107,7 +107,7 @@ def test_a_row_that_fails_in_a_step_leaves_the_others_unchanged(loaded, where):
     prompts = [[5, 6, 7, 5, 6], [9, 10, 11], [20, 21, 20, 21]]
     stopping = StoppingRules.build(12)
     engine = build_engine(loaded, "pld")
-    solo = [engine.generate(p, stopping).token_ids for p in prompts]
+    solo = [engine.generate(SequenceSpec(p, stopping)).token_ids for p in prompts]
     broken = engine.add(SequenceSpec([7, 8], stopping),
                         speculation=Speculation(BrokenDrafter(where), ConstantK(2)))
     ids = [engine.add(SequenceSpec(p, stopping))[0] for p in prompts]
@@ -206,7 +206,7 @@ def test_kv_budget_queues_what_does_not_fit_and_refuses_what_never_could(loaded)
 
 def test_a_finished_requests_caches_hold_no_memory(loaded):
     engine = build_engine(loaded, "early-exit")
-    engine.generate([5, 6, 7], StoppingRules.build(40))
+    engine.generate(SequenceSpec([5, 6, 7], StoppingRules.build(40)))
     pooled = [pair for pool in engine._free.values() for pair in pool]
     assert pooled and all(target.lean.caches[0].keys is None for target, _ in pooled)
     assert all(drafter.lm.lean.caches[0].keys is None for _, drafter in pooled if drafter is not None)

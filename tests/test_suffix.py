@@ -73,7 +73,7 @@ def test_suffix_matches_plain_decoding_first_and_second_pass(target, k, tree):
         taus = []
         for _ in range(2):
             engine = SpeculativeEngine(target, SuffixDrafter(SuffixSettings(), cache, tree), ConstantK(k))
-            result = engine.generate(prompt, StoppingRules.build(NEW))
+            result = engine.generate(SequenceSpec(prompt, StoppingRules.build(NEW)))
             assert result.token_ids == truth, f"k={k} tree={tree} diverged from plain decoding"
             taus.append(result.stats.mean_accepted_tokens)
             branched += sum(s.tree is not None for s in result.steps)

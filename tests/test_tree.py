@@ -14,7 +14,7 @@ from verispec.core.policies import ConstantK
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import attention_mask, chain_parents, check_parents, is_chain, position_ids
 from verispec.core.types import Proposal
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.model.cached_model import CachedModel
 from verispec.verifiers import greedy_accept
 from verispec.verifiers.tree import greedy_tree_accept
@@ -117,7 +117,7 @@ def test_greedy_tree_verification_matches_plain_decoding(target, depth):
         for errors in (set(), {0, 3, 4, 11, 12, 13, 30}):
             drafter = TreeOracleDrafter(len(PROMPT), truth, errors, VOCAB, width, seed=depth)
             result = SpeculativeEngine(target, drafter, ConstantK(depth)).generate(
-                PROMPT, StoppingRules.build(NEW))
+                SequenceSpec(PROMPT, StoppingRules.build(NEW)))
             assert result.token_ids == truth, f"width {width}, errors {errors}"
             assert result.stats.new_tokens == NEW == len(result.token_ids)
             if not errors and depth > 1:
@@ -135,7 +135,7 @@ class RandomTreeDrafter(RandomDrafter):
 def test_a_random_tree_is_almost_never_accepted_and_still_exact(target):
     truth = plain_greedy(target, PROMPT, NEW)
     result = SpeculativeEngine(target, RandomTreeDrafter(VOCAB), ConstantK(8)).generate(
-        PROMPT, StoppingRules.build(NEW))
+        SequenceSpec(PROMPT, StoppingRules.build(NEW)))
     assert result.token_ids == truth
     assert result.stats.mean_accepted_tokens < 1.5
 
@@ -143,7 +143,8 @@ def test_a_random_tree_is_almost_never_accepted_and_still_exact(target):
 def test_acceptance_by_position_counts_tree_depth(target):
     truth = plain_greedy(target, PROMPT, NEW)
     drafter = TreeOracleDrafter(len(PROMPT), truth, set(), VOCAB, width=3)
-    result = SpeculativeEngine(target, drafter, ConstantK(4)).generate(PROMPT, StoppingRules.build(NEW))
+    result = SpeculativeEngine(target, drafter, ConstantK(4)).generate(
+        SequenceSpec(PROMPT, StoppingRules.build(NEW)))
     rates = result.stats.acceptance_by_position
     assert len(rates) == 4 and min(rates) > 0.8  # 4 levels of 3+ nodes each: positions are levels
 
@@ -154,4 +155,5 @@ def test_a_drafter_with_a_malformed_tree_gets_a_clear_error(target):
             return Proposal(super().propose(request).tokens, parents=torch.tensor([1, -1, 0, 0])[: request.k])
 
     with pytest.raises(VerispecError, match="parents"):
-        SpeculativeEngine(target, BadTree(VOCAB), ConstantK(4)).generate(PROMPT, StoppingRules.build(8))
+        SpeculativeEngine(target, BadTree(VOCAB), ConstantK(4)).generate(
+            SequenceSpec(PROMPT, StoppingRules.build(8)))

@@ -11,7 +11,7 @@ from verispec.core.errors import VerispecError
 from verispec.core.policies import ConstantK
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.verifiers import verifier_for
 from verispec.verifiers.typical import typical_tree_accept
 
@@ -54,4 +54,4 @@ def test_typical_under_greedy_decoding_is_plain_greedy(target):
     truth = plain_greedy(target, prompt, 24)
     drafter = TreeOracleDrafter(len(prompt), truth, {2, 9}, VOCAB, width=3)
     engine = SpeculativeEngine(target, drafter, ConstantK(4), acceptance="typical")
-    assert engine.generate(prompt, StoppingRules.build(24)).token_ids == truth
+    assert engine.generate(SequenceSpec(prompt, StoppingRules.build(24))).token_ids == truth

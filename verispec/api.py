@@ -157,7 +157,7 @@ def prepare(
         target, inputs, chat=chat, method=how.chosen_method(), options=how.draft_options(target),
         sampling=SamplingParams.of(temperature, top_k, top_p, do_sample=do_sample),
         max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, stop_strings=stop_strings,
-        seed=seed, n=num_return_sequences, prediction=prediction, json_schema=json_schema,
+        seed=seed, sequences=num_return_sequences, prediction=prediction, json_schema=json_schema,
         regex=regex, grammar=grammar, num_beams=num_beams, length_penalty=length_penalty,
         early_stopping=early_stopping)
 

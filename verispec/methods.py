@@ -384,9 +384,9 @@ def resolve(method: str, options: DraftOptions = DraftOptions()) -> DraftOptions
         raise
 
 
-def speculation_for(target: LoadedModel, method: str, options: DraftOptions) -> Speculation:
-    """How sequences speculate with `method` on `target`, for options `resolve` has checked (a
-    drafter, a way to make more, the draft-length policy, the acceptance rule)."""
+def speculation_for_checked(target: LoadedModel, method: str, options: DraftOptions) -> Speculation:
+    """How sequences speculate with `method` on `target` (a drafter, a way to make more, the
+    draft-length policy, the acceptance rule); checks nothing: the options are `resolve`'s."""
     spec = METHODS[method]
     k = spec.default_k if options.k is None else options.k
     if spec.build is None or k == 0:
@@ -395,19 +395,22 @@ def speculation_for(target: LoadedModel, method: str, options: DraftOptions) -> 
                        lambda: spec.build(target, options))
 
 
-def engine_for(target: LoadedModel, method: str, options: DraftOptions) -> SpeculativeEngine:
-    """An engine for `target` speculating with `method`, for options `resolve` has checked."""
-    how = speculation_for(target, method, options)
+def engine_for_checked(target: LoadedModel, method: str, options: DraftOptions) -> SpeculativeEngine:
+    """An engine for `target` speculating with `method`; checks nothing: the options are
+    `resolve`'s (a Request's)."""
+    how = speculation_for_checked(target, method, options)
     return SpeculativeEngine(target.model, how.drafter, how.policy, how.acceptance, how.spawn)
 
 
 def build_speculation(target: LoadedModel, method: str = "ar",
                       options: DraftOptions = DraftOptions()) -> Speculation:
-    """How sequences speculate with `method` on `target`; validates every option."""
-    return speculation_for(target, method, resolve(method, options))
+    """How sequences speculate with `method` on `target`; validates the method and every option
+    (for options already checked: speculation_for_checked)."""
+    return speculation_for_checked(target, method, resolve(method, options))
 
 
 def build_engine(target: LoadedModel, method: str = "ar",
                  options: DraftOptions = DraftOptions()) -> SpeculativeEngine:
-    """An engine for `target` speculating with `method`; validates every option."""
-    return engine_for(target, method, resolve(method, options))
+    """An engine for `target` speculating with `method`; validates the method and every option
+    (for options already checked: engine_for_checked)."""
+    return engine_for_checked(target, method, resolve(method, options))

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from verispec.core.stopping import StoppingRules
-from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
 from verispec.drafters.auto import CostProfile, DrafterCost
 from verispec.drafters.base import Drafter
 from verispec.model.cached_model import CachedModel
@@ -189,8 +189,9 @@ def drafter_cost(target: LoadedModel, drafter: Drafter, limit: int, prompt: list
     short greedy generation, drafting 1 and `limit` tokens in turn) and its per-token acceptance
     there (accepted tokens over accepted tokens plus refusals; None under 4 drafting steps)."""
     engine = SpeculativeEngine(target.model, drafter, _Alternating(1, limit))
-    engine.generate(prompt, StoppingRules.build(4))  # warm-up
-    steps = engine.generate(prompt, StoppingRules.build(DRAFT_TOKENS)).steps[:-1]  # the last: no room
+    engine.generate(SequenceSpec(prompt, StoppingRules.build(4)))  # warm-up
+    # the last step has no room to draft
+    steps = engine.generate(SequenceSpec(prompt, StoppingRules.build(DRAFT_TOKENS))).steps[:-1]
     points = [(step.num_drafted, step.draft_seconds) for step in steps]
     per_step, per_token = _fit(points)
     drafting = [step for step in steps if step.num_drafted]

@@ -4,7 +4,8 @@ The Hugging Face keywords (verispec.api), the command line (verispec.cli.generat
 OpenAI body (verispec.server.requests) and the bench each translate what they were given into a
 `Request` with `build_request`, which validates everything once, before any work, and names the
 field at fault (VerispecError.field). `run` and `stream` execute one; the server's scheduler
-feeds `Request.specs()` to its running batch.
+feeds `Request.specs()` to its running batch. The engine takes the specs as checked here: it
+checks none of this again.
 
     user input --(translator: api / cli / server / bench)--> build_request --> Request
     Request --> run / stream (an engine built for its method) or the server's batch
@@ -23,9 +24,9 @@ from verispec.core.grammar import Constraint, Grammar
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationResult, SamplingParams, Step
 from verispec.decoding.beam import BeamDecoder, BeamResult, BeamSettings, check_drafter
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SequenceSpec, SpeculativeEngine, sequence_seed
 from verispec.display import TokenPieces
-from verispec.methods import PLAIN, engine_for, resolve
+from verispec.methods import PLAIN, engine_for_checked, resolve
 from verispec.model.loading import LoadedModel, check_prompt
 from verispec.options import DraftOptions
 
@@ -44,25 +45,23 @@ class Request:
     stopping: StoppingRules
     method: str
     options: DraftOptions  # checked, the tree resolved (TreeSettings or None)
-    seed: int | None = None  # prompt i's sequence j is seeded with seed + i * n + j
-    n: int = 1  # sequences per prompt (num_return_sequences; with beams: sequences returned)
+    seed: int | None = None  # each sequence's seed: engine.sequence_seed
+    # Sequences per prompt (Hugging Face's num_return_sequences, OpenAI's n); with beams: the
+    # best ones returned of one search.
+    sequences: int = 1
     predictions: list[list[int] | None] | None = None  # per prompt: its predicted output's ids
     grammars: list[Constraint | None] | None = None  # per prompt: the grammar its output matches
     logprobs: int | None = None  # None: no logprobs; else top alternatives reported per token
     beams: BeamSettings | None = None  # beam search (num_beams > 1) instead of one path
 
-    @property
-    def samples(self) -> int:
-        """Sequences decoded per prompt (beam search returns its n best of one search)."""
-        return 1 if self.beams is not None else self.n
-
     def specs(self) -> list[SequenceSpec]:
-        """What the engine decodes for each prompt (each with a fresh grammar state)."""
+        """What the engine decodes for each prompt (each with a fresh grammar state), each to run
+        `sequences` times (engine.add)."""
         predictions = self.predictions or [None] * len(self.prompts)
         grammars = self.grammars or [None] * len(self.prompts)
         return [SequenceSpec(prompt, self.stopping, self.sampling,
-                             None if self.seed is None else self.seed + i * self.samples,
-                             prediction, None if grammar is None else grammar.copy(), self.logprobs)
+                             sequence_seed(self.seed, i, self.sequences), prediction,
+                             None if grammar is None else grammar.copy(), self.logprobs)
                 for i, (prompt, prediction, grammar) in enumerate(zip(self.prompts, predictions, grammars))]
 
 
@@ -82,7 +81,7 @@ def build_request(target: LoadedModel, prompts: Prompts, *, chat: bool | None = 
                   sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
                   eos_token_id: int | Iterable[int] | None = None,
                   stop_strings: str | Iterable[str] | None = None, seed: int | None = None,
-                  n: int = 1, prediction: str | list[str | None] | None = None,
+                  sequences: int = 1, prediction: str | list[str | None] | None = None,
                   json_schema: dict | str | list | None = None, regex: str | list | None = None,
                   grammar: str | list | None = None, logprobs: int | None = None,
                   num_beams: int = 1, length_penalty: float = 1.0,
@@ -91,19 +90,23 @@ def build_request(target: LoadedModel, prompts: Prompts, *, chat: bool | None = 
     """Validate a request (raises before any work starts, naming the field at fault).
 
     prompts: text (through the chat template if chat; None: where the model has one), token ids,
-    or a batch of either. prediction, json_schema, regex, grammar: one for every prompt, or a list
-    with one per prompt of a batch (None: none). methods: the methods allowed (a server's)."""
+    or a batch of either. sequences: per prompt (sampled, or with beams the best returned).
+    prediction, json_schema, regex, grammar: one for every prompt, or a list with one per prompt
+    of a batch (None: none). methods: the methods allowed (a server's). Whether the method's
+    drafter can draft for beam search is checked by `run`, on the engine it runs (building a
+    drafter is work: it is built once)."""
     with about("method"):
         if methods is not None and method not in methods:
             raise VerispecError(f"method {method!r} is not served here; choose from {', '.join(methods)}")
         options = resolve(method, options)
-    with about("n"):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise VerispecError(f"n (num_return_sequences) must be a positive integer, got {n!r}")
+    with about("sequences"):
+        if isinstance(sequences, bool) or not isinstance(sequences, int) or sequences < 1:
+            raise VerispecError(f"the number of sequences (num_return_sequences, n) must be a positive "
+                                f"integer, got {sequences!r}")
     beams = None
     if num_beams != 1:
         with about("num_beams"):
-            beams = BeamSettings(num_beams, length_penalty, early_stopping, n)
+            beams = BeamSettings(num_beams, length_penalty, early_stopping, sequences)
             refused = [name for name, given in (
                 ("sampling (do_sample / temperature)", sampling.do_sample),
                 ("prediction", prediction is not None), ("logprobs", logprobs is not None),
@@ -128,15 +131,8 @@ def build_request(target: LoadedModel, prompts: Prompts, *, chat: bool | None = 
         predictions = encode_predictions(target, prediction, len(ids), batched)
     with about("grammar"):
         grammars = compile_grammars(target, json_schema, regex, grammar, len(ids), batched)
-    request = Request(ids, batched, sampling, stopping, method, options, seed, n, predictions,
-                      grammars, logprobs, beams)
-    if beams is not None:
-        with about("method"):
-            try:
-                check_drafter(engine_for(target, request.method, request.options).drafter)
-            except VerispecError as error:
-                raise VerispecError(f"method {method!r} cannot draft for beam search: {error}") from None
-    return request
+    return Request(ids, batched, sampling, stopping, method, options, seed, sequences, predictions,
+                   grammars, logprobs, beams)
 
 
 def encode_prompt(target: LoadedModel, inputs: str | list[int] | torch.Tensor,
@@ -257,27 +253,29 @@ def run(target: LoadedModel, request: Request, engine: SpeculativeEngine | None 
     one batch and gives a list (a prompt's samples together). Beam search gives BeamResults: per
     prompt its n best, best first. A Hugging Face-style `streamer` (put/end) receives the prompt,
     then each committed block of tokens (one sequence only)."""
-    engine = engine or engine_for(target, request.method, request.options)
+    if streamer is not None and (request.beams is not None or request.batched or request.sequences > 1):
+        raise VerispecError("a streamer takes one sequence: beam search returns whole sequences; stream "
+                            "a batch through verispec.serve or SpeculativeEngine.add / step")
+    engine = engine or engine_for_checked(target, request.method, request.options)
     if request.beams is not None:
-        if streamer is not None:
-            raise VerispecError("a streamer takes one sequence; beam search returns whole sequences")
+        with about("method"):
+            try:
+                check_drafter(engine.drafter)
+            except VerispecError as error:
+                raise VerispecError(f"method {request.method!r} cannot draft for beam search: "
+                                    f"{error}") from None
         found = BeamDecoder.of(engine).generate(request.prompts, request.stopping, request.beams)
         results = [result for per_prompt in found for result in per_prompt]
-        many = request.batched or request.n > 1
-    elif request.batched or request.n > 1:
-        if streamer is not None:
-            raise VerispecError("a streamer takes one sequence: stream a batch through verispec.serve "
-                                "or SpeculativeEngine.add / step")
-        results = engine.generate_batch(request.specs(), request.n)
+        many = request.batched or request.sequences > 1
+    elif request.batched or request.sequences > 1:
+        results = engine.generate_batch(request.specs(), request.sequences)
         many = True
     else:
         (spec,) = request.specs()
         if streamer is not None:
             streamer.put(torch.tensor(spec.prompt_ids))
         on_step = None if streamer is None else (lambda step: streamer.put(torch.tensor(step.tokens)))
-        results = [engine.generate(spec.prompt_ids, spec.stopping, spec.sampling, spec.seed,
-                                   on_step=on_step, prediction=spec.prediction,
-                                   constraint=spec.constraint, logprobs=spec.logprobs)]
+        results = [engine.generate(spec, on_step)]
         if streamer is not None:
             streamer.end()
         many = False
@@ -289,15 +287,13 @@ def run(target: LoadedModel, request: Request, engine: SpeculativeEngine | None 
 
 def stream(target: LoadedModel, request: Request, engine: SpeculativeEngine | None = None) -> Iterator[str]:
     """Yield one sequence's text piece by piece as its tokens are committed."""
-    if request.batched or request.n > 1 or request.beams is not None:
+    if request.batched or request.sequences > 1 or request.beams is not None:
         raise VerispecError("stream takes one prompt and one sequence; generate takes batches and beams")
     if target.tokenizer is None:
         raise VerispecError(f"{target.name} has no tokenizer: streaming text needs one")
-    engine = engine or engine_for(target, request.method, request.options)
+    engine = engine or engine_for_checked(target, request.method, request.options)
     (spec,) = request.specs()
-    yield from stream_text(engine.steps(spec.prompt_ids, spec.stopping, spec.sampling, spec.seed,
-                                        prediction=spec.prediction, constraint=spec.constraint,
-                                        logprobs=spec.logprobs), target.tokenizer)
+    yield from stream_text(engine.steps(spec), target.tokenizer)
 
 
 def stream_text(steps: Iterable[Step], tokenizer) -> Iterator[str]:

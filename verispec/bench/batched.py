@@ -29,7 +29,7 @@ from verispec.core.errors import VerispecError
 from verispec.core.policies import LoadCap
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.methods import BATCH_BENCH, METHODS, Needs, engine_for, resolve, resolve_tree
+from verispec.methods import BATCH_BENCH, METHODS, Needs, engine_for_checked, resolve, resolve_tree
 from verispec.model.hf_generate import hf_generate_batch
 from verispec.model.loading import LoadedModel, load_model
 from verispec.options import DEFAULT_TREE, DraftOptions
@@ -94,7 +94,7 @@ def verispec_batched(target: LoadedModel, method: str, options: DraftOptions,
                      config: BatchBenchConfig) -> Decode:
     """A method decoding each batch as one Request (greedy or sampled, seeded), on one engine
     built for its options (checked by `resolve`)."""
-    engine = engine_for(target, method, options)
+    engine = engine_for_checked(target, method, options)
     if not config.load_cap:
         engine.load_cap = LoadCap(())
 

@@ -36,11 +36,11 @@ from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import forget_outputs
-from verispec.methods import Method, Needs, engine_for, resolve, resolve_tree
+from verispec.methods import Method, Needs, engine_for_checked, resolve_tree
 from verispec.model.cached_model import CachedModel
 from verispec.model.loading import LoadedModel, load_model
 from verispec.options import DEFAULT_TREE, DraftOptions
-from verispec.request import build_request, encode_prompt, run
+from verispec.request import Request, build_request, encode_prompt, run
 
 
 def can_run(target: LoadedModel, config: BenchConfig) -> Callable[[Method], bool]:
@@ -99,13 +99,14 @@ def choose_methods(config: BenchConfig, runnable: Callable[[Method], bool] = lam
 def method_options(method: str, k: int | None, target: LoadedModel, draft: LoadedModel | None,
                    config: BenchConfig, tree: TreeSettings | None = None,
                    acceptance: str = "exact") -> DraftOptions:
-    """The drafting options a method runs with in the bench (checked): its k, tree and acceptance,
-    the given draft model or trained drafter, and the bench's other drafting options."""
+    """The drafting options a method runs with in the bench (`contender_request` checks them): its
+    k, tree and acceptance, the given draft model or trained drafter, and the bench's other
+    drafting options."""
     spec = registry.METHODS[method]
     trained = trained_drafters(config).get(spec.trained_kind)
     given = draft if spec.needs is Needs.DRAFT_MODEL and draft is not None else trained
-    return resolve(method, replace(config.options, k=k, draft=given, exit_layer=exit_layer(target, config),
-                                   tree=tree, acceptance=acceptance))
+    return replace(config.options, k=k, draft=given, exit_layer=exit_layer(target, config), tree=tree,
+                   acceptance=acceptance)
 
 
 def beam_refusal(engine: SpeculativeEngine) -> str | None:
@@ -118,27 +119,35 @@ def beam_refusal(engine: SpeculativeEngine) -> str | None:
     return None
 
 
-def verispec_contender(engine: SpeculativeEngine, target: LoadedModel, method: str, options: DraftOptions,
-                       label: str, config: BenchConfig, sampling: SamplingParams) -> Contender:
-    """A method as the bench times it: each question a Request run on `engine`, built for the
-    method (as verispec.generate runs it; with --num-beams its beam search, timed on the best
-    sequence)."""
+def contender_request(config: BenchConfig, target: LoadedModel, method: str, options: DraftOptions,
+                      sampling: SamplingParams, prompts: list[list[int]]) -> Request:
+    """The request a method runs in the bench, built and checked once per run (the method resolved
+    with its options) with every question's prompt; each question runs it on its own prompt."""
+    return build_request(target, prompts, method=method, options=options, sampling=sampling,
+                         max_new_tokens=config.max_new_tokens, seed=config.seed,
+                         **({} if config.beams is None else {
+                             "num_beams": config.beams.num_beams,
+                             "length_penalty": config.beams.length_penalty,
+                             "early_stopping": config.beams.early_stopping}))
+
+
+def verispec_contender(engine: SpeculativeEngine, target: LoadedModel, request: Request, label: str,
+                       config: BenchConfig) -> Contender:
+    """A method as the bench times it: each question `request` (contender_request's) run on its
+    prompt on `engine`, built for the method (as verispec.generate runs it; with --num-beams its
+    beam search, timed on the best sequence)."""
     def generate(prompt_ids: list[int]) -> Outcome:
-        request = build_request(target, prompt_ids, method=method, options=options, sampling=sampling,
-                                max_new_tokens=config.max_new_tokens, seed=config.seed,
-                                **({} if config.beams is None else {
-                                    "num_beams": config.beams.num_beams,
-                                    "length_penalty": config.beams.length_penalty,
-                                    "early_stopping": config.beams.early_stopping}))
+        one = replace(request, prompts=[prompt_ids], batched=False)  # one of its prompts: checked
         started = time.perf_counter()
-        result = run(target, request, engine)
+        result = run(target, one, engine)
         seconds = time.perf_counter() - started
         if config.beams is not None:
             return Outcome(result.token_ids, seconds, result.stats.target_forwards,
                            search_steps=result.stats.steps)
         return Outcome(result.token_ids, seconds, result.stats.target_forwards, result.stats)
 
-    drafter, tree = engine.drafter, options.tree
+    drafter, method, options = engine.drafter, request.method, request.options
+    tree = options.tree
     return Contender(label, method, options.k if method != AR else None, generate,
                      None if tree is None else f"{tree.topk}x{tree.nodes}",
                      None if drafter is None else drafter.describe(),
@@ -147,13 +156,13 @@ def verispec_contender(engine: SpeculativeEngine, target: LoadedModel, method: s
 
 
 def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
-                     sampling: SamplingParams
+                     sampling: SamplingParams, prompts: list[list[int]]
                      ) -> tuple[list[Contender], dict[str, str]]:
-    """The contenders, and those left out with why: a Hugging Face baseline that cannot run the
-    target and draft (another baseline runs them instead: hf-assisted and hf-uag, by whether the
-    draft shares the target's tokenizer), and with --num-beams the methods that cannot run beam
-    search. Named in --methods, either is an error (beam search's all named in one); the default
-    set leaves them out."""
+    """The contenders for the questions' `prompts`, and those left out with why: a Hugging Face
+    baseline that cannot run the target and draft (another baseline runs them instead:
+    hf-assisted and hf-uag, by whether the draft shares the target's tokenizer), and with
+    --num-beams the methods that cannot run beam search. Named in --methods, either is an error
+    (beam search's all named in one); the default set leaves them out."""
     contenders, unfit, refused, methods = [], {}, {}, []
     for method in choose_methods(config, can_run(target, config)):
         baseline = BASELINES.get(method)
@@ -185,13 +194,15 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
             label = " ".join([method] + ([f"k={k}"] if len(ks) > 1 else [])
                              + ([f"tree={tree.topk}x{tree.nodes}"] if tree else [])
                              + (["typical"] if rule == "typical" else []))
-            options = method_options(method, k, target, draft, config, tree, rule)
-            engine = engine_for(target, method, options)
+            request = contender_request(config, target, method,
+                                        method_options(method, k, target, draft, config, tree, rule),
+                                        sampling, prompts)
+            engine = engine_for_checked(target, method, request.options)
             reason = None if config.beams is None else beam_refusal(engine)
             if reason is not None:
                 refused[method] = reason
                 break
-            contenders.append(verispec_contender(engine, target, method, options, label, config, sampling))
+            contenders.append(verispec_contender(engine, target, request, label, config))
     if refused and config.methods is not None:
         raise VerispecError(f"--num-beams {config.beams.num_beams}: cannot run beam search: "
                             + "; ".join(f"{name} ({why})" for name, why in refused.items())
@@ -255,14 +266,9 @@ def check_beams(config: BenchConfig) -> None:
                             f"{', '.join(given)}")
 
 
-def run_bench(config: BenchConfig, progress: bool = True) -> Results:
-    """Run the benchmark; results.json is rewritten after every question, the report at the end.
-
-    Ctrl-C stops early: what was measured so far is written, with config["interrupted"] = True.
-    """
-    sampling = SamplingParams.of(config.temperature, config.top_k, config.top_p)
-    questions = load_questions(config.questions, config.tasks, config.limit_per_task)
-    choose_methods(config)  # validate names before loading anything
+def check_config(config: BenchConfig) -> None:
+    """Refuse a bad configuration before anything is loaded."""
+    choose_methods(config)  # the names
     if config.typical and config.temperature <= 0:
         raise VerispecError("--typical compares typical acceptance under sampling: give "
                             "--temperature > 0 (under greedy decoding it is plain greedy)")
@@ -272,38 +278,40 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
     if config.warmup < 0:
         raise VerispecError(f"--warmup must be >= 0, got {config.warmup}")
     check_beams(config)
-    target = load_model(config.model, config.dtype, config.device)
-    if target.tokenizer is None:
-        raise VerispecError(f"{config.model} has no tokenizer: the benchmark needs text prompts")
-    draft = load_model(config.draft, config.dtype, config.device) if config.draft else None
-    prompts = {q: encode_prompt(target, q.prompt, chat=bool(getattr(target.tokenizer, "chat_template",
-                                                                   None)))
-               for q in questions}
+
+
+def encode_questions(target: LoadedModel, questions: list[Question], max_new_tokens: int
+                     ) -> dict[Question, list[int]]:
+    """Each question's prompt ids (through the chat template where the model has one); a question
+    too long for the model's context is refused by its id."""
+    chat = bool(getattr(target.tokenizer, "chat_template", None))
+    prompts = {q: encode_prompt(target, q.prompt, chat=chat) for q in questions}
     for q, ids in prompts.items():
-        if len(ids) + config.max_new_tokens > target.context_length:
+        if len(ids) + max_new_tokens > target.context_length:
             raise VerispecError(f"question {q.question_id} is too long for the model's context")
-    contenders, left_out = build_contenders(config, target, draft, sampling)
-    if left_out:
-        print(f"verispec bench leaves out {', '.join(left_out)} (reasons in report.md)", file=sys.stderr)
+    return prompts
 
-    # Hugging Face's early-exit mode warns about its own internal arguments on every call.
-    transformers.utils.logging.set_verbosity_error()
-    config.out.mkdir(parents=True, exist_ok=True)
-    crashed: dict[str, str] = {}  # label -> how and where its child process died
 
-    def attempt(contender: Contender, prompt_ids: list[int], where: str) -> Outcome | None:
-        """The contender's outcome; None once it has crashed (its earlier runs stand)."""
-        if contender.label in crashed:
-            return None
-        try:
-            return contender.generate(prompt_ids)
-        except PeerCrashed as crash:
-            crashed[contender.label] = f"crashed ({crash.why}) {where}"
-            print(f"verispec bench: {contender.label} {crashed[contender.label]}; the other rows go on",
-                  file=sys.stderr)
-            return None
+def attempt(contender: Contender, prompt_ids: list[int], where: str,
+            crashed: dict[str, str]) -> Outcome | None:
+    """The contender's outcome; None once its child process has crashed (recorded in `crashed`,
+    label -> how and where; its earlier runs stand, the other rows go on)."""
+    if contender.label in crashed:
+        return None
+    try:
+        return contender.generate(prompt_ids)
+    except PeerCrashed as crash:
+        crashed[contender.label] = f"crashed ({crash.why}) {where}"
+        print(f"verispec bench: {contender.label} {crashed[contender.label]}; the other rows go on",
+              file=sys.stderr)
+        return None
 
-    results = Results(
+
+def start_results(config: BenchConfig, target: LoadedModel, contenders: list[Contender],
+                  left_out: dict[str, str], questions: list[Question], crashed: dict[str, str]) -> Results:
+    """The results before any run: the configuration, what runs and what was left out, the
+    target's path, and the machine."""
+    return Results(
         config={**{k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
                 "methods": list(dict.fromkeys(c.method for c in contenders)),
                 "labels": [c.label for c in contenders],
@@ -315,6 +323,57 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
                 **{name: value for name, value in asdict(CachedModel(target.model).stats()).items()
                    if name in ("invariance", "dtype", "kernel", "path")}},
         machine=machine_info(config.device))
+
+
+def run_question(question: Question, prompt_ids: list[int], contenders: list[Contender], first: int,
+                 target: LoadedModel, config: BenchConfig, reference: str | None, bar: tqdm,
+                 crashed: dict[str, str]) -> list[Run]:
+    """Every contender on one question, starting with contenders[first] (the order rotates), its
+    record; each output compared token for token with the contender labelled `reference`'s
+    (None: none, under sampling). A contender whose child process crashed has no record."""
+    outputs = {}
+    for contender in contenders[first:] + contenders[:first]:
+        bar.set_postfix_str(f"{question.task} #{question.question_id} {contender.label}")
+        with PeakResident() as memory:
+            outcome = attempt(contender, prompt_ids, f"on {question.task} #{question.question_id}", crashed)
+        if outcome is not None:  # a baseline's child process measured its own peak
+            outcome.peak_rss_mib = outcome.peak_rss_mib or memory.peak
+            outputs[contender] = outcome
+        bar.update()
+    baseline = next((o.tokens for c, o in outputs.items() if c.label == reference), None)
+    records = []
+    for contender in (c for c in contenders if c in outputs):  # records in a stable order
+        record = run_record(contender, question, outputs[contender])
+        if baseline is not None and contender.label != reference:
+            tokens = outputs[contender].tokens
+            difference = (parting(tokens, baseline) if config.beams is not None
+                          else first_difference(target, prompt_ids, tokens, baseline))
+            record = replace(record, identical_to_baseline=tokens == baseline, first_difference=difference)
+        records.append(record)
+    return records
+
+
+def run_bench(config: BenchConfig, progress: bool = True) -> Results:
+    """Run the benchmark; results.json is rewritten after every question, the report at the end.
+
+    Ctrl-C stops early: what was measured so far is written, with config["interrupted"] = True.
+    """
+    sampling = SamplingParams.of(config.temperature, config.top_k, config.top_p)
+    questions = load_questions(config.questions, config.tasks, config.limit_per_task)
+    check_config(config)
+    target = load_model(config.model, config.dtype, config.device)
+    if target.tokenizer is None:
+        raise VerispecError(f"{config.model} has no tokenizer: the benchmark needs text prompts")
+    draft = load_model(config.draft, config.dtype, config.device) if config.draft else None
+    prompts = encode_questions(target, questions, config.max_new_tokens)
+    contenders, left_out = build_contenders(config, target, draft, sampling, list(prompts.values()))
+    if left_out:
+        print(f"verispec bench leaves out {', '.join(left_out)} (reasons in report.md)", file=sys.stderr)
+    # Hugging Face's early-exit mode warns about its own internal arguments on every call.
+    transformers.utils.logging.set_verbosity_error()
+    config.out.mkdir(parents=True, exist_ok=True)
+    crashed: dict[str, str] = {}  # label -> how and where its child process died
+    results = start_results(config, target, contenders, left_out, questions, crashed)
     first_prompt = prompts[questions[0]]
     bar = tqdm(total=len(questions) * len(contenders) + config.warmup * len(contenders),
                desc="bench", unit="run", disable=not progress)
@@ -322,7 +381,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
         for _ in range(config.warmup):
             for contender in contenders:
                 bar.set_postfix_str(f"warm-up {contender.label}")
-                attempt(contender, first_prompt, "in the warm-up")
+                attempt(contender, first_prompt, "in the warm-up", crashed)
                 bar.update()
         # Timed after the warm-up: the first forwards after loading are slow. The warm-up's
         # outputs leave the suffix cache, or the first question would draft from its own answer.
@@ -330,28 +389,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
         if config.beams is None:  # one path's forward costs: beam search's report does not use them
             results.forward = measure_forward(target, (first_prompt * (300 // len(first_prompt) + 1))[:300])
         for index, question in enumerate(questions):
-            prompt_ids = prompts[question]
-            order = contenders[index % len(contenders):] + contenders[:index % len(contenders)]
-            outputs = {}
-            for contender in order:
-                bar.set_postfix_str(f"{question.task} #{question.question_id} {contender.label}")
-                with PeakResident() as memory:
-                    outcome = attempt(contender, prompt_ids, f"on {question.task} #{question.question_id}")
-                if outcome is not None:  # a baseline's child process measured its own peak
-                    outcome.peak_rss_mib = outcome.peak_rss_mib or memory.peak
-                    outputs[contender] = outcome
-                bar.update()
-            reference = results.reference
-            baseline = next((o.tokens for c, o in outputs.items() if c.label == reference), None)
-            for contender in (c for c in contenders if c in outputs):  # records in a stable order
-                record = run_record(contender, question, outputs[contender])
-                if sampling.greedy and baseline is not None and contender.label != reference:
-                    tokens = outputs[contender].tokens
-                    difference = (parting(tokens, baseline) if config.beams is not None
-                                  else first_difference(target, prompt_ids, tokens, baseline))
-                    record = replace(record, identical_to_baseline=tokens == baseline,
-                                     first_difference=difference)
-                results.runs.append(record)
+            results.runs += run_question(question, prompts[question], contenders, index % len(contenders),
+                                         target, config, results.reference if sampling.greedy else None, bar,
+                                         crashed)
             write_results(results, config.out, report=False)
     except KeyboardInterrupt:
         results.config["interrupted"] = True

@@ -108,7 +108,7 @@ def run_command(args: argparse.Namespace) -> int:
         options=draft_options(args),
         sampling=SamplingParams.of(args.temperature, args.top_k, args.top_p),
         max_new_tokens=args.max_new_tokens, stop_strings=args.stop, seed=args.seed,
-        n=args.num_return_sequences, prediction=read_file(args.prediction, "prediction"),
+        sequences=args.num_return_sequences, prediction=read_file(args.prediction, "prediction"),
         json_schema=read_file(args.json_schema, "JSON schema"), regex=args.regex,
         grammar=read_file(args.grammar, "grammar"), num_beams=args.num_beams,
         length_penalty=args.length_penalty,

@@ -19,7 +19,7 @@ import torch
 from verispec.core.grammar import Constraint, apply_masks
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import DraftSource, Proposal, SamplingParams, Verdict
-from verispec.drafters.base import Drafter, DraftRequest
+from verispec.drafters.base import Drafter, DraftRequest, Wrapper
 from verispec.verifiers import Verifier
 
 
@@ -32,26 +32,17 @@ class GrammarState:
         self.masks: torch.Tensor | None = None
 
 
-class GrammarDrafter(Drafter):
+class GrammarDrafter(Wrapper):
     """Forced tokens first, else `drafter`'s proposal (None: no drafter) cut to the grammar."""
 
-    uses_room = True
-
     def __init__(self, state: GrammarState, drafter: Drafter | None) -> None:
+        super().__init__(drafter)
         self.state = state
-        self.drafter = drafter
         self.asked = False  # whether `drafter` proposed this step (it is then told what was kept)
-        if drafter is not None:
-            self.needs_hidden, self.hidden_layers = drafter.needs_hidden, drafter.hidden_layers
-            self.adopts_prefill, self.tree = drafter.adopts_prefill, drafter.tree
 
     def reset(self) -> None:
         self.state.constraint.reset()
-        if self.drafter is not None:
-            self.drafter.reset()
-
-    def adopt_prefill(self, target) -> None:
-        self.drafter.adopt_prefill(target)
+        super().reset()
 
     def propose(self, request: DraftRequest) -> Proposal:
         constraint = self.state.constraint
@@ -66,9 +57,6 @@ class GrammarDrafter(Drafter):
             proposal = Proposal(request.tokens[:0])
         proposal, self.state.masks = constraint.cut(proposal)
         return proposal
-
-    def observe_side(self, logits: torch.Tensor) -> None:
-        self.drafter.observe_side(logits)
 
     def commit(self, num_accepted: int) -> None:
         if self.asked:

@@ -42,7 +42,6 @@ from verispec.decoding.constrained import GrammarStop, constrain
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.prediction import PredictionFirst
 from verispec.model.cached_model import CachedModel, forward_rows
-from verispec.model.loading import check_prompt
 from verispec.verifiers import verifier_for
 
 
@@ -64,7 +63,8 @@ class SequenceSpec:
     """What one sequence decodes: its prompt, when it stops, how it samples, and what the caller
     adds for it alone: a predicted output's token ids (drafted first wherever the output is in
     it), a grammar the output must match (this sequence advances its own copy), and how many top
-    alternatives to report with each token's log-probability (None: no logprobs)."""
+    alternatives to report with each token's log-probability under the target, read from the
+    verification pass's logits (None: no logprobs). The engine takes it as checked (a Request's)."""
 
     prompt_ids: list[int]
     stopping: StoppingRules
@@ -77,14 +77,24 @@ class SequenceSpec:
     @staticmethod
     def batch(prompts: list[list[int]], stopping: StoppingRules | list[StoppingRules],
               sampling: SamplingParams = SamplingParams(), seed: int | None = None,
-              samples: int = 1) -> list[SequenceSpec]:
-        """Specs for several prompts (one stopping rule for all, or one each); prompt i is seeded
-        with seed + i * samples, so its `samples` sequences' seeds do not overlap the next's."""
+              sequences: int = 1) -> list[SequenceSpec]:
+        """Specs for several prompts (one stopping rule for all, or one each), each to decode
+        `sequences` sequences, seeded by `sequence_seed`."""
         rules = stopping if isinstance(stopping, list) else [stopping] * len(prompts)
         if len(rules) != len(prompts):
             raise VerispecError(f"{len(rules)} stopping rules for {len(prompts)} prompts")
-        return [SequenceSpec(prompt, rule, sampling, None if seed is None else seed + i * samples)
+        return [SequenceSpec(prompt, rule, sampling, sequence_seed(seed, i, sequences))
                 for i, (prompt, rule) in enumerate(zip(prompts, rules))]
+
+
+def sequence_seed(seed: int | None, prompt: int, sequences: int = 1, sequence: int = 0) -> int | None:
+    """The one seeding rule: sequence j of prompt i (`sequences` per prompt) is seeded with
+    seed + i * sequences + j, so no two sequences of a request share a seed (None: unseeded).
+
+    >>> [sequence_seed(10, prompt, 2, sequence) for prompt in (0, 1) for sequence in (0, 1)]
+    [10, 11, 12, 13]
+    """
+    return None if seed is None else seed + prompt * sequences + sequence
 
 
 @dataclass(frozen=True)
@@ -238,11 +248,9 @@ class SpeculativeEngine:
     def __init__(self, target: PreTrainedModel, drafter: Drafter | None = None,
                  policy: DraftLengthPolicy | None = None, acceptance: str = "exact",
                  spawn: Callable[[], Drafter] | None = None, load_cap: LoadCap | None = None) -> None:
-        """acceptance: "exact" (lossless) or "typical" (Medusa's typical acceptance, LOSSY under
-        sampling; see verispec.verifiers.typical). spawn: makes a fresh drafter like `drafter`
-        for another sequence of a batch. policy: each sequence starts from a copy of it.
-        load_cap: the draft length allowed per sequence at each batch size (default: measured)."""
-        verifier_for(SamplingParams(), acceptance)  # reject an unknown rule before any work
+        """drafter, policy, acceptance, spawn: the engine's own Speculation (see it; policy default:
+        k = 5 with a drafter). load_cap: the draft length allowed per sequence at each batch size
+        (default: measured)."""
         self.model = target
         self.target = CachedModel(target)
         self.drafter = drafter
@@ -309,8 +317,9 @@ class SpeculativeEngine:
         """One draft-verify-commit cycle for every row, with one target pass for all of them.
         A row whose own drafting or settling raises gets a RowFailure and the others go on; only
         the shared forward failing fails them all (it raises)."""
-        failed = self._draft(rows, self.load_cap.k(len(rows)))
-        live = [row for row in rows if id(row) not in failed]
+        # By id(row): the rows whose drafting failed, then every row's outcome.
+        outcomes: dict[int, Step | RowFailure] = dict(self._draft(rows, self.load_cap.k(len(rows))))
+        live = [row for row in rows if id(row) not in outcomes]
         layers = tuple(sorted({layer for row in live for layer in row.layers}))
         started = time.perf_counter()
         outputs = forward_rows([row.target for row in live], [row.block() for row in live],
@@ -319,16 +328,16 @@ class SpeculativeEngine:
         seconds = time.perf_counter() - started
         for row, (logits, hidden) in zip(live, outputs):
             try:
-                failed[id(row)] = row.settle(logits, _own_layers(hidden, layers, row.layers), seconds)
+                outcomes[id(row)] = row.settle(logits, _own_layers(hidden, layers, row.layers), seconds)
             except Exception as error:
-                failed[id(row)] = RowFailure(error)
-        return [failed[id(row)] for row in rows]
+                outcomes[id(row)] = RowFailure(error)
+        return [outcomes[id(row)] for row in rows]
 
     def _draft(self, rows: list[_Row], cap: int | None) -> dict[int, RowFailure]:
         """Every row's draft; the rows whose drafting raised, by id(row). Rows whose drafters
         declare `batches` (ModelDrafter does) draft together through `propose_batch`, one forward
         per drafting position for all of them (a failure there fails that group's rows)."""
-        failed: dict[int, RowFailure] = {}
+        failures: dict[int, RowFailure] = {}
         groups: dict[type, list[tuple[_Row, DraftRequest]]] = {}
         for row in rows:
             try:
@@ -338,43 +347,30 @@ class SpeculativeEngine:
                 else:
                     groups.setdefault(type(row.drafter), []).append((row, request))
             except Exception as error:
-                failed[id(row)] = RowFailure(error)
+                failures[id(row)] = RowFailure(error)
         for kind, members in groups.items():
-            if len(members) > 1 and kind.batches:
+            together = len(members) > 1 and kind.batches  # else each row's own `propose`
+            for call in [members] if together else [[member] for member in members]:
                 started = time.perf_counter()
                 try:
-                    proposals = kind.propose_batch([row.drafter for row, _ in members],
-                                                   [request for _, request in members])
+                    proposals = (kind.propose_batch if together else Drafter.propose_batch)(
+                        [row.drafter for row, _ in call], [request for _, request in call])
                 except Exception as error:
-                    failed |= {id(row): RowFailure(error) for row, _ in members}
+                    failures |= {id(row): RowFailure(error) for row, _ in call}
                     continue
-                seconds = (time.perf_counter() - started) / len(members)
-                for (row, _), proposal in zip(members, proposals):
+                seconds = (time.perf_counter() - started) / len(call)
+                for (row, _), proposal in zip(call, proposals):
                     try:
                         row.take(proposal, seconds, self.vocab_size)
                     except Exception as error:
-                        failed[id(row)] = RowFailure(error)
-                continue
-            for row, request in members:
-                started = time.perf_counter()
-                try:
-                    row.take(row.drafter.propose(request), time.perf_counter() - started,
-                             self.vocab_size)
-                except Exception as error:
-                    failed[id(row)] = RowFailure(error)
-        return failed
+                        failures[id(row)] = RowFailure(error)
+        return failures
 
     # -- one sequence ----------------------------------------------------------------------------
 
-    def steps(self, prompt_ids: list[int], stopping: StoppingRules,
-              sampling: SamplingParams = SamplingParams(), seed: int | None = None, *,
-              prediction: list[int] | None = None, constraint: Constraint | None = None,
-              logprobs: int | None = None) -> Iterator[Step]:
-        """Run generation, yielding each step's emitted tokens as soon as they are committed.
-        prediction, constraint, logprobs: see SequenceSpec (the constraint is advanced as the
-        sequence goes: pass a fresh copy)."""
-        spec = SequenceSpec(prompt_ids, stopping, sampling, seed, prediction, constraint, logprobs)
-        self.check(spec)
+    def steps(self, spec: SequenceSpec) -> Iterator[Step]:
+        """Run generation, yielding each step's emitted tokens as soon as they are committed (a
+        spec's constraint is advanced as the sequence goes: give a fresh copy)."""
         row = self._open(spec)
         try:
             while True:
@@ -387,49 +383,39 @@ class SpeculativeEngine:
         finally:
             self._close(row)
 
-    def generate(self, prompt_ids: list[int], stopping: StoppingRules,
-                 sampling: SamplingParams = SamplingParams(), seed: int | None = None, *,
-                 on_step: Callable[[Step], None] | None = None, prediction: list[int] | None = None,
-                 constraint: Constraint | None = None, logprobs: int | None = None) -> GenerationResult:
-        """Run to completion and collect tokens, steps and statistics (`steps`' arguments)."""
-        stats = self.target.stats()
+    def generate(self, spec: SequenceSpec, on_step: Callable[[Step], None] | None = None) -> GenerationResult:
+        """Run to completion and collect tokens, steps and statistics; on_step sees each step."""
         steps: list[Step] = []
         started = time.perf_counter()
-        for step in self.steps(prompt_ids, stopping, sampling, seed, prediction=prediction,
-                               constraint=constraint, logprobs=logprobs):
+        for step in self.steps(spec):
             steps.append(step)
-            stats.add(step)
             if on_step is not None:
                 on_step(step)
-        stats.total_seconds = time.perf_counter() - started
-        new_tokens = [t for step in steps for t in step.tokens]
-        return GenerationResult(list(prompt_ids), new_tokens, steps, stats)
+        return self._result(spec, steps, time.perf_counter() - started)
+
+    def _result(self, spec: SequenceSpec, steps: list[Step], seconds: float) -> GenerationResult:
+        """One sequence's result from its steps, `seconds` the time it took."""
+        stats = self.target.stats()
+        for step in steps:
+            stats.add(step)
+        stats.total_seconds = seconds
+        tokens = [t for step in steps for t in step.tokens]
+        return GenerationResult(list(spec.prompt_ids), tokens, steps, stats)
 
     # -- a batch ---------------------------------------------------------------------------------
 
-    def check(self, spec: SequenceSpec, samples: int = 1) -> None:
-        """Refuse a sequence the engine cannot run, before any work."""
-        check_prompt(self.model, spec.prompt_ids, spec.stopping.max_new_tokens)
-        if spec.logprobs is not None and not 0 <= spec.logprobs <= self.vocab_size:
-            raise VerispecError(f"logprobs must be in 0..{self.vocab_size}, got {spec.logprobs}")
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-            raise VerispecError(f"the number of samples must be a positive integer, got {samples!r}")
-
-    def add(self, spec: SequenceSpec, samples: int = 1,
+    def add(self, spec: SequenceSpec, sequences: int = 1,
             speculation: Speculation | None = None) -> list[int]:
-        """Start `samples` sequences of `spec` (they share its prefill; sample i is seeded with
-        seed + i and follows its own copy of the constraint); each joins the batch at the next
-        `step`. speculation: how they draft (default: the engine's own; see
-        verispec.methods.build_speculation). With spec.logprobs set, each Step reports its tokens'
-        log-probabilities under the target, read from the verification pass's logits. Returns
-        their ids."""
-        self.check(spec, samples)
+        """Start `sequences` sequences of `spec` (they share its prefill; each is seeded by
+        `sequence_seed` and follows its own copy of the constraint); each joins the batch at the
+        next `step`. speculation: how they draft (default: the engine's own; see
+        verispec.methods.build_speculation). Returns their ids."""
         ids: list[int] = []
         first = None
         try:
-            for i in range(samples):
+            for i in range(sequences):
                 own = spec if i == 0 else replace(
-                    spec, seed=None if spec.seed is None else spec.seed + i,
+                    spec, seed=sequence_seed(spec.seed, 0, sequence=i),
                     constraint=None if spec.constraint is None else spec.constraint.copy())
                 row = self._open(own, speculation, first)
                 first = first or row
@@ -473,19 +459,16 @@ class SpeculativeEngine:
                 self.cancel(row_id)
         return list(zip(ids, steps))
 
-    def generate_batch(self, specs: list[SequenceSpec], samples: int = 1) -> list[GenerationResult]:
-        """Generate every sequence together (`samples` of each, one after another in the result;
-        sample i of a spec is seeded with its seed + i); each result is what that sequence would
-        be alone."""
-        for spec in specs:  # all valid before any work starts
-            self.check(spec, samples)
+    def generate_batch(self, specs: list[SequenceSpec], sequences: int = 1) -> list[GenerationResult]:
+        """Generate every sequence together (`sequences` of each spec, one after another in the
+        result, seeded as `add` seeds them); each result is what that sequence would be alone."""
         if self._rows:
             raise VerispecError("generate_batch needs an idle engine; use add and step to join a batch")
         started = time.perf_counter()
         order: list[int] = []
         try:
             for spec in specs:
-                order += self.add(spec, samples)
+                order += self.add(spec, sequences)
             collected: dict[int, list[Step]] = {row_id: [] for row_id in order}
             while self._rows:
                 for row_id, step in self.step():
@@ -496,15 +479,8 @@ class SpeculativeEngine:
             for row_id in list(self._rows):
                 self.cancel(row_id)
         seconds = time.perf_counter() - started
-        results = []
-        for row_id, spec in zip(order, (s for s in specs for _ in range(samples))):
-            stats = self.target.stats()
-            for step in collected[row_id]:
-                stats.add(step)
-            stats.total_seconds = seconds
-            tokens = [t for step in collected[row_id] for t in step.tokens]
-            results.append(GenerationResult(list(spec.prompt_ids), tokens, collected[row_id], stats))
-        return results
+        return [self._result(spec, collected[row_id], seconds)
+                for row_id, spec in zip(order, (s for s in specs for _ in range(sequences)))]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -528,7 +504,5 @@ def _own_layers(hidden: torch.Tensor, layers: tuple[int, ...], own: tuple[int, .
     after its own `own` layers (a subset of `layers`)."""
     if own == layers:
         return hidden
-    width = hidden.shape[1] // (1 + len(layers))
-    parts = [hidden[:, :width]] + [hidden[:, width * (1 + layers.index(layer)):
-                                          width * (2 + layers.index(layer))] for layer in own]
-    return torch.cat(parts, dim=1)
+    keep = [0] + [1 + layers.index(layer) for layer in own]  # the final states, then own layers'
+    return hidden.reshape(hidden.shape[0], 1 + len(layers), -1)[:, keep].flatten(1)  # [n, .]

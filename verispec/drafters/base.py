@@ -14,6 +14,9 @@ here, with defaults, as class attributes and methods; nothing is probed with get
 - `forks` (False): beam search may copy its state (`copy_from`) and cut it (`truncate`).
 - `tree` (None: chains): the size of the token trees it drafts.
 - `observe_side(logits)` (ignored): the logits of a proposal's side branch (lookahead).
+
+A drafter wrapped around another (a prediction, a grammar) subclasses `Wrapper`, which takes every
+capability above from the drafter inside but the ones its own code decides (`Wrapper.OWN`).
 """
 
 from __future__ import annotations
@@ -108,3 +111,37 @@ class Drafter:
     def propose_batch(drafters: list[Drafter], requests: list[DraftRequest]) -> list[Proposal]:
         """Several sequences' proposals; a drafter that `batches` drafts them in one pass."""
         return [drafter.propose(request) for drafter, request in zip(drafters, requests)]
+
+
+CAPABILITIES = tuple(Drafter.__annotations__)  # every capability Drafter declares (the table above)
+
+
+class Wrapper(Drafter):
+    """A drafter around another one (`drafter`; None: none) that drafts some steps itself (a
+    prediction, a grammar's forced tokens) and hands the others on.
+
+    One rule for capabilities: a wrapper has every capability of the drafter inside (CAPABILITIES:
+    a capability declared on Drafter later is forwarded too), but those in OWN, which describe the
+    wrapper's own code: it is asked every step (`uses_room`), drafts one sequence at a time
+    (`batches`) and cannot fork its state for beam search (`forks`).
+    """
+
+    OWN = frozenset({"uses_room", "batches", "forks"})
+    uses_room = True
+
+    def __init__(self, drafter: Drafter | None) -> None:
+        self.drafter = drafter
+        if drafter is not None:
+            for name in CAPABILITIES:
+                if name not in self.OWN:
+                    setattr(self, name, getattr(drafter, name))
+
+    def reset(self) -> None:
+        if self.drafter is not None:
+            self.drafter.reset()
+
+    def adopt_prefill(self, target: CachedModel) -> None:
+        self.drafter.adopt_prefill(target)
+
+    def observe_side(self, logits: torch.Tensor) -> None:
+        self.drafter.observe_side(logits)

@@ -15,7 +15,7 @@ import torch
 
 from verispec.core.errors import VerispecError
 from verispec.core.types import DraftSource, Proposal
-from verispec.drafters.base import Drafter, DraftRequest
+from verispec.drafters.base import Drafter, DraftRequest, Wrapper
 
 PREDICTION_K = 16  # most prediction tokens drafted per step
 
@@ -74,30 +74,21 @@ class PredictionDrafter(Drafter):
         pass  # the committed tokens are followed at the next step, from the context
 
 
-class PredictionFirst(Drafter):
+class PredictionFirst(Wrapper):
     """The caller's prediction drafted first wherever the output is in it (as long a draft as the
     step's room allows, up to PREDICTION_K), the sequence's own drafter (None: none) elsewhere.
     Only the drafter that proposed is told what the target kept; a stateful drafter (a KV cache)
     catches up on the steps it sat out at its next proposal."""
 
-    uses_room = True
-
     def __init__(self, prediction: list[int], drafter: Drafter | None) -> None:
+        super().__init__(drafter)
         self.prediction = PredictionDrafter(prediction)
-        self.drafter = drafter
         self.last: Drafter | None = None  # the drafter whose proposal is being verified
-        if drafter is not None:
-            self.needs_hidden, self.hidden_layers = drafter.needs_hidden, drafter.hidden_layers
-            self.adopts_prefill = drafter.adopts_prefill
 
     def reset(self) -> None:
+        super().reset()
         self.prediction.reset()
-        if self.drafter is not None:
-            self.drafter.reset()
         self.last = None
-
-    def adopt_prefill(self, target) -> None:
-        self.drafter.adopt_prefill(target)
 
     def propose(self, request: DraftRequest) -> Proposal:
         proposal = self.prediction.propose(replace(request, k=request.limit))
@@ -109,9 +100,6 @@ class PredictionFirst(Drafter):
             return proposal
         self.last = self.drafter
         return self.drafter.propose(request)
-
-    def observe_side(self, logits) -> None:
-        self.drafter.observe_side(logits)
 
     def commit(self, num_accepted: int) -> None:
         if self.last is not None:

@@ -73,11 +73,11 @@ class _Output:
         self.chat, self.request = chat, request
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created, self.model = int(time.time()), model
-        self.texts = [TextStream(tokenizer, request.stopping.stop_strings) for _ in range(request.n)]
-        self.stats = [GenerationStats() for _ in range(request.n)]
-        self.reasons: list[str | None] = [None] * request.n
-        self.contents = [""] * request.n  # the response text of each choice so far
-        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(request.n)]
+        self.texts = [TextStream(tokenizer, request.stopping.stop_strings) for _ in range(request.sequences)]
+        self.stats = [GenerationStats() for _ in range(request.sequences)]
+        self.reasons: list[str | None] = [None] * request.sequences
+        self.contents = [""] * request.sequences  # the response text of each choice so far
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(request.sequences)]
         self.tokenizer = tokenizer
         self.started = time.perf_counter()
 

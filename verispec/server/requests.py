@@ -257,7 +257,7 @@ def parse_body(raw: bytes, kind: type[Common]) -> Common:
 
 
 # verispec.request's field names -> the body's (None: the same name)
-BODY_FIELDS = {"max_new_tokens": "max_tokens", "num_beams": None}
+BODY_FIELDS = {"max_new_tokens": "max_tokens", "sequences": "n", "num_beams": None}
 
 
 def to_request(body: Common, target: LoadedModel, methods: list[str], max_n: int,
@@ -294,7 +294,7 @@ def to_request(body: Common, target: LoadedModel, methods: list[str], max_n: int
             target, prompt_ids, method=method,
             options=replace(defaults, k=defaults.k if body.k is None else body.k, tree=tree),
             sampling=SamplingParams.of(body.temperature, body.top_k, body.top_p),
-            max_new_tokens=max_tokens, stop_strings=body.stop, seed=body.seed, n=body.n,
+            max_new_tokens=max_tokens, stop_strings=body.stop, seed=body.seed, sequences=body.n,
             prediction=None if body.prediction is None else body.prediction.text(),
             logprobs=body.logprobs_wanted(), methods=methods, **grammar)
         tree = request.options.tree

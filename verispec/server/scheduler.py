@@ -21,7 +21,7 @@ from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import Step
 from verispec.decoding.engine import RowFailure, Speculation
-from verispec.methods import METHODS, PLAIN, build_engine, resolve, speculation_for
+from verispec.methods import METHODS, PLAIN, build_engine, resolve, speculation_for_checked
 from verispec.model.loading import LoadedModel, context_length
 from verispec.options import DraftOptions
 from verispec.request import Request
@@ -73,7 +73,7 @@ def default_kv_tokens(target: LoadedModel, max_batch: int) -> int:
 
 def kv_tokens(request: Request) -> int:
     """The KV cache tokens a request's sequences (one prompt, n sequences) may hold at most."""
-    return request.n * (len(request.prompts[0]) + request.stopping.max_new_tokens + BLOCK_ROOM)
+    return request.sequences * (len(request.prompts[0]) + request.stopping.max_new_tokens + BLOCK_ROOM)
 
 
 # Events a ticket receives, in order: Admitted or Refused; then Stepped until every sequence has
@@ -183,13 +183,13 @@ class Scheduler:
         """Refuse a request that could never fit the KV budget, even alone."""
         if kv_tokens(request) > self.max_kv_tokens:
             raise VerispecError(
-                f"this request needs {kv_tokens(request)} KV cache tokens (n {request.n} x (prompt "
+                f"this request needs {kv_tokens(request)} KV cache tokens (n {request.sequences} x (prompt "
                 f"{len(request.prompts[0])} + max_tokens {request.stopping.max_new_tokens} + "
                 f"{BLOCK_ROOM} for drafts)), more than the server's --max-kv-tokens "
                 f"{self.max_kv_tokens}: lower max_tokens or n, or shorten the prompt")
 
     def _fits(self, request: Request, sequences: int, reserved: int) -> bool:
-        return (sequences + request.n <= self.max_batch
+        return (sequences + request.sequences <= self.max_batch
                 and reserved + kv_tokens(request) <= self.max_kv_tokens)
 
     def submit(self, request: Request) -> Ticket:
@@ -261,7 +261,7 @@ class Scheduler:
                 raise VerispecError(f"this server holds {MAX_SPECULATIONS} ways of speculating "
                                     "(method, k, tree), all in use; use the method's default k and tree")
             del self._speculations[unused]
-        self._speculations[key] = how = speculation_for(self.target, method, options)
+        self._speculations[key] = how = speculation_for_checked(self.target, method, options)
         if self._pinned:  # one a client chose (not a --method default): keep one idle drafter
             self._engine.pool_limit[how] = IDLE_PER_CHOSEN
         return how
@@ -302,7 +302,7 @@ class Scheduler:
                         self.metrics.finished(ticket.submitted, "abort")
                     else:  # its room is taken now; _admit gives it back if the engine refuses
                         admitted.append(ticket)
-                        self._sequences += ticket.request.n
+                        self._sequences += ticket.request.sequences
                         self._reserved += kv_tokens(ticket.request)
                 self.metrics.waiting.set(len(self._waiting))
             self._drop_cancelled()
@@ -334,24 +334,24 @@ class Scheduler:
 
     def _admit(self, ticket: Ticket) -> None:
         request = ticket.request
-        ticket.unfinished = request.n
+        ticket.unfinished = request.sequences
         try:
             speculation = self.speculation(request.method, request.options)
             (spec,) = request.specs()
-            row_ids = self._engine.add(spec, request.n, speculation)
+            row_ids = self._engine.add(spec, request.sequences, speculation)
         except VerispecError as error:  # counted as a bad request by the handler
-            self._release(ticket, request.n)
+            self._release(ticket, request.sequences)
             ticket.post(Refused(str(error)))
             return
         except Exception as error:  # a bug: log it, fail only this request
-            self._release(ticket, request.n)
+            self._release(ticket, request.sequences)
             self.metrics.rejected.labels("internal_error").inc()
             ticket.post(Failed(f"internal error: {type(error).__name__}"))
             log.error("scheduler: unexpected error", exc_info=error)
             return
         for index, row_id in enumerate(row_ids):
             self._rows[row_id] = (ticket, index, 0)
-        self.metrics.prompt_tokens.inc(len(request.prompts[0]) * request.n)
+        self.metrics.prompt_tokens.inc(len(request.prompts[0]) * request.sequences)
         ticket.post(Admitted())
 
     def _fail(self, ticket: Ticket, error: BaseException) -> None:
