@@ -14,10 +14,8 @@ from verispec.model.loading import DEFAULT_MODEL, PRECISIONS, load_model
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     from verispec.training.bytes import BYTE_TRAINING, BYTES_KIND, ByteModelOptions
-    from verispec.training.data_engine import MODES
     from verispec.training.losses import LOSSES
     from verispec.training.recipes import KINDS, RecipeOptions
-    from verispec.training.sources import SHAREGPT, TEMPLATES
     from verispec.training.trainer import TrainConfig
 
     bytes_ = ByteModelOptions()
@@ -37,20 +35,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--out", required=True, help="output directory")
     train.add_argument("--data", help="data directory, shared between kinds; reused as it is once "
                        "complete (default: OUT/data)")
-    train.add_argument("--source",
-                       help=f"the data engine (docs/training.md): {SHAREGPT!r} (ShareGPT conversations, "
-                       f"the optional extra verispec[sharegpt]; training only), {TEMPLATES!r} (the "
-                       "templated prompts) or a .jsonl file (prompt/reply, conversations, messages "
-                       "or text records); builds --data from it instead of the templated prompts")
-    train.add_argument("--mode", choices=MODES, default="self",
-                       help="data engine: self (the target answers the source's prompts) or "
-                       "teacher (the source's own replies, read in one forward: no generation)")
-    train.add_argument("--tokens", type=int, default=1_000_000,
-                       help="data engine: reply tokens of training data to build (a larger number "
-                       "later adds to it; default: 1000000)")
-    train.add_argument("--held-out", type=float, default=0.02,
-                       help="data engine: the fraction of the source's prompts held out, and of "
-                       "--tokens built from them into DATA/held-out (the evaluation set)")
+    add_data_engine_arguments(train)
     train.add_argument("--prompts", type=int,
                        help=f"training prompts (default: 1000; {bytes_.prompts})")
     train.add_argument("--text", metavar="FILE",
@@ -113,6 +98,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        "native bfloat16 instructions, where it is faster)")
     train.add_argument("--device", default="cpu")
     train.set_defaults(func=run_command)
+
+
+def add_data_engine_arguments(train: argparse.ArgumentParser) -> None:
+    """The data engine's flags (verispec.training.data_engine)."""
+    from verispec.training.data_engine import MODES
+    from verispec.training.sources import SHAREGPT, TEMPLATES
+
+    train.add_argument("--source",
+                       help=f"the data engine (docs/training.md): {SHAREGPT!r} (ShareGPT conversations, "
+                       f"the optional extra verispec[sharegpt]; training only), {TEMPLATES!r} (the "
+                       "templated prompts) or a .jsonl file (prompt/reply, conversations, messages "
+                       "or text records); builds --data from it instead of the templated prompts")
+    train.add_argument("--mode", choices=MODES, default="self",
+                       help="data engine: self (the target answers the source's prompts) or "
+                       "teacher (the source's own replies, read in one forward: no generation)")
+    train.add_argument("--tokens", type=int, default=1_000_000,
+                       help="data engine: reply tokens of training data to build (a larger number "
+                       "later adds to it; default: 1000000)")
+    train.add_argument("--held-out", type=float, default=0.02,
+                       help="data engine: the fraction of the source's prompts held out, and of "
+                       "--tokens built from them into DATA/held-out (the evaluation set)")
 
 
 def run_command(args: argparse.Namespace) -> int:
