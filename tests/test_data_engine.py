@@ -17,7 +17,7 @@ from verispec.cli import main
 from verispec.core.errors import VerispecError
 from verispec.model.loading import load_model
 from verispec.training.data import answer, features, load_dataset
-from verispec.training.data_engine import HELD_OUT, build_data, shard_tokens
+from verispec.training.data_engine import HELD_OUT, build_data, shard_tokens, split_exchanges
 from verispec.training.recipes import train_drafter
 from verispec.training.shell import RecipeOptions
 from verispec.training.sources import exchanges_of, json_array_records, read_jsonl
@@ -194,3 +194,17 @@ def test_train_data_command_and_its_errors(tiny_dir, corpus, tmp_path, capsys):
     assert "give --source" in capsys.readouterr().err
     assert main(["train", "eagle", "--out", str(tmp_path / "x"), "--heads", "2"]) == 2
     assert "--heads: not an option of a eagle drafter" in capsys.readouterr().err
+
+
+def test_a_conversation_is_held_out_whole(tmp_path):
+    """Every exchange of a held-out conversation is held out: no turn of it trains."""
+    path = tmp_path / "c.jsonl"
+    turns = [{"from": f, "value": f"{f}{i}"} for i in range(4) for f in ("human", "gpt")]
+    path.write_text("".join(json.dumps({"conversations": [dict(t, value=t["value"] + f"-{n}")
+                                                          for t in turns]}) + "\n" for n in range(30)))
+    exchanges = read_jsonl(path)
+    assert len(exchanges) == 120 and {x.record for x in exchanges} == set(range(30))
+    assert all(x.prompt.endswith(f"-{x.record}") for x in exchanges)
+    held, train = split_exchanges(exchanges, 0.1, seed=0)
+    assert len({x.record for x in held}) == 3 and len(held) + len(train) == 120
+    assert not {x.record for x in held} & {x.record for x in train}

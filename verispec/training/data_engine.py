@@ -39,7 +39,8 @@ def build_data(target: LoadedModel, out_dir: str | Path, source: str, mode: str 
                max_new_tokens: int = 256, max_prompt_tokens: int = 512, seed: int = 0,
                exit_layer: int | None = None, aux_layers: tuple[int, ...] = ()) -> Path:
     """Write `tokens` reply tokens of training data from `source` into out_dir and about
-    held_out * tokens into out_dir/held-out (resumable; returns out_dir)."""
+    held_out * tokens into out_dir/held-out, from a held_out fraction of the source's records
+    (whole conversations) the training shards never see (resumable; returns out_dir)."""
     if mode not in MODES:
         raise VerispecError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
     if tokens < 1 or batch_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
@@ -61,15 +62,25 @@ def build_data(target: LoadedModel, out_dir: str | Path, source: str, mode: str 
                             "(use --mode self: the target answers its prompts)")
     out, exit_layer = start_directory(target, out, exit_layer, settings, aux_layers)
     start_directory(target, out / HELD_OUT, exit_layer, settings, aux_layers)
-    order = list(range(len(exchanges)))
-    random.Random(seed).shuffle(order)
-    held = max(1, round(len(order) * held_out))
-    splits = {HELD_OUT: [exchanges[i] for i in order[:held]], "train": [exchanges[i] for i in order[held:]]}
+    splits = dict(zip((HELD_OUT, "train"), split_exchanges(exchanges, held_out, seed)))
     for split, directory in ((HELD_OUT, out / HELD_OUT), ("train", out)):
         batches = _batches(target, splits[split], mode, batch_size, max_new_tokens, max_prompt_tokens)
         _fill(target, directory, batches, budgets[split], mode, max_new_tokens, exit_layer,
               aux_layers, f"{mode} data ({split})")
     return out
+
+
+def split_exchanges(exchanges: list[Exchange], held_out: float,
+                    seed: int) -> tuple[list[Exchange], list[Exchange]]:
+    """(held-out, training) exchanges, each in a seeded random order: a held_out fraction of the
+    source's records (at least one) held out whole, so no turn of a held-out conversation trains."""
+    rng = random.Random(seed)
+    records = sorted({x.record for x in exchanges})
+    rng.shuffle(records)
+    held = set(records[: max(1, round(len(records) * held_out))])
+    shuffled = exchanges[:]
+    rng.shuffle(shuffled)
+    return [x for x in shuffled if x.record in held], [x for x in shuffled if x.record not in held]
 
 
 def _batches(target: LoadedModel, exchanges: list[Exchange], mode: str, batch_size: int,

