@@ -193,7 +193,7 @@ def test_train_data_command_and_its_errors(tiny_dir, corpus, tmp_path, capsys):
     assert main(["train", "eagle", "--out", str(tmp_path / "x"), "--tokens", "5"]) == 2
     assert "give --source" in capsys.readouterr().err
     assert main(["train", "eagle", "--out", str(tmp_path / "x"), "--heads", "2"]) == 2
-    assert "--heads: not an option of a eagle drafter" in capsys.readouterr().err
+    assert "--heads: not an option of the eagle drafter" in capsys.readouterr().err
 
 
 def test_a_conversation_is_held_out_whole(tmp_path):

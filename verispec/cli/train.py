@@ -159,11 +159,11 @@ def run_command(args: argparse.Namespace) -> int:
                                               seed=args.seed, bf16=bf16))
     kind = RECIPES[args.kind]
     given = {option: getattr(args, dest) for option, dest in KIND_FLAGS.items()
-             if getattr(args, dest) not in (None, False)}
+             if getattr(args, dest) is not None and getattr(args, dest) is not False}
     foreign = [flag(option) for option in given if option not in kind.options]
     if foreign:
         own = sorted(flag(option) for option in kind.options & KIND_FLAGS.keys())
-        raise VerispecError(f"{', '.join(foreign)}: not an option of a {args.kind} drafter "
+        raise VerispecError(f"{', '.join(foreign)}: not an option of the {args.kind} drafter "
                             f"(its own: {', '.join(own) or 'none'})")
     if args.text_data and not args.text:
         raise VerispecError("--text-data is where --text FILE's hidden states go: give --text too")
