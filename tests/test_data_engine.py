@@ -32,7 +32,7 @@ def loaded(tmp_path_factory):
 
 
 def words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{rng.randint(3, 63)}" for _ in range(n))
+    return " ".join(f"w{rng.randint(5, 63)}" for _ in range(n))  # words the tokenizer knows
 
 
 @pytest.fixture(scope="module")
