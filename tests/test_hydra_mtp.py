@@ -207,7 +207,7 @@ def test_mtp_head_by_head_backward_gives_the_summed_losses_gradients(loaded, dat
     reference, reference_trunk = _mtp_recipe(loaded, meta, sequences), trunk()
     output = reference_trunk(batch.hidden)
     output.retain_grad()
-    losses, _ = reference.mtp_head_losses(batch)
+    losses, _ = mtp.head_losses(reference, batch)
     summed = sum(loss(output) for loss in losses)
     summed.backward()
     expected = {**_grads(reference.module), **{f"trunk.{n}": g for n, g in _grads(reference_trunk).items()}}
@@ -235,7 +235,7 @@ def test_mtp_training_backpropagates_head_by_head(loaded, data):
 
     reference = _mtp_recipe(loaded, meta, sequences)
     batch = collate(sequences, 64)
-    losses, _ = reference.mtp_head_losses(batch)
+    losses, _ = mtp.head_losses(reference, batch)
     sum(loss(batch.hidden) for loss in losses).backward()
     expected = _grads(reference.module)
     for name, value in _grads(recipe.module).items():
