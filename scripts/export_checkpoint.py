@@ -22,7 +22,7 @@ import torch
 
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.training.data import load_dataset
-from verispec.training.recipes import RECIPES, Recipe, RecipeOptions, split
+from verispec.training.recipes import RECIPES, RecipeOptions, recipe_for, split
 from verispec.training.trainer import TrainConfig
 
 
@@ -52,7 +52,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as links:
         meta, sequences = load_dataset(first_shards(args.data, args.data_batches, Path(links)))
     options = RecipeOptions()
-    recipe = Recipe(args.kind, target, meta, sequences, options)
+    recipe = recipe_for(args.kind, target, meta, sequences, options)
     recipe.module.load_state_dict(state["module"])
     recipe.module.eval()
     _, eval_items = split(sequences, config.seed, args.eval_fraction)

@@ -1,6 +1,6 @@
 """Peak memory of one MTP training backward: head by head (Gloeckle et al. 2024) or all at once.
 
-Runs the MTP recipe's head losses (verispec.training.recipes.Recipe.mtp_head_losses) for the
+Runs the MTP recipe's head losses (verispec.training.kinds.mtp.head_losses) for the
 built-in model (hidden 576, its final norm and LM head) on BATCH random trunk outputs of LENGTH
 positions, through verispec.training.losses.multi_head_backward in each order, each order in a
 fresh process. The peak is the process's resident high-water mark (VmHWM, reset through
@@ -23,8 +23,10 @@ import torch
 
 import verispec
 from verispec.training.data import Sequence
+from verispec.training.kinds import mtp
 from verispec.training.losses import multi_head_backward
-from verispec.training.recipes import Recipe, RecipeOptions, collate
+from verispec.training.recipes import recipe_for
+from verispec.training.shell import RecipeOptions, collate
 
 
 def resident_kib(field: str) -> int:
@@ -44,10 +46,10 @@ def measure(args: argparse.Namespace, sequential: bool) -> tuple[float, float]:
                           torch.randn(args.length, hidden, generator=generator).half(),
                           torch.zeros(args.length, hidden, dtype=torch.float16))
                  for _ in range(args.batch)]
-    recipe = Recipe("mtp", target, {"exit_layer": 15}, sequences,
+    recipe = recipe_for("mtp", target, {"exit_layer": 15}, sequences,
                     RecipeOptions(vocab=args.vocab, heads=args.heads))
     batch = collate(sequences, args.length)
-    losses, _ = recipe.mtp_head_losses(batch)
+    losses, _ = mtp.head_losses(recipe, batch)
     trunk_out = batch.hidden.requires_grad_()  # as a trainable trunk's output would
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident size

@@ -157,7 +157,7 @@ MUTANTS = (
            "    if sequential:", "    if False:",
            (MTP_ORDER,),
            "MTP's head-by-head backward replaced by the joint one (all heads' graphs alive at once)"),
-    Mutant("mtp-recipe-joint-backward", "verispec/training/recipes.py",
+    Mutant("mtp-recipe-joint-backward", "verispec/training/kinds/mtp.py",
            "multi_head_backward(b.hidden, losses)", "multi_head_backward(b.hidden, losses, False)",
            (MTP_ORDER,),
            "MTP training calls the joint backward"),

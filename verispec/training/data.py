@@ -97,7 +97,7 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1
     order) and call the data complete: a smaller dataset that is still a mix of every prompt kind.
     Called again with more, it adds the missing shards; shards already written are kept.
     """
-    out, exit_layer = _start(target, out_dir, exit_layer, {
+    out, exit_layer = start_directory(target, out_dir, exit_layer, {
         "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "seed": seed}, aux_layers)
     prompts = [encode_prompt(target, p, chat=None) for p in make_prompts(num_prompts, seed)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding per batch
@@ -113,13 +113,13 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1
             continue
         chosen = [prompts[i] for i in batch]
         sequences = answer(target, chosen, max_new_tokens)
-        _write_shard(shard, features(target, sequences, exit_layer, aux_layers),
+        write_shard(shard, features(target, sequences, exit_layer, aux_layers),
                      [len(p) for p in chosen])
     (out / COMPLETE).touch()
     return out
 
 
-def _start(target: LoadedModel, out_dir: str | Path, exit_layer: int | None,
+def start_directory(target: LoadedModel, out_dir: str | Path, exit_layer: int | None,
            settings: dict, aux_layers: tuple[int, ...] = ()) -> tuple[Path, int]:
     """Check the target and the exit layer, and create out_dir with its meta.json, refusing a
     directory that holds data built with other settings (shards already there are kept)."""
@@ -151,7 +151,7 @@ def claim_directory(out: Path, name: str, meta: dict, what: str) -> None:
     meta_file.write_text(json.dumps(meta, indent=1))
 
 
-def _write_shard(shard: Path, records: list[Sequence], prompt_lens: list[int]) -> None:
+def write_shard(shard: Path, records: list[Sequence], prompt_lens: list[int]) -> None:
     payload = [{"tokens": r.tokens.to(torch.int32), "prompt_len": n, "hidden": r.hidden,
                 "exit_hidden": r.exit_hidden,
                 **({} if r.aux_hidden is None else {"aux_hidden": r.aux_hidden})}
@@ -223,14 +223,14 @@ def build_text_dataset(target: LoadedModel, corpus: str | Path, out_dir: str | P
     digest = hashlib.sha256(Path(corpus).read_bytes()).hexdigest()[:16]
     settings = {"corpus": Path(corpus).name, "corpus_sha256": digest,
                 "chunk_tokens": chunk_tokens, "seed": seed}
-    out, exit_layer = _start(target, out_dir, exit_layer, settings, aux_layers)
+    out, exit_layer = start_directory(target, out_dir, exit_layer, settings, aux_layers)
     chunks = text_sequences(target, docs, chunk_tokens, seed)
     random.Random(seed).shuffle(chunks)
     batches = [chunks[i: i + batch_size] for i in range(0, len(chunks), batch_size)]
     for index, batch in enumerate(tqdm(batches, desc="corpus hidden states", unit="batch")):
         shard = out / f"shard-{index:05d}.pt"
         if not shard.exists():
-            _write_shard(shard, features(target, [ids for ids, _ in batch], exit_layer, aux_layers),
+            write_shard(shard, features(target, [ids for ids, _ in batch], exit_layer, aux_layers),
                          [n for _, n in batch])
     (out / COMPLETE).touch()
     return out
@@ -245,12 +245,14 @@ def is_complete(data_dir: str | Path, batches: int | None = None) -> bool:
 
 
 def load_dataset(data_dir: str | Path) -> tuple[dict, list[Sequence]]:
-    """The metadata and every sequence of a dataset directory."""
+    """The metadata and every sequence of a dataset directory (the shards memory-mapped)."""
     data = Path(data_dir)
     shards = sorted(data.glob("shard-*.pt"))
     if not (data / "meta.json").is_file() or not shards:
         raise VerispecError(f"{data} holds no training data (build it with `verispec train ... "
                             "--data DIR`, which writes it first)")
+    # Memory-mapped: the states stay on disk until a batch reads them (data larger than memory
+    # trains; the page cache keeps what is read often).
     sequences = [Sequence(r["tokens"].long(), r["prompt_len"], r["hidden"], r["exit_hidden"],
-                          r.get("aux_hidden")) for shard in shards for r in torch.load(shard)]
+                          r.get("aux_hidden")) for shard in shards for r in torch.load(shard, mmap=True)]
     return json.loads((data / "meta.json").read_text()), sequences

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
+from dataclasses import dataclass
 
 TOPICS = """volcanoes; the water cycle; photosynthesis; black holes; the Roman Empire; the printing press;
 machine learning; compound interest; the French Revolution; honeybees; climate change; vaccines;
@@ -270,98 +271,125 @@ def _passages(rng: random.Random, count: int) -> list[str]:
     return found[:count]
 
 
+@dataclass(frozen=True)
+class Material:
+    """What a prompt family draws on: the seeded generator every choice comes from, passages to
+    summarize or answer from, and code snippets to explain."""
+
+    rng: random.Random
+    passages: list[str]
+    snippets: list[str]
+
+
+def _numbers(rng: random.Random) -> dict:
+    """The numbers a maths prompt's template names."""
+    x, y = rng.randint(2, 9), rng.randint(2, 12)
+    return {"a": rng.randint(2, 90), "b": rng.randint(2, 40), "c": rng.randint(50, 400),
+            "x": x, "y": y * x, "z": rng.randint(60, 990), "p": rng.randint(2, 30),
+            "q": rng.randint(1, 9), "n": rng.randint(2, 8), "bill": rng.choice([20, 50, 100]),
+            "a1": rng.choice(NAMES)}
+
+
+def _conversation(m: Material, t: str, u: str) -> str:
+    return m.rng.choice(CONVERSATION).format(t=t, u=u)
+
+
+def _writing(m: Material, t: str, u: str) -> str:
+    rng = m.rng
+    return rng.choice(WRITING).format(t=t, adj=rng.choice(ADJECTIVES), item=rng.choice(ITEMS),
+                                      job=rng.choice(JOBS), place=rng.choice(PLACES))
+
+
+def _roleplay(m: Material, t: str, u: str) -> str:
+    return f"Pretend you are {m.rng.choice(ROLES)}. " + m.rng.choice(SITUATIONS).format(t=t)
+
+
+def _reasoning(m: Material, t: str, u: str) -> str:
+    rng = m.rng
+    a, b, c = rng.sample(NAMES, 3)
+    start, step = rng.randint(1, 9), rng.randint(2, 5)
+    x, y, z = (start, start * step, start * step * step) if rng.random() < 0.5 else (
+        start, start + step, start + 2 * step)
+    bat = rng.randint(2, 6)
+    return rng.choice(REASONING).format(a=a, b=b, c=c, x=x, y=y, z=z, n=rng.randint(2, 12),
+                                        p=f"{bat}.10", q=bat)
+
+
+def _math(m: Material, t: str, u: str) -> str:
+    return m.rng.choice(MATH + MATH_MORE).format(**_numbers(m.rng))
+
+
+def _coding(m: Material, t: str, u: str) -> str:
+    rng = m.rng
+    if m.snippets and rng.random() < 0.35:
+        return rng.choice(CODE_ASKS).format(s=rng.choice(m.snippets))
+    return f"Write a {rng.choice(LANGS)} function that {rng.choice(CODING)}."
+
+
+def _extraction(m: Material, t: str, u: str) -> str:
+    ask = m.rng.choice(["Extract every name, date and amount from the text below as JSON.",
+                        "List the people mentioned in this text and their roles.",
+                        "From the text below, extract the key facts as a bulleted list.",
+                        "Fill in a table with the columns who, what, when and how much from "
+                        "this text."])
+    return f"{ask}\n\n{_records(m.rng)}"
+
+
+def _academic(m: Material, t: str, u: str) -> str:
+    field = m.rng.choice(sorted(FIELDS))
+    return m.rng.choice(ACADEMIC).format(c=m.rng.choice(FIELDS[field]), f=field, t=t)
+
+
+def _short_qa(m: Material, t: str, u: str) -> str:
+    if m.rng.random() < 0.6:
+        return m.rng.choice(FACTS)
+    return m.rng.choice(QA).format(t=t, u=u)
+
+
+def _translation(m: Material, t: str, u: str) -> str:
+    rng = m.rng
+    if rng.random() < 0.6:
+        text = " ".join(rng.sample(GERMAN, rng.randint(1, 4)))
+        return rng.choice(["Translate German to English: {s}", "Translate into English: \"{s}\"",
+                           "What does this German text mean in English?\n\n{s}"]).format(s=text)
+    text = " ".join(rng.sample(SENTENCES, rng.randint(1, 3)))
+    return f"Translate into {rng.choice(LANGUAGES)}: \"{text}\""
+
+
+def _summary(m: Material, t: str, u: str) -> str:
+    text = "\n\n".join(m.rng.sample(m.passages, m.rng.randint(1, 3)))
+    return m.rng.choice(["Summarize the following text in two sentences:\n\n{p}",
+                         "Write a one-paragraph summary of this passage:\n{p}",
+                         "{p}\n\nSummarize the passage above.",
+                         "Give a short summary (at most 50 words) of the text below.\n\n{p}"]
+                        ).format(p=text)
+
+
+def _retrieval(m: Material, t: str, u: str) -> str:
+    chosen = m.rng.sample(m.passages, m.rng.randint(1, 4))
+    docs = "\n\n".join(f"Document [{i + 1}]: {p}" for i, p in enumerate(chosen))
+    return m.rng.choice([
+        "Answer the question using the documents.\n\n{d}\n\nQuestion: What is the main purpose "
+        "described in the documents?",
+        "Context: {d}\n\nUsing only the context, explain what it says in simple words.",
+        "{d}\n\nBased on the documents, list the key points.",
+        "{d}\n\nWhich document is most useful for someone new to programming, and why?"]
+    ).format(d=docs)
+
+
+# Prompt families and their weights in the mix; the passage families only where passages exist.
+FAMILIES = [(_conversation, 12), (_writing, 10), (_roleplay, 6), (_reasoning, 6), (_math, 12),
+            (_coding, 9), (_extraction, 5), (_academic, 9), (_short_qa, 10), (_translation, 10)]
+PASSAGE_FAMILIES = [(_summary, 6), (_retrieval, 5)]
+
+
 def make_prompts(count: int, seed: int = 0) -> list[str]:
     """`count` varied user prompts, the same for the same seed."""
     rng = random.Random(seed)
-    passages = _passages(rng, count)
-    snippets = _snippets()
-    fields = sorted(FIELDS)
-
-    def numbers() -> dict:
-        x, y = rng.randint(2, 9), rng.randint(2, 12)
-        return {"a": rng.randint(2, 90), "b": rng.randint(2, 40), "c": rng.randint(50, 400),
-                "x": x, "y": y * x, "z": rng.randint(60, 990), "p": rng.randint(2, 30),
-                "q": rng.randint(1, 9), "n": rng.randint(2, 8), "bill": rng.choice([20, 50, 100]),
-                "a1": rng.choice(NAMES)}
-
-    def conversation(t: str, u: str) -> str:
-        return rng.choice(CONVERSATION).format(t=t, u=u)
-
-    def writing(t: str, u: str) -> str:
-        return rng.choice(WRITING).format(t=t, adj=rng.choice(ADJECTIVES), item=rng.choice(ITEMS),
-                                          job=rng.choice(JOBS), place=rng.choice(PLACES))
-
-    def roleplay(t: str, u: str) -> str:
-        return f"Pretend you are {rng.choice(ROLES)}. " + rng.choice(SITUATIONS).format(t=t)
-
-    def reasoning(t: str, u: str) -> str:
-        a, b, c = rng.sample(NAMES, 3)
-        start, step = rng.randint(1, 9), rng.randint(2, 5)
-        x, y, z = (start, start * step, start * step * step) if rng.random() < 0.5 else (
-            start, start + step, start + 2 * step)
-        bat = rng.randint(2, 6)
-        return rng.choice(REASONING).format(a=a, b=b, c=c, x=x, y=y, z=z, n=rng.randint(2, 12),
-                                            p=f"{bat}.10", q=bat)
-
-    def math(t: str, u: str) -> str:
-        return rng.choice(MATH + MATH_MORE).format(**numbers())
-
-    def coding(t: str, u: str) -> str:
-        if snippets and rng.random() < 0.35:
-            return rng.choice(CODE_ASKS).format(s=rng.choice(snippets))
-        return f"Write a {rng.choice(LANGS)} function that {rng.choice(CODING)}."
-
-    def extraction(t: str, u: str) -> str:
-        ask = rng.choice(["Extract every name, date and amount from the text below as JSON.",
-                          "List the people mentioned in this text and their roles.",
-                          "From the text below, extract the key facts as a bulleted list.",
-                          "Fill in a table with the columns who, what, when and how much from "
-                          "this text."])
-        return f"{ask}\n\n{_records(rng)}"
-
-    def academic(t: str, u: str) -> str:
-        field = rng.choice(fields)
-        return rng.choice(ACADEMIC).format(c=rng.choice(FIELDS[field]), f=field, t=t)
-
-    def short_qa(t: str, u: str) -> str:
-        if rng.random() < 0.6:
-            return rng.choice(FACTS)
-        return rng.choice(QA).format(t=t, u=u)
-
-    def translation(t: str, u: str) -> str:
-        if rng.random() < 0.6:
-            text = " ".join(rng.sample(GERMAN, rng.randint(1, 4)))
-            return rng.choice(["Translate German to English: {s}", "Translate into English: \"{s}\"",
-                               "What does this German text mean in English?\n\n{s}"]).format(s=text)
-        text = " ".join(rng.sample(SENTENCES, rng.randint(1, 3)))
-        return f"Translate into {rng.choice(LANGUAGES)}: \"{text}\""
-
-    def summary(t: str, u: str) -> str:
-        text = "\n\n".join(rng.sample(passages, rng.randint(1, 3)))
-        return rng.choice(["Summarize the following text in two sentences:\n\n{p}",
-                           "Write a one-paragraph summary of this passage:\n{p}",
-                           "{p}\n\nSummarize the passage above.",
-                           "Give a short summary (at most 50 words) of the text below.\n\n{p}"]
-                          ).format(p=text)
-
-    def retrieval(t: str, u: str) -> str:
-        chosen = rng.sample(passages, rng.randint(1, 4))
-        docs = "\n\n".join(f"Document [{i + 1}]: {p}" for i, p in enumerate(chosen))
-        return rng.choice([
-            "Answer the question using the documents.\n\n{d}\n\nQuestion: What is the main purpose "
-            "described in the documents?",
-            "Context: {d}\n\nUsing only the context, explain what it says in simple words.",
-            "{d}\n\nBased on the documents, list the key points.",
-            "{d}\n\nWhich document is most useful for someone new to programming, and why?"]
-        ).format(d=docs)
-
-    families = [(conversation, 12), (writing, 10), (roleplay, 6), (reasoning, 6), (math, 12),
-                (coding, 9), (extraction, 5), (academic, 9), (short_qa, 10), (translation, 10)]
-    if passages:
-        families += [(summary, 6), (retrieval, 5)]
-    makers, weights = zip(*families)
+    material = Material(rng, _passages(rng, count), _snippets())
+    makers, weights = zip(*(FAMILIES + (PASSAGE_FAMILIES if material.passages else [])))
     prompts: dict[str, None] = {}  # ordered and without repeats
     while len(prompts) < count:
         t, u = rng.sample(TOPICS, 2)
-        prompts.setdefault(rng.choices(makers, weights)[0](t, u))
+        prompts.setdefault(rng.choices(makers, weights)[0](material, t, u))
     return list(prompts)

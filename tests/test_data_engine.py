@@ -1,0 +1,210 @@
+"""The data engine (verispec.training.data_engine, sources): each mode on a tiny target, sized by
+tokens with a held-out split, a killed build that resumes where it stopped, cut and malformed
+sources, shards that stay on disk, and training that evaluates on the held-out split."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import verispec.training.data_engine as engine_module
+from tests.tiny import save_tiny
+from verispec.cli import main
+from verispec.core.errors import VerispecError
+from verispec.model.loading import load_model
+from verispec.training.data import answer, features, load_dataset
+from verispec.training.data_engine import HELD_OUT, build_data, shard_tokens, split_exchanges
+from verispec.training.recipes import train_drafter
+from verispec.training.shell import RecipeOptions
+from verispec.training.sources import exchanges_of, json_array_records, read_jsonl
+from verispec.training.trainer import TrainConfig
+
+AUX = (0, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return load_model(str(save_tiny(tmp_path_factory.mktemp("target"), seed=0)))
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.randint(5, 63)}" for _ in range(n))  # words the tokenizer knows
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """60 prompt/reply records in the tiny tokenizer's words."""
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("corpus") / "chats.jsonl"
+    rows = [{"prompt": words(rng, rng.randint(2, 6)), "reply": words(rng, rng.randint(8, 20))}
+            for _ in range(60)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def build(loaded, out, corpus, mode, tokens=200, **kw):
+    return build_data(loaded, out, str(corpus), mode, tokens, held_out=0.1, batch_size=4,
+                      max_new_tokens=12, exit_layer=1, aux_layers=AUX, **kw)
+
+
+def reply_tokens(directory) -> int:
+    return sum(shard_tokens(directory).values())
+
+
+@pytest.mark.parametrize("mode", ["self", "teacher"])
+def test_each_mode_builds_the_tokens_asked_for_and_a_disjoint_held_out_split(loaded, corpus, tmp_path, mode):
+    out = build(loaded, tmp_path / "d", corpus, mode)
+    train_tokens, held_tokens = reply_tokens(out), reply_tokens(out / HELD_OUT)
+    assert 200 <= train_tokens < 200 + 4 * 20  # stops within one shard past the budget
+    assert 20 <= held_tokens < 20 + 4 * 20
+    _, train_seqs = load_dataset(out)
+    _, held_seqs = load_dataset(out / HELD_OUT)
+    prompts = {tuple(s.tokens[: s.prompt_len].tolist()) for s in train_seqs}
+    assert not prompts & {tuple(s.tokens[: s.prompt_len].tolist()) for s in held_seqs}
+    assert all(s.aux_hidden.shape[-1] == 3 * loaded.model.config.hidden_size for s in train_seqs)
+    first = train_seqs[:4]
+    ids = [s.tokens.tolist() for s in first]
+    if mode == "self":  # the target's own greedy answers to the prompts
+        assert ids == answer(loaded, [s[: f.prompt_len] for s, f in zip(ids, first)], 12)
+    else:  # the source's replies, verbatim after the prompt (cut at max_new_tokens)
+        replies = [json.loads(line)["reply"] for line in corpus.read_text().splitlines()]
+        for s in first:
+            reply = loaded.tokenizer.decode(s.tokens[s.prompt_len:])
+            assert 0 < len(s.tokens) - s.prompt_len <= 12
+            assert any(r.startswith(reply) for r in replies)
+    expected = features(loaded, ids, 1, AUX)
+    for s, e in zip(first, expected):
+        assert torch.equal(s.hidden, e.hidden) and torch.equal(s.aux_hidden, e.aux_hidden)
+
+
+def test_a_killed_build_resumes_where_it_stopped(loaded, corpus, tmp_path, monkeypatch):
+    reference = build(loaded, tmp_path / "ref", corpus, "self")
+    real, calls = engine_module.write_shard, []
+
+    def dies_on_the_third(shard, records, prompt_lens):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(shard.name)
+        real(shard, records, prompt_lens)
+
+    monkeypatch.setattr(engine_module, "write_shard", dies_on_the_third)
+    out = tmp_path / "d"
+    with pytest.raises(KeyboardInterrupt):
+        build(loaded, out, corpus, "self")
+    monkeypatch.setattr(engine_module, "write_shard", real)
+    written = {p: p.stat().st_mtime_ns for p in out.rglob("shard-*.pt")}
+    assert len(written) == 2 and not (out / "complete").exists()  # killed mid-way
+    built = []
+    monkeypatch.setattr(engine_module, "write_shard",
+                        lambda shard, *rest: (built.append(shard), real(shard, *rest)))
+    build(loaded, out, corpus, "self")
+    assert built and not set(built) & written.keys()  # continued: nothing written twice
+    assert {p: p.stat().st_mtime_ns for p in written} == written
+    for directory in (HELD_OUT, "."):
+        got, want = load_dataset(out / directory)[1], load_dataset(reference / directory)[1]
+        assert [s.tokens.tolist() for s in got] == [s.tokens.tolist() for s in want]
+    built.clear()
+    build(loaded, out, corpus, "self")  # complete: nothing rebuilt
+    assert not built
+    before = set(out.rglob("shard-*.pt"))
+    build(loaded, out, corpus, "self", tokens=400)  # more tokens: shards added, none rewritten
+    assert built and reply_tokens(out) >= 400 and not set(built) & before
+
+
+def test_teacher_forcing_needs_replies_and_other_settings_need_another_directory(loaded, corpus, tmp_path):
+    with pytest.raises(VerispecError, match="teacher forcing reads the source's replies"):
+        build_data(loaded, tmp_path / "t", "templates", "teacher", 10, exit_layer=1)
+    build(loaded, tmp_path / "d", corpus, "teacher", tokens=20)
+    with pytest.raises(VerispecError, match="other settings"):
+        build(loaded, tmp_path / "d", corpus, "self", tokens=20)
+
+
+def test_a_cut_json_array_stops_at_the_last_whole_record_and_says_so(capsys):
+    records = [{"id": i, "conversations": [{"from": "human", "value": f"q{i}"},
+                                           {"from": "gpt", "value": f"a{i}"}]} for i in range(5)]
+    text = json.dumps(records, indent=2)
+    cut = text[: text.index('"id": 4') + 12]
+    assert json_array_records(cut, "file.json") == records[:4]
+    assert "read its 4 whole records" in capsys.readouterr().err
+    assert json_array_records(text, "file.json") == records
+    broken = text.replace('"id": 2', '"id": 2,,', 1)
+    with pytest.raises(VerispecError, match=r"file.json:\d+ is not JSON"):
+        json_array_records(broken, "file.json")
+    assert [(x.prompt, x.reply) for x in exchanges_of(records[0])] == [("q0", "a0")]
+
+
+def test_a_cut_jsonl_file_stops_at_its_last_whole_line_and_a_bad_line_is_named(tmp_path, capsys):
+    path = tmp_path / "c.jsonl"
+    rows = [json.dumps({"prompt": f"p{i}", "reply": f"r{i}"}) for i in range(3)]
+    path.write_text("\n".join(rows) + "\n" + rows[0][:10])
+    assert [x.prompt for x in read_jsonl(path)] == ["p0", "p1", "p2"]
+    assert "c.jsonl:4 is cut short: read the 3 whole records" in capsys.readouterr().err
+    path.write_text(rows[0] + "\n{oops\n" + rows[1] + "\n")
+    with pytest.raises(VerispecError, match=r"c.jsonl:2 is not JSON"):
+        read_jsonl(path)
+    path.write_text(json.dumps({"other": 1}) + "\n")
+    with pytest.raises(VerispecError, match=r"c.jsonl:1 holds no exchange"):
+        read_jsonl(path)
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n"
+                    + json.dumps({"title": "T", "text": "body"}) + "\n")
+    assert [(x.prompt, x.reply) for x in read_jsonl(path)] == [("hi", "hello"),
+                                                               ("Tell me about T.", "body")]
+
+
+def test_shards_are_read_as_memory_maps(loaded, corpus, tmp_path):
+    """Training data stays on disk (data larger than memory trains): load_dataset's states are
+    views of file-backed storage, not copies in memory."""
+    out = build(loaded, tmp_path / "d", corpus, "teacher", tokens=40)
+    _, sequences = load_dataset(out)
+    maps = Path("/proc/self/maps")
+    if not maps.is_file():
+        pytest.skip("no /proc/self/maps to read the mappings from")
+    mapped = []  # (start, end) of every mapping of a shard file
+    for line in maps.read_text().splitlines():
+        if line.endswith(".pt") and str(out) in line:
+            start, end = (int(a, 16) for a in line.split()[0].split("-"))
+            mapped.append((start, end))
+    pointers = [s.hidden.data_ptr() for s in sequences] + [s.aux_hidden.data_ptr() for s in sequences]
+    assert all(any(start <= ptr < end for start, end in mapped) for ptr in pointers)
+
+
+def test_training_on_engine_data_evaluates_on_its_held_out_split(loaded, corpus, tmp_path):
+    data = build(loaded, tmp_path / "d", corpus, "teacher", tokens=120)
+    config = TrainConfig(steps=2, warmup=1, batch_size=4, eval_every=2, checkpoint_every=2)
+    saved = train_drafter("eagle3", loaded, [data], tmp_path / "e3", config, RecipeOptions(vocab=48))
+    drafter = json.loads((saved / "drafter.json").read_text())
+    assert drafter["training"]["sequences"] == len(load_dataset(data)[1])
+    assert "eval_top1_step1" in drafter["training"]["final_eval"]
+
+
+def test_train_data_command_and_its_errors(tiny_dir, corpus, tmp_path, capsys):
+    out = tmp_path / "cmd"
+    assert main(["train", "data", "--target", str(tiny_dir), "--out", str(out), "--source",
+                 str(corpus), "--mode", "teacher", "--tokens", "30", "--exit-layer", "1"]) == 0
+    assert reply_tokens(out) >= 30 and reply_tokens(out / HELD_OUT) >= 1
+    assert main(["train", "data", "--target", str(tiny_dir), "--out", str(out), "--source",
+                 str(tmp_path / "missing.jsonl")]) == 2
+    assert "neither 'sharegpt', 'templates' nor a file" in capsys.readouterr().err
+    assert main(["train", "eagle", "--out", str(tmp_path / "x"), "--tokens", "5"]) == 2
+    assert "give --source" in capsys.readouterr().err
+    assert main(["train", "eagle", "--out", str(tmp_path / "x"), "--heads", "2"]) == 2
+    assert "--heads: not an option of the eagle drafter" in capsys.readouterr().err
+
+
+def test_a_conversation_is_held_out_whole(tmp_path):
+    """Every exchange of a held-out conversation is held out: no turn of it trains."""
+    path = tmp_path / "c.jsonl"
+    turns = [{"from": f, "value": f"{f}{i}"} for i in range(4) for f in ("human", "gpt")]
+    path.write_text("".join(json.dumps({"conversations": [dict(t, value=t["value"] + f"-{n}")
+                                                          for t in turns]}) + "\n" for n in range(30)))
+    exchanges = read_jsonl(path)
+    assert len(exchanges) == 120 and {x.record for x in exchanges} == set(range(30))
+    assert all(x.prompt.endswith(f"-{x.record}") for x in exchanges)
+    held, train = split_exchanges(exchanges, 0.1, seed=0)
+    assert len({x.record for x in held}) == 3 and len(held) + len(train) == 120
+    assert not {x.record for x in held} & {x.record for x in train}

@@ -1,0 +1,153 @@
+"""The data engine: training data for a target from a source's prompts, sized in tokens, with a
+held-out split beside it (`verispec train data`, or `--source` in `verispec train KIND`).
+
+Two modes. self: the target writes its own answers to the source's prompts (self-distillation:
+batched greedy generation on the target as loaded, then one forward for its states). teacher:
+the source's own replies are read as the target's (teacher forcing: one forward per batch of
+passages, no generation; several times faster, but the replies are not the target's).
+
+OUT holds the training shards (the layout of verispec.training.data: they stream from disk as
+memory maps, so data larger than memory trains) and OUT/held-out the held-out split, drawn from
+prompts the training shards never see. A shard is one batch of a fixed, seeded order of the
+source's exchanges: a killed build resumes at the first missing shard, and a larger --tokens
+adds shards to a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from verispec.core.errors import VerispecError
+from verispec.model.loading import LoadedModel
+from verispec.request import encode_prompt
+from verispec.training.data import COMPLETE, answer, features, start_directory, write_shard
+from verispec.training.sources import Exchange, read_source, source_id
+
+MODES = ("self", "teacher")
+HELD_OUT = "held-out"  # the held-out split's directory inside the data directory
+
+
+def build_data(target: LoadedModel, out_dir: str | Path, source: str, mode: str = "self",
+               tokens: int = 1_000_000, held_out: float = 0.02, batch_size: int = 16,
+               max_new_tokens: int = 256, max_prompt_tokens: int = 512, seed: int = 0,
+               exit_layer: int | None = None, aux_layers: tuple[int, ...] = ()) -> Path:
+    """Write `tokens` reply tokens of training data from `source` into out_dir and about
+    held_out * tokens into out_dir/held-out, from a held_out fraction of the source's records
+    (whole conversations) the training shards never see (resumable; returns out_dir)."""
+    if mode not in MODES:
+        raise VerispecError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if tokens < 1 or batch_size < 1 or max_new_tokens < 1 or max_prompt_tokens < 1:
+        raise VerispecError("--tokens, the batch size, --max-new-tokens and the prompt limit must be >= 1")
+    if not 0 < held_out < 0.5:
+        raise VerispecError(f"--held-out must lie in (0, 0.5), got {held_out}")
+    budgets = {HELD_OUT: max(1, int(tokens * held_out)), "train": tokens}
+    settings = {"source": source_id(source), "mode": mode, "held_out": held_out,
+                "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+                "max_prompt_tokens": max_prompt_tokens, "seed": seed}
+    out = Path(out_dir)
+    if (out / "meta.json").is_file():  # data with other settings is refused before any work
+        start_directory(target, out, exit_layer, settings, aux_layers)
+        if all(_reached(d, budgets[split]) for split, d in ((HELD_OUT, out / HELD_OUT), ("train", out))):
+            return out
+    exchanges = read_source(source, seed)
+    if mode == "teacher" and any(x.reply is None for x in exchanges):
+        raise VerispecError(f"teacher forcing reads the source's replies; {source} has none "
+                            "(use --mode self: the target answers its prompts)")
+    out, exit_layer = start_directory(target, out, exit_layer, settings, aux_layers)
+    start_directory(target, out / HELD_OUT, exit_layer, settings, aux_layers)
+    splits = dict(zip((HELD_OUT, "train"), split_exchanges(exchanges, held_out, seed)))
+    for split, directory in ((HELD_OUT, out / HELD_OUT), ("train", out)):
+        batches = _batches(target, splits[split], mode, batch_size, max_new_tokens, max_prompt_tokens)
+        _fill(target, directory, batches, budgets[split], mode, max_new_tokens, exit_layer,
+              aux_layers, f"{mode} data ({split})")
+    return out
+
+
+def split_exchanges(exchanges: list[Exchange], held_out: float,
+                    seed: int) -> tuple[list[Exchange], list[Exchange]]:
+    """(held-out, training) exchanges, each in a seeded random order: a held_out fraction of the
+    source's records (at least one) held out whole, so no turn of a held-out conversation trains."""
+    rng = random.Random(seed)
+    records = sorted({x.record for x in exchanges})
+    rng.shuffle(records)
+    held = set(records[: max(1, round(len(records) * held_out))])
+    shuffled = exchanges[:]
+    rng.shuffle(shuffled)
+    return [x for x in shuffled if x.record in held], [x for x in shuffled if x.record not in held]
+
+
+def _batches(target: LoadedModel, exchanges: list[Exchange], mode: str, batch_size: int,
+             max_new_tokens: int, max_prompt_tokens: int) -> Iterator[list[tuple[list[int], list[int]]]]:
+    """Batches of (prompt ids, reply ids) in the exchanges' order (reply ids [] in self mode);
+    prompts over max_prompt_tokens are left out."""
+    batch: list[tuple[list[int], list[int]]] = []
+    for x in exchanges:
+        prompt = encode_prompt(target, x.prompt, chat=None)
+        reply = [] if mode == "self" else target.tokenizer(
+            x.reply, add_special_tokens=False)["input_ids"][:max_new_tokens]
+        if len(prompt) > max_prompt_tokens or (mode == "teacher" and not reply):
+            continue
+        batch.append((prompt, reply))
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _fill(target: LoadedModel, directory: Path, batches: Iterator, budget: int, mode: str,
+          max_new_tokens: int, exit_layer: int, aux_layers: tuple[int, ...], desc: str) -> None:
+    """Write shards into directory until they hold `budget` reply tokens (shards already there
+    count and are kept), then mark it complete."""
+    if _reached(directory, budget):
+        return
+    done = shard_tokens(directory)
+    reached = sum(done.values())
+    bar = tqdm(total=budget, initial=min(reached, budget), desc=desc, unit="tok", unit_scale=True)
+    exhausted = True
+    for index, batch in enumerate(batches):
+        if index in done:
+            continue
+        if reached >= budget:
+            exhausted = False
+            break
+        prompts = [prompt for prompt, _ in batch]
+        sequences = (answer(target, prompts, max_new_tokens) if mode == "self"
+                     else [prompt + reply for prompt, reply in batch])
+        write_shard(directory / f"shard-{index:05d}.pt",
+                     features(target, sequences, exit_layer, aux_layers), [len(p) for p in prompts])
+        made = sum(len(s) - len(p) for s, p in zip(sequences, prompts))
+        reached += made
+        bar.update(min(made, budget - bar.n))
+    bar.close()
+    if exhausted and reached < budget:
+        print(f"verispec: the source ran out at {reached} tokens of the {budget} asked for "
+              f"({directory})", file=sys.stderr)
+    (directory / COMPLETE).write_text(json.dumps({"tokens": reached, "exhausted": exhausted}))
+
+
+def _reached(directory: Path, budget: int) -> bool:
+    """True where directory's build finished with `budget` tokens, or ran its source dry."""
+    marker = directory / COMPLETE
+    if not marker.is_file():
+        return False
+    state = json.loads(marker.read_text() or "{}")
+    return state.get("exhausted", False) or state.get("tokens", 0) >= budget
+
+
+def shard_tokens(directory: Path) -> dict[int, int]:
+    """Shard index -> the reply tokens it holds, for the shards in directory (memory-mapped:
+    only the token ids are read)."""
+    found = {}
+    for shard in sorted(directory.glob("shard-*.pt")):
+        records = torch.load(shard, mmap=True)
+        found[int(shard.stem.removeprefix("shard-"))] = sum(len(r["tokens"]) - r["prompt_len"]
+                                                            for r in records)
+    return found

@@ -1,0 +1,28 @@
+"""The distilled draft model: a small student of the target's own embeddings and a few decoder
+layers, trained on the target's distributions."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.distilled import DraftStudent, draft_settings
+from verispec.training.data import Sequence
+from verispec.training.losses import agreement, distill_loss
+from verispec.training.shell import Batch, Built, Kind, Recipe
+
+
+def build(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
+    layers = recipe.options.draft_layers
+    return draft_settings(layers), DraftStudent(recipe.target, layers).float()
+
+
+def loss(recipe: Recipe, b: Batch) -> tuple[torch.Tensor, dict]:
+    student = recipe.teacher(recipe.module(b.tokens))
+    teacher = recipe.teacher(b.hidden)
+    value = distill_loss(student, teacher, recipe.options.loss, b.mask)
+    return value, {"loss": float(value.detach()),
+                   **agreement("top1", student, teacher, b.mask, b.answer)}
+
+
+KIND = Kind(DraftStudent.kind, build, loss, frozenset({"draft_layers"}), prefix="student.",
+            reduced_vocab=False)
