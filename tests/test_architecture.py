@@ -22,6 +22,7 @@ from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.methods import METHODS, Method, methods_table
 from verispec.options import DraftOptions
+from verispec.training.shell import RecipeOptions
 
 PACKAGE = Path(verispec.__file__).parent
 README = PACKAGE.parent / "README.md"
@@ -197,10 +198,12 @@ def test_each_layer_imports_only_from_itself_and_the_layers_below():
 def test_no_module_outside_the_registry_names_a_method():
     """Method names as string constants belong to verispec/methods.py alone (docstrings and
     help prose aside: only whole-string constants count). A trained drafter's module names its
-    own kind once, as the class attribute `kind`. Names that are also DraftOptions fields
-    ("draft"), OpenAI request fields ("suffix") or other settings' values ("auto": --color)
-    cannot be told apart and are not checked."""
-    unchecked = {f.name for f in fields(DraftOptions)} | {"suffix", "auto"}
+    own kind once, as the class attribute `kind`. Names that are also DraftOptions or
+    RecipeOptions fields ("draft"; "block", a block drafter's block size), OpenAI request fields
+    ("suffix") or other settings' values ("auto": --color) cannot be told apart and are not
+    checked."""
+    unchecked = ({f.name for f in fields(DraftOptions)} | {f.name for f in fields(RecipeOptions)}
+                 | {"suffix", "auto"})
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "methods.py" and path.parent == PACKAGE:

@@ -188,7 +188,7 @@ def test_auto_as_measured_gives_ar_tokens_and_says_what_it_chose(loaded, referen
     engine = build_engine(loaded, "auto")
     kept = [settings.fmt for settings, copies in _WEIGHTS.items() if loaded.model in copies]
     assert kept == [engine.drafter.models[next(iter(engine.drafter.models))].weights.settings.fmt]
-    results = [engine.generate(p, StoppingRules.build(NEW)) for p in PROMPTS]
+    results = [engine.generate(SequenceSpec(p, StoppingRules.build(NEW))) for p in PROMPTS]
     assert [r.token_ids for r in results] == references
     for result in results:
         choices = result.stats.choices
@@ -211,7 +211,7 @@ def test_auto_as_measured_gives_ar_tokens_and_says_what_it_chose(loaded, referen
 ], ids=["self-drafter", "lookups-and-plain", "plain"])
 def test_whatever_auto_chooses_the_tokens_are_ar_s(loaded, references, costs, expected):
     engine = auto_engine(loaded, costs)
-    results = [engine.generate(p, StoppingRules.build(NEW)) for p in PROMPTS]
+    results = [engine.generate(SequenceSpec(p, StoppingRules.build(NEW))) for p in PROMPTS]
     assert [r.token_ids for r in results] == references
     chosen = methods_chosen(results)
     assert expected <= chosen and chosen <= expected | {PLAIN}
@@ -224,7 +224,7 @@ def test_in_a_batch_auto_decides_by_the_batch_and_stays_exact(loaded, references
     costs = fake_profile(2, pld=DrafterCost(0.1, 0.0), suffix=DrafterCost(0.1, 0.0),
                          **{"self-int8": DrafterCost(0.0, 0.0001, 0.9)})
     engine = auto_engine(loaded, costs)
-    alone = engine.generate(PROMPTS[1], StoppingRules.build(NEW))
+    alone = engine.generate(SequenceSpec(PROMPTS[1], StoppingRules.build(NEW)))
     assert methods_chosen([alone]) == {"self-int8"}
     batch = engine.generate_batch([SequenceSpec(p, StoppingRules.build(NEW)) for p in PROMPTS])
     assert [r.token_ids for r in batch] == references
@@ -236,7 +236,7 @@ def test_auto_on_a_model_with_no_self_drafter_chooses_among_lookups(cache):
     foreign = LoadedModel(tiny_foreign(seed=1), None, "olmo2")
     engine = build_engine(foreign, "auto")
     assert list(engine.drafter.models) == [] and set(engine.drafter.lookups) == {"pld", "suffix"}
-    result = engine.generate(COPYING, StoppingRules.build(24))
+    result = engine.generate(SequenceSpec(COPYING, StoppingRules.build(24)))
     assert result.token_ids == plain_greedy(foreign.model, COPYING, 24)
     assert methods_chosen([result]) <= {"pld", "suffix", PLAIN}
 

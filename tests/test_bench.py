@@ -113,7 +113,8 @@ def test_compare_prints_the_change(tiny_dir, questions, tmp_path, capsys):
     assert "pld" in capsys.readouterr().out
 
 
-DEFAULT_SET = {"hf", "ar", "pld", "hf-pld", "early-exit", "hf-early-exit", "lookahead", "eagle", "eagle-pld",
+DEFAULT_SET = {"hf", "ar", "auto", "pld", "hf-pld", "early-exit", "hf-early-exit", "lookahead", "eagle",
+               "eagle-pld",
                "eagle3", "medusa", "draft", "self-int4", "self-int8", "self-bf16", "self-int4-pld", "suffix",
                "block"}
 

@@ -22,7 +22,7 @@ def test_generate_json_has_every_field(tiny_dir, capsys):
                                  "acceptance_by_position", "draft_seconds", "verify_seconds",
                                  "tokens_per_second", "accepted_prediction_tokens",
                                  "rejected_prediction_tokens", "forced_tokens", "foreign_tokens",
-                                 "boundary_lost", "invariance", "dtype", "kernel", "path"}
+                                 "boundary_lost", "choices", "invariance", "dtype", "kernel", "path"}
     stats = out["stats"]
     assert stats["path"] == "lean (llama)" and stats["invariance"] == "row-attention"
     assert stats["new_tokens"] == len(out["token_ids"]) <= 12

@@ -112,11 +112,12 @@ def _prompt_lookup(target: LoadedModel, options: DraftOptions) -> Drafter:
     return PromptLookupDrafter(options.max_ngram, options.min_ngram, options.tree)
 
 
-def _suffix(target: LoadedModel, options: DraftOptions) -> Drafter:
-    """Suffix decoding over the request and, where cache_tokens > 0, the model's earlier outputs."""
+def _suffix(target: LoadedModel, options: DraftOptions, owner: str = "suffix") -> Drafter:
+    """Suffix decoding over the request and, where cache_tokens > 0, the model's earlier outputs
+    (those of `owner`'s drafters: each method keeps its own)."""
     settings = SuffixSettings(factor=options.suffix_factor, min_prob=options.suffix_min_prob,
                               cache_tokens=options.suffix_cache_tokens)
-    cache = shared_cache(target.model, settings.cache_tokens) if settings.cache_tokens else None
+    cache = shared_cache(target.model, settings.cache_tokens, owner) if settings.cache_tokens else None
     return SuffixDrafter(settings, cache, options.tree)
 
 
@@ -166,7 +167,9 @@ def _auto_candidates(target: LoadedModel, options: DraftOptions
             pass
     limits = {name: METHODS[name].default_k if options.k is None else min(METHODS[name].default_k, options.k)
               for name in names}
-    return {name: partial(METHODS[name].build, target, chains) for name in names}, limits
+    builders = {name: partial(METHODS[name].build, target, chains) for name in names}
+    builders["suffix"] = partial(_suffix, target, chains, "auto")  # auto's answers feed only auto's
+    return builders, limits
 
 
 def auto_profile(target: LoadedModel, options: DraftOptions = DraftOptions(),

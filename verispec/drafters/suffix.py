@@ -163,27 +163,30 @@ class SuffixSettings:
             raise VerispecError(f"suffix cache size must be >= 0 tokens, got {self.cache_tokens}")
 
 
-_CACHES: weakref.WeakKeyDictionary[torch.nn.Module, SuffixIndex] = weakref.WeakKeyDictionary()
+# model -> owner (the method whose drafters share it) -> its cache of earlier outputs
+_CACHES: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, SuffixIndex]] = weakref.WeakKeyDictionary()
 _CACHES_LOCK = threading.Lock()
 
 
-def shared_cache(model: torch.nn.Module, max_tokens: int) -> SuffixIndex:
-    """The cache of earlier outputs shared by every suffix drafter of `model` (resized to
-    max_tokens if it exists with another bound)."""
+def shared_cache(model: torch.nn.Module, max_tokens: int, owner: str = "suffix") -> SuffixIndex:
+    """The cache of earlier outputs shared by every suffix drafter of `model` that `owner` (a
+    method) builds (resized to max_tokens if it exists with another bound). Each method keeps its
+    own: one method's answers never feed another's drafts (a bench runs several on one question)."""
     with _CACHES_LOCK:
-        cache = _CACHES.get(model)
+        caches = _CACHES.setdefault(model, {})
+        cache = caches.get(owner)
         if cache is None:
-            cache = _CACHES[model] = SuffixIndex(max_tokens)
+            cache = caches[owner] = SuffixIndex(max_tokens)
     if cache.max_tokens != max_tokens:
         cache.resize(max_tokens)
     return cache
 
 
 def forget_outputs(model: torch.nn.Module) -> None:
-    """Empty `model`'s shared cache, if it has one (a benchmark's warm-up must not leak into it)."""
+    """Empty `model`'s shared caches, if it has any (a benchmark's warm-up must not leak into them)."""
     with _CACHES_LOCK:
-        cache = _CACHES.get(model)
-    if cache is not None:
+        caches = list(_CACHES.get(model, {}).values())
+    for cache in caches:
         cache.clear()
 
 
