@@ -250,6 +250,8 @@ def test_a_forced_class_runs_and_is_named(kernel):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert f"({rows.name(kernel)}, bfloat16 activations)" in out.stdout
     assert f"row kernels {kernel}: forced (VERISPEC_KERNELS={kernel})" in out.stdout
+    if kernel != KERNELS[0]:
+        return  # the unknown class once (each check starts a process)
     env["VERISPEC_KERNELS"] = "avx1024"
     failed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert failed.returncode != 0 and "VERISPEC_KERNELS='avx1024': expected one of" in failed.stderr

@@ -40,7 +40,7 @@ from verispec.drafters.suffix import SuffixDrafter, SuffixSettings, shared_cache
 from verispec.drafters.trained_exit import ExitAdapter, trained_exit_drafter
 from verispec.drafters.vocab import bridge
 from verispec.model.loading import LoadedModel, load
-from verispec.model.lowbit import FORMATS
+from verispec.model.lowbit import FORMATS, weight_format
 from verispec.options import DEFAULT_TREE, DraftOptions
 from verispec.profile import cost_profile
 from verispec.verifiers import verifier_for
@@ -158,7 +158,9 @@ def _auto_candidates(target: LoadedModel, options: DraftOptions
     the most each may draft: the lookups, and each self format the target can draft in."""
     chains = replace(options, tree=None)
     names = list(AUTO_LOOKUPS)
-    for name in AUTO_SELF:
+    # A copy in the target's own format drafts at a target forward a token: never a candidate.
+    own = {"int4": "self-int4", "gguf": "self-int4", "bfloat16": "self-bf16"}.get(weight_format(target.model))
+    for name in (name for name in AUTO_SELF if name != own):
         try:
             check_self(target, SelfSettings(name.removeprefix("self-"), options.group,
                                             tuple(options.skip_layers)))

@@ -20,6 +20,7 @@ q goes to the unchanged verifier; the choice depends only on what was already co
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,6 +30,7 @@ from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 
 DECAY = 0.9  # weight of the acceptance seen one step earlier (a memory of about ten steps)
+COST_DECAY = 0.5  # weight of a model drafter's slowdown seen one step earlier (a few steps)
 PRIOR_WEIGHT = 1.0  # the prior counts as this many refusals (and the accepted tokens they imply)
 MOST_PRIOR = 0.97  # a prior above this is taken as this: a few refusals then tell
 LOOKUP_PRIOR = 0.5  # acceptance assumed for a lookup's drafts before any were judged
@@ -94,9 +96,10 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 def best_choice(profile: CostProfile, acceptance: dict[str, float], limits: dict[str, int],
-                batch: int = 1) -> Choice:
+                batch: int = 1, slowdown: dict[str, float] | None = None) -> Choice:
     """The candidate and draft length (1..limits[name]) with the most expected tokens per second
     for each of `batch` sequences sharing the target pass; plain decoding when none beats it.
+    slowdown: name -> how much longer its drafting has taken than the profile says (default 1).
 
     >>> profile = CostProfile((0.010, 0.011, 0.012, 0.013), 300, 1e4, {
     ...     "lookup": DrafterCost(0.0, 0.0), "model": DrafterCost(0.0, 0.008)})
@@ -110,7 +113,8 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float], limits: dict
     for name, limit in limits.items():
         cost = profile.drafters[name]
         for k in range(1, limit + 1):
-            seconds = profile.forward_seconds(batch * (k + 1)) / batch + cost.seconds(k)
+            seconds = (profile.forward_seconds(batch * (k + 1)) / batch
+                       + cost.seconds(k) * (slowdown or {}).get(name, 1.0))
             rate = expected_tokens(acceptance[name], k) / seconds
             if rate > best.tokens_per_second:
                 best = Choice(name, k, rate)
@@ -161,6 +165,10 @@ class AutoDrafter(Drafter):
         self.plain = plain
         self.adopts_prefill = any(drafter.adopts_prefill for drafter in candidates.values())
         self.priors = {name: LOOKUP_PRIOR if name in lookups else MODEL_PRIOR for name in candidates}
+        # name -> drafting seconds as taken / as the profile predicts them, weighted to the latest
+        # steps (a drafter that sits out stretches catches up when chosen again, which a profile
+        # of steady drafting does not see); kept across sequences: it is this machine's.
+        self.slowdown = {name: 1.0 for name in models}
         for name in candidates:
             measured = profile.drafters[name].acceptance
             if measured is not None:
@@ -174,6 +182,7 @@ class AutoDrafter(Drafter):
         self.asked: dict[str, Drafter] = {}  # drafters that proposed this step (commit follows)
         self.chosen: str | None = None  # None: a plain step
         self.drafted = 0  # tokens the chosen drafter proposed this step
+        self.spent = 0.0  # seconds its proposal took
         self.judge: dict[str, list[int]] = {}  # lookups' drafts not chosen, judged at the next step
         self.context = 0  # context length when they were drafted
 
@@ -204,7 +213,7 @@ class AutoDrafter(Drafter):
         limits = {name: len(proposal) for name, proposal in drafts.items()}
         limits |= {name: min(request.k, self.limits[name]) for name in self.models}
         rates = {name: self.acceptance[name].rate for name in limits}
-        choice = best_choice(self.profile, rates, limits, request.batch)
+        choice = best_choice(self.profile, rates, limits, request.batch, self.slowdown)
         self.chosen = choice.method
         self.judge = {name: proposal.tokens.tolist() for name, proposal in drafts.items()
                       if name != choice.method}
@@ -215,17 +224,25 @@ class AutoDrafter(Drafter):
         elif choice.method in self.models:
             model = self.models[choice.method]
             self.asked[choice.method] = model
+            started = time.perf_counter()
             proposal = model.propose(replace(request, k=choice.k))
+            self.spent = time.perf_counter() - started
         else:
             proposal = Proposal(request.tokens[:0])
         self.drafted = len(proposal)
         return replace(proposal, choice=(choice.method or self.plain, choice.k))
 
     def commit(self, num_accepted: int) -> None:
+        started = time.perf_counter()
         for name, drafter in self.asked.items():
             drafter.commit(num_accepted if name == self.chosen else 0)
         if self.chosen is not None:
             self.acceptance[self.chosen].observe(self.drafted, num_accepted)
+        if self.chosen in self.models and self.drafted:
+            taken = self.spent + time.perf_counter() - started
+            predicted = self.profile.drafters[self.chosen].seconds(self.drafted)
+            self.slowdown[self.chosen] = (COST_DECAY * self.slowdown[self.chosen]
+                                          + (1 - COST_DECAY) * taken / max(predicted, 1e-6))
 
     def describe(self) -> str:
         names = ", ".join([*self.lookups, *self.models])
