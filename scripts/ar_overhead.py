@@ -15,7 +15,8 @@ import time
 import torch
 
 from verispec.core.stopping import StoppingRules
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.model.cached_model import CachedModel
 from verispec.model.loading import DEFAULT_MODEL, load_model
 

@@ -23,7 +23,7 @@ import torch
 from scripts.held_out import held_out
 from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
-from verispec.decoding.engine import SequenceSpec
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import auto_profile, build_engine
 from verispec.model.loading import DEFAULT_MODEL

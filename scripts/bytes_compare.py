@@ -31,7 +31,7 @@ from verispec.bench.machine import machine_info
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SequenceSpec
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import build_engine
 from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load_model

@@ -25,7 +25,7 @@ from held_out import compare, held_out
 
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationStats
-from verispec.decoding.engine import SequenceSpec
+from verispec.decoding.sequence import SequenceSpec
 from verispec.methods import METHODS, build_engine
 from verispec.options import DraftOptions
 from verispec.request import encode_prompt

@@ -11,7 +11,8 @@ import collections
 import time
 
 from verispec.core.stopping import StoppingRules
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.suffix import forget_outputs
 from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.request import encode_prompt

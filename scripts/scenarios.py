@@ -27,7 +27,7 @@ import torch
 from verispec.core.grammar import Constraint, Grammar
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationStats
-from verispec.decoding.engine import SequenceSpec
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import build_engine
 from verispec.model.loading import load

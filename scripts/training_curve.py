@@ -21,6 +21,7 @@ from pathlib import Path
 
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationStats
+from verispec.decoding.sequence import SequenceSpec
 from verispec.methods import METHODS, build_engine
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.options import DraftOptions
@@ -35,8 +36,8 @@ def held_out_acceptance(target, method: str, drafter: Path, prompts: list[list[i
                         max_new_tokens: int) -> dict:
     """tau and acceptance by position of the trained drafter on the held-out prompts (greedy)."""
     engine = build_engine(target, method, DraftOptions(draft=str(drafter)))
-    stats = GenerationStats.total([engine.generate(ids, StoppingRules.build(max_new_tokens)).stats
-                                   for ids in prompts])
+    stopping = StoppingRules.build(max_new_tokens)
+    stats = GenerationStats.total([engine.generate(SequenceSpec(ids, stopping)).stats for ids in prompts])
     return {"tau": stats.new_tokens / stats.target_forwards,
             "acceptance": [a / max(1, r) for a, r in zip(stats.accepted_by_position,
                                                          stats.reached_by_position)]}

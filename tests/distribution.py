@@ -37,7 +37,8 @@ from verispec.core.grammar import Constraint
 from verispec.core.sampling import warp_probs
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationResult, SamplingParams
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 
 FALSE_ALARM = 1e-4  # per test: the probability that an exact engine fails it
 SKEW = 0.05  # a law this far (total variation) from the truth ...

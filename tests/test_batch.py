@@ -17,7 +17,8 @@ from verispec.core.policies import ConstantK, HeuristicK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.early_exit import early_exit_drafter
 from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.drafters.model import ModelDrafter

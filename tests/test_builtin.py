@@ -9,7 +9,7 @@ import verispec
 from verispec.cli import main
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
-from verispec.decoding.engine import SequenceSpec
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.trained_exit import trained_exit_drafter

@@ -20,7 +20,8 @@ from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import Fate, SamplingParams, Step
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.display import TokenPieces
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.mtp import MTPDrafter

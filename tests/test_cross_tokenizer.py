@@ -39,7 +39,8 @@ from verispec.core.policies import ConstantK, HeuristicK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.cross import CrossDrafter
 from verispec.drafters.vocab import TokenText, bridge

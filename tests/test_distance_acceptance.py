@@ -11,7 +11,8 @@ from verispec.core.errors import VerispecError
 from verispec.core.policies import ConstantK
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.model import ModelDrafter
 from verispec.verifiers import verifier_for
 

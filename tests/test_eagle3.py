@@ -30,7 +30,8 @@ from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, default_aux_layers, eagle3_settings
 from verispec.drafters.learned import save_drafter

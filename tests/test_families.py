@@ -17,7 +17,8 @@ from tests.tiny import FAMILY_NAMES, WINDOW, tiny_family, tiny_foreign
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.methods import build_engine

@@ -22,7 +22,7 @@ from tests.test_row_kernels import rows_differing
 from tests.tiny import tiny_llama
 from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
-from verispec.decoding.engine import SequenceSpec
+from verispec.decoding.sequence import SequenceSpec
 from verispec.methods import build_engine
 from verispec.model import gguf_blocks
 from verispec.model.cached_model import CachedModel

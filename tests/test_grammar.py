@@ -28,7 +28,8 @@ from verispec.core.sampling import warp_probs
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import DraftSource, Fate, GenerationResult, Proposal, SamplingParams
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.drafters.model import ModelDrafter

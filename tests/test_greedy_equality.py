@@ -10,7 +10,8 @@ from tests.tiny import VOCAB, plain_greedy, tiny_foreign, tiny_llama
 from verispec.core.policies import ConstantK, HeuristicK
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.early_exit import early_exit_drafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import PromptLookupDrafter

@@ -19,7 +19,8 @@ from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.hydra import HydraDrafter, HydraNet, hydra_settings
 from verispec.drafters.learned import ReducedHead
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings

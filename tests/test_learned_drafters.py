@@ -26,7 +26,8 @@ from verispec.core.policies import ConstantK
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import Proposal, SamplingParams
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.block import BlockDrafter, BlockNet, block_settings
 from verispec.drafters.distilled import distilled_drafter

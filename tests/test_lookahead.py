@@ -16,7 +16,8 @@ from verispec.core.sampling import sample
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import side_block
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.lookahead import LookaheadDrafter, lookahead_branch
 from verispec.methods import build_engine

@@ -13,7 +13,8 @@ from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import DraftSource, SamplingParams
 from verispec.decoding.constrained import GrammarDrafter, GrammarState
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.base import CAPABILITIES, Drafter, DraftRequest, Wrapper
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.prediction import PredictionDrafter, PredictionFirst, realign

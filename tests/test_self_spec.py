@@ -17,7 +17,7 @@ from verispec.core.sampling import warp_probs
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SequenceSpec
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.base import DraftRequest
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings

@@ -25,7 +25,8 @@ from verispec.core.sampling import warp_probs
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import Fate, Proposal, SamplingParams, Step
-from verispec.decoding.engine import RowFailure, SequenceSpec, Speculation
+from verispec.decoding.engine import RowFailure
+from verispec.decoding.sequence import SequenceSpec, Speculation
 from verispec.display import TokenPieces
 from verispec.drafters.base import Drafter
 from verispec.methods import METHODS, TREE_METHODS, build_engine, build_speculation
@@ -127,16 +128,16 @@ def test_a_failing_request_beside_normal_ones_fails_alone(loaded, monkeypatch):
     """A request whose step raises inside the engine (injected: its rows' verification raises)
     gets a 500, or an error event then [DONE] when streaming; the requests beside it answer what
     they answer alone; a degenerate temperature is greedy."""
-    from verispec.decoding import engine as engine_module
+    from verispec.decoding import sequence as sequence_module
 
-    settle = engine_module._Row.settle
+    settle = sequence_module.Row.settle
 
     def settle_or_break(row, *args):
         if row.stopping.max_new_tokens == 13:  # the marked request
             raise FloatingPointError("injected")
         return settle(row, *args)
 
-    monkeypatch.setattr(engine_module._Row, "settle", settle_or_break)
+    monkeypatch.setattr(sequence_module.Row, "settle", settle_or_break)
     prompts = [f"w{10 + i} w{11 + i} w{12 + i} w{10 + i}" for i in range(6)]
     with LiveServer(create_app(loaded, ["pld", "ar"])) as live:
         solo = [live.request(CHAT_URL, chat(p, max_tokens=20))[2]["choices"][0]["message"]["content"]

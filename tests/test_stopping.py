@@ -6,7 +6,8 @@ from tests.tiny import VOCAB, plain_greedy, tiny_tokenizer
 from verispec.core.policies import ConstantK
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import Fate
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.model import ModelDrafter
 
 PROMPT = [1, 17, 42, 9, 33]

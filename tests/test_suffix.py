@@ -13,7 +13,8 @@ from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.suffix import SuffixDrafter, SuffixIndex, SuffixSettings, frequency_tree, shared_cache
 from verispec.methods import build_engine
 from verispec.model.loading import LoadedModel

@@ -14,7 +14,8 @@ from verispec.core.policies import ConstantK
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import attention_mask, chain_parents, check_parents, is_chain, position_ids
 from verispec.core.types import Proposal
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.model.cached_model import CachedModel
 from verispec.verifiers import greedy_accept
 from verispec.verifiers.tree import greedy_tree_accept

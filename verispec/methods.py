@@ -17,7 +17,8 @@ from verispec.core.errors import VerispecError
 from verispec.core.policies import SCHEDULES
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
-from verispec.decoding.engine import Speculation, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import Speculation
 from verispec.drafters.auto import MODEL_PRIOR, AutoDrafter, CostProfile, best_choice
 from verispec.drafters.base import Drafter
 from verispec.drafters.block import BlockDrafter

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from verispec.core.stopping import StoppingRules
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.auto import CostProfile, DrafterCost
 from verispec.drafters.base import Drafter
 from verispec.model.cached_model import CachedModel

@@ -24,7 +24,8 @@ from verispec.core.grammar import Constraint, Grammar
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationResult, SamplingParams, Step
 from verispec.decoding.beam import BeamDecoder, BeamResult, BeamSettings, check_drafter
-from verispec.decoding.engine import SequenceSpec, SpeculativeEngine, sequence_seed
+from verispec.decoding.engine import SpeculativeEngine
+from verispec.decoding.sequence import SequenceSpec, sequence_seed
 from verispec.display import TokenPieces
 from verispec.methods import PLAIN, engine_for_checked, resolve
 from verispec.model.loading import LoadedModel, check_prompt

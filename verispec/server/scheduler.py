@@ -20,7 +20,8 @@ import psutil
 from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import Step
-from verispec.decoding.engine import RowFailure, Speculation
+from verispec.decoding.engine import RowFailure
+from verispec.decoding.sequence import Speculation
 from verispec.methods import METHODS, PLAIN, build_engine, resolve, speculation_for_checked
 from verispec.model.loading import LoadedModel, context_length
 from verispec.options import DraftOptions

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
-from verispec.decoding.engine import SequenceSpec
+from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.early_exit import decoder_layers, default_exit_layer
 from verispec.methods import PLAIN, build_engine
 from verispec.model.hf_generate import hf_generate_batch
