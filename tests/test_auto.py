@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.distribution import POWER, assert_follows, exact_marginals, runs_for, sample_runs
-from tests.tiny import plain_greedy, tiny_foreign, tiny_llama, tiny_tokenizer
+from tests.tiny import plain_greedy, tiny_foreign, tiny_llama, tiny_loaded
 from verispec import profile
 from verispec.cli import main
 from verispec.core.policies import ConstantK, LoadCap
@@ -60,7 +60,7 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def loaded():
-    return LoadedModel(tiny_llama(seed=0, layers=3), tiny_tokenizer(), "tiny")
+    return tiny_loaded()
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_acceptance_starts_at_the_prior_and_follows_what_is_seen():
 # -- the profile: measured, cached, keyed ------------------------------------------------------
 
 def test_the_profile_is_cached_and_measured_again_when_its_key_changes(cache, monkeypatch):
-    loaded = LoadedModel(tiny_llama(seed=0, layers=3), tiny_tokenizer(), "tiny")
+    loaded = tiny_loaded()
     measured = auto_profile(loaded)
     assert len(measured.forward) == profile.MAX_ROWS and measured.prefill_rate > 0
     assert set(measured.drafters) == {"pld", "suffix", "self-int4", "self-int8", "self-bf16"}

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from tests.tiny import VOCAB, plain_greedy, tiny_foreign, tiny_llama, tiny_tokenizer
+from tests.tiny import VOCAB, plain_greedy, tiny_foreign, tiny_llama, tiny_loaded
 from verispec.core.errors import VerispecError
 from verispec.core.sampling import warp_probs
 from verispec.core.stopping import StoppingRules
@@ -42,7 +42,7 @@ PROMPTS = [[1, 17, 42, 9, 33, 17, 42, 5, 17, 42], [1, 60]]
 
 @pytest.fixture(scope="module")
 def loaded():
-    return LoadedModel(tiny_llama(seed=0, layers=3), tiny_tokenizer(), "tiny")
+    return tiny_loaded()
 
 
 @pytest.fixture(scope="module")

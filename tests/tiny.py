@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from verispec.drafters.vocab import byte_level_alphabet
+from verispec.model.loading import LoadedModel
 from verispec.training.recipes import RecipeOptions
 
 VOCAB = 64
@@ -127,6 +128,11 @@ def save_tiny(directory: Path, seed: int = 0, layers: int = 3, prefix: str = "w"
     tiny_llama(seed, layers).save_pretrained(directory)
     tiny_tokenizer(prefix=prefix).save_pretrained(directory)
     return directory
+
+
+def tiny_loaded(seed: int = 0, layers: int = 3) -> LoadedModel:
+    """The tiny Llama with its tokenizer, as verispec loads a target."""
+    return LoadedModel(tiny_llama(seed=seed, layers=layers), tiny_tokenizer(), "tiny")
 
 
 def plain_greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int) -> list[int]:

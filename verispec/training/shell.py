@@ -169,6 +169,14 @@ class Recipe:
         """The target's logits over the reduced vocabulary. hidden [..., hidden] -> [..., reduced]."""
         return hidden @ self.head_t
 
+    def head_distillation(self, hidden: torch.Tensor, b: Batch) -> tuple[torch.Tensor, dict]:
+        """(loss, metrics) of a student whose final states hidden [batch, len, hidden] are read
+        through the target's head, fitted to the target's own (b.hidden): the distillation loss
+        and the top-1 agreement (the distilled draft model's, a trained early exit's)."""
+        student, teacher = self.teacher(hidden), self.teacher(b.hidden)
+        value = distill_loss(student, teacher, self.options.loss, b.mask)
+        return value, {"loss": float(value.detach()), **agreement("top1", student, teacher, b.mask, b.answer)}
+
     def loss(self, items: list[Sequence], max_len: int) -> tuple[torch.Tensor | None, dict]:
         """(loss, metrics) of a batch; loss None where the kind has run its backward itself (MTP,
         while gradients are on)."""

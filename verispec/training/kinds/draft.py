@@ -7,7 +7,6 @@ import torch
 
 from verispec.drafters.distilled import DraftStudent, draft_settings
 from verispec.training.data import Sequence
-from verispec.training.losses import agreement, distill_loss
 from verispec.training.shell import Batch, Built, Kind, Recipe
 
 
@@ -17,11 +16,7 @@ def build(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
 
 
 def loss(recipe: Recipe, b: Batch) -> tuple[torch.Tensor, dict]:
-    student = recipe.teacher(recipe.module(b.tokens))
-    teacher = recipe.teacher(b.hidden)
-    value = distill_loss(student, teacher, recipe.options.loss, b.mask)
-    return value, {"loss": float(value.detach()),
-                   **agreement("top1", student, teacher, b.mask, b.answer)}
+    return recipe.head_distillation(recipe.module(b.tokens), b)
 
 
 KIND = Kind(DraftStudent.kind, build, loss, frozenset({"draft_layers"}), prefix="student.",

@@ -8,7 +8,6 @@ import torch
 from verispec.core.errors import VerispecError
 from verispec.drafters.trained_exit import ExitAdapter, exit_settings, new_adapter
 from verispec.training.data import Sequence
-from verispec.training.losses import agreement, distill_loss
 from verispec.training.shell import Batch, Built, Kind, Recipe
 
 
@@ -23,11 +22,7 @@ def build(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
 
 
 def loss(recipe: Recipe, b: Batch) -> tuple[torch.Tensor, dict]:
-    student = recipe.teacher(recipe.module(b.exit_hidden))
-    teacher = recipe.teacher(b.hidden)
-    value = distill_loss(student, teacher, recipe.options.loss, b.mask)
-    return value, {"loss": float(value.detach()),
-                   **agreement("top1", student, teacher, b.mask, b.answer)}
+    return recipe.head_distillation(recipe.module(b.exit_hidden), b)
 
 
 KIND = Kind(ExitAdapter.kind, build, loss, frozenset({"exit_layer"}), prefix="adapter.",
