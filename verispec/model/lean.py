@@ -256,6 +256,9 @@ class LeanWeights:
         self.activation = ACTIVATIONS[family.activation]
         self.embed = body.embed_tokens
         self.rotary = body.rotary_emb
+        half = self.head_dim // 2
+        self.swap = torch.cat([torch.arange(half, self.head_dim), torch.arange(half)]).to(
+            model.device)  # [head_dim]: rotate's halves exchanged
         self.norm = norm(body.norm, family.norm_offset)
         self.head = linear([model.get_output_embeddings()])
         kept = range(len(body.layers)) if layers is None else layers
@@ -333,6 +336,13 @@ class LeanWeights:
         tables = self.rotary(x, positions[None]) if kind is None else self.rotary(x, positions[None], kind)
         return tables[0][0], tables[1][0]
 
+    def rotary_tables(self, x: torch.Tensor, positions: torch.Tensor, kind: str | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `rotate` takes at positions [rows]: cos and the sign-folded sin, [rows, 1, head_dim]."""
+        cos, sin = self.cos_sin(x, positions, kind)
+        half = sin.shape[-1] // 2
+        return cos[:, None], torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)[:, None]
+
 
 @torch.inference_mode()
 def lone_row_differs(product: Product, width: int, dtype: torch.dtype, rows: int = 64) -> bool:
@@ -376,13 +386,22 @@ def fused_rms_norm(module: nn.Module, offset: float = 0.0) -> Product:
         return module
     weight = module.weight.detach() + offset
     eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
-    return lambda x: nn.functional.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
+    cast = {weight.dtype: weight}  # the weight in each activation dtype met, cast once
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        scale = cast.get(x.dtype)
+        if scale is None:
+            scale = cast[x.dtype] = weight.to(x.dtype)
+        return nn.functional.rms_norm(x, weight.shape, scale, eps)
+    return norm
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding as Llama applies it. x: [1, heads, n, head_dim]; cos, sin: [n, head_dim]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, swap: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as Llama applies it, x * cos + rotate_half(x) * sin, in four ops:
+    rotate_half(x) * sin is x with its halves swapped times sin with its first half negated, the
+    same products bit for bit (negation is exact). x: [1, n, heads, head_dim]; cos, signed_sin:
+    [n, 1, head_dim] (LeanWeights.rotary_tables); swap: [head_dim], the halves' indices exchanged."""
+    return x * cos + x.index_select(-1, swap) * signed_sin
 
 
 @dataclass(frozen=True)
@@ -424,6 +443,7 @@ def sight(past: int, block: Block, positions: torch.Tensor, window: int | None) 
     return Sight(mask, whole and mask is None, whole, None if block.mask is None else mask)
 
 
+@torch.inference_mode()
 def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
                  layers: tuple[int, ...] = ()) -> torch.Tensor:
     """Feed each decoder its block in one pass over the shared weights: the linear products run
@@ -457,10 +477,10 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
     tokens = blocks[0].tokens if len(blocks) == 1 else torch.cat([b.tokens for b in blocks])
     x = w.embed(tokens)[None]  # [1, rows, hidden]
     every = positions[0] if len(blocks) == 1 else torch.cat(positions)
-    rotary = {}  # kind -> per block (cos, sin), each [n, head_dim]
+    rotary = {}  # kind -> per block (cos, signed sin), each [n, 1, head_dim]
     for kind in {layer.kind for layer in stack}:
-        cos, sin = w.cos_sin(x, every, kind)
-        rotary[kind] = list(zip(cos.split(sizes), sin.split(sizes)))
+        cos, sin = w.rotary_tables(x, every, kind)
+        rotary[kind] = [(cos, sin)] if len(blocks) == 1 else list(zip(cos.split(sizes), sin.split(sizes)))
     q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
     widen = invariant and x.shape[1] == 1
     fixed = invariant and w.fixed_rows and not prompts_only  # prompts are cached alike anyway
@@ -473,28 +493,43 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
         return f(torch.cat([h, h], dim=1))[:, :1] if widen and role in w.paired else f(h)
 
     def heads(t: torch.Tensor, n: int, count: int, norm: Product | None) -> torch.Tensor:
-        # [1, n, count * head_dim] -> [1, count, n, head_dim], each head normed where the family
+        # [1, n, count * head_dim] -> [1, n, count, head_dim], each head normed where the family
         # says (as n * count rows, so that a fixed-row forward chunks rows, not heads)
-        rows = run(norm, t.reshape(1, n * count, w.head_dim))
-        return rows.view(1, n, count, w.head_dim).transpose(1, 2)
+        if norm is None:
+            return t.view(1, n, count, w.head_dim)
+        return run(norm, t.reshape(1, n * count, w.head_dim)).view(1, n, count, w.head_dim)
+
+    def split_heads(qkv: torch.Tensor, n: int, layer: Layer, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # qkv [1, n, q_size + 2 * kv_size] -> q, k, v [1, heads, n, head_dim], q and k rotated
+        # (together, in one rotate, where no per-head norm comes first)
+        if layer.q_norm is None and layer.k_norm is None:
+            qk = rotate(heads(qkv[..., : q_size + kv_size], n, w.heads + w.kv_heads, None), cos, sin, w.swap)
+            q, k = qk[:, :, : w.heads], qk[:, :, w.heads:]
+        else:
+            k = heads(qkv[..., q_size: q_size + kv_size], n, w.kv_heads, layer.k_norm)
+            q = rotate(heads(qkv[..., :q_size], n, w.heads, layer.q_norm), cos, sin, w.swap)
+            k = rotate(k, cos, sin, w.swap)
+        v = heads(qkv[..., q_size + kv_size:], n, w.kv_heads, None)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     captured = []
     for index, layer in enumerate(stack):
         if index in layers:
             captured.append(x[0])
         attended = []
+        qkv_all = run(layer.qkv, run(layer.attn_norm, x), "qkv")
         for decoder, qkv, n, (cos, sin), seen in zip(
-                decoders, run(layer.qkv, run(layer.attn_norm, x), "qkv").split(sizes, dim=1),
+                decoders, [qkv_all] if len(blocks) == 1 else qkv_all.split(sizes, dim=1),
                 sizes, rotary[layer.kind], sights[layer.window]):
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = rotate(heads(q, n, w.heads, layer.q_norm), cos, sin)
-            k = rotate(heads(k, n, w.kv_heads, layer.k_norm), cos, sin)
+            q, k, v = split_heads(qkv, n, layer, cos, sin)
             cache = decoder.caches[index]
-            keys, values = cache.append(k, heads(v, n, w.kv_heads, None))
+            cache.write(k, v)
             if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:
                 attended.append(rows.attention(q, cache.keys, cache.values, cache.length, seen.rows,
                                                w.scaling, w.row_kernel))
                 continue
+            keys, values = cache.filled()
             if n == 1 and seen.mask is None and layer.window is not None:  # one row: the last keys
                 keys, values = keys[:, :, -layer.window:], values[:, :, -layer.window:]
             if invariant and n > 1 and not seen.whole:  # a chain slices its keys; a tree gathers them
@@ -578,16 +613,15 @@ def static_forward(w: LeanWeights, caches: list[KVCache], passes: StaticPasses,
     of it replays any step. Returns [FIXED_ROWS, hidden * (1 + len(layers))] (as forward_rows)."""
     count = passes.rows
     x = w.embed(passes.tokens)[None]  # [1, rows, hidden]
-    rotary = {kind: w.cos_sin(x, passes.positions, kind) for kind in {layer.kind for layer in w.layers}}
+    rotary = {kind: w.rotary_tables(x, passes.positions, kind) for kind in {layer.kind for layer in w.layers}}
     q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
 
     def run(f: Product | None, h: torch.Tensor) -> torch.Tensor:  # h: [1, rows, in]
         return h if f is None else at_fixed_rows(f, h)
 
     def heads(t: torch.Tensor, number: int, norm: Product | None) -> torch.Tensor:
-        # [1, rows, number * head_dim] -> [1, number, rows, head_dim], each head normed where asked
-        return run(norm, t.reshape(1, count * number, w.head_dim)).view(
-            1, count, number, w.head_dim).transpose(1, 2)
+        # [1, rows, number * head_dim] -> [1, rows, number, head_dim], each head normed where asked
+        return run(norm, t.reshape(1, count * number, w.head_dim)).view(1, count, number, w.head_dim)
 
     captured = []
     for index, layer in enumerate(w.layers):
@@ -596,10 +630,12 @@ def static_forward(w: LeanWeights, caches: list[KVCache], passes: StaticPasses,
         q, k, v = run(layer.qkv, run(layer.attn_norm, x)).split([q_size, kv_size, kv_size], dim=-1)
         cos, sin = rotary[layer.kind]
         cache = caches[index]
-        cache.keys.index_copy_(2, passes.slots, rotate(heads(k, w.kv_heads, layer.k_norm), cos, sin))
-        cache.values.index_copy_(2, passes.slots, heads(v, w.kv_heads, None))
+        cache.keys.index_copy_(2, passes.slots,
+                               rotate(heads(k, w.kv_heads, layer.k_norm), cos, sin, w.swap).transpose(1, 2))
+        cache.values.index_copy_(2, passes.slots, heads(v, w.kv_heads, None).transpose(1, 2))
+        q = rotate(heads(q, w.heads, layer.q_norm), cos, sin, w.swap).transpose(1, 2)
         attended = nn.functional.scaled_dot_product_attention(
-            rotate(heads(q, w.heads, layer.q_norm), cos, sin), cache.keys, cache.values,
+            q, cache.keys, cache.values,
             attn_mask=passes.biases[layer.window], scale=w.scaling, enable_gqa=w.kv_heads != w.heads)
         x = x + run(layer.attn_post_norm, run(layer.out, attended.transpose(1, 2).reshape(1, count, q_size)))
         gate, up = run(layer.gate_up, run(layer.mlp_norm, x)).chunk(2, dim=-1)

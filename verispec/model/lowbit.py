@@ -180,10 +180,26 @@ class Kernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         out = self.matmul(x.reshape(-1, shape[-1]))
-        return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
+        out = out.reshape(*shape[:-1], out.shape[-1])
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in]
         raise NotImplementedError
+
+
+class RowKernel(Kernel):
+    """A weight through verispec's row kernels (kernels/rows.cpp), which take any leading
+    dimensions: no reshape around the call (each a Python-level op, ~1-2 us of a one-token
+    step's ~150 products and attentions)."""
+
+    product: rows.CodesProduct | rows.DenseProduct
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.product(x)  # [..., out]
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
 
 
 class Int4Kernel(Kernel):
@@ -204,7 +220,7 @@ class Int4Kernel(Kernel):
                                                           self.scales_zeros)
 
 
-class RowsInt4Kernel(Kernel):
+class RowsInt4Kernel(RowKernel):
     """verispec's own row kernel (kernels/rows.cpp, this process's class): each weight tile unpacked once
     for every row, each row's arithmetic independent of the others (row-invariant from one row
     on); activations rounded to bfloat16, scales and minimums in float32, float32 out."""
@@ -215,11 +231,8 @@ class RowsInt4Kernel(Kernel):
         self.nbytes = self.product.nbytes
         self.name = f"int4 g{self.group} ({rows.name()}, bfloat16 activations)"
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x)
 
-
-class RowsInt8Kernel(Kernel):
+class RowsInt8Kernel(RowKernel):
     """Group-wise 8-bit weights (Int8Groups) through verispec's row kernel: one byte a weight
     plus its group's scale, float32 out."""
 
@@ -229,11 +242,8 @@ class RowsInt8Kernel(Kernel):
         group = weight.codes.shape[1] // weight.scales.shape[1]
         self.name = f"int8 g{group} ({rows.name()}, bfloat16 activations)"
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x)
 
-
-class RowsDenseKernel(Kernel):
+class RowsDenseKernel(RowKernel):
     """A bfloat16 weight through verispec's row kernel (kernels/rows.cpp): float32 accumulation,
     out in the activations' dtype (a 4-bit target's float32 logits are not rounded to bfloat16)."""
 
@@ -241,9 +251,6 @@ class RowsDenseKernel(Kernel):
         self.product = rows.DenseProduct(weight)
         self.nbytes = self.product.nbytes
         self.name = self.product.name
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x)
 
 
 class Int8Kernel(Kernel):

@@ -954,14 +954,37 @@ std::vector<std::string> features() {
   return found;
 }
 
-// x [M, K] float32 or bfloat16 -> x @ w.T [M, N] float32, w given as group codes; scales and
+// Rows of x [..., K] as a contiguous [M, K] matrix, and the sizes of a result [..., N]: the
+// kernels take any leading dimensions, so that a caller makes no reshape of its own (each one a
+// Python-level op, microseconds on a one-token step).
+at::Tensor as_rows(const at::Tensor& x) {
+  check(x.dim() >= 1, "x must have an input dimension");
+  return x.dim() == 2 && x.is_contiguous() ? x : x.reshape({-1, x.size(-1)}).contiguous();
+}
+
+std::vector<int64_t> sizes_with_last(const at::Tensor& x, int64_t last) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = last;
+  return sizes;
+}
+
+at::Tensor linear_codes_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& mins, int64_t group, bool nibbles, int64_t N,
+                             int64_t isa);
+
+// x [..., K] float32 or bfloat16 -> x @ w.T [..., N] float32, w given as group codes; scales and
 // mins float32 or float16 alike, mins None for w = code * scale.
 at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, int64_t group, bool nibbles, int64_t N,
                         int64_t isa) {
+  return linear_codes_rows(as_rows(x), codes, scales, mins, group, nibbles, N, isa).view(sizes_with_last(x, N));
+}
+
+at::Tensor linear_codes_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& mins, int64_t group, bool nibbles, int64_t N,
+                             int64_t isa) {
 #if VERISPEC_X86
   check(runs(isa), "this CPU does not run this kernel class");
-  check(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] matrix");
   check(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
   check(group == 16 || group == 32, "groups of 16 or 32 inputs");
@@ -1022,11 +1045,16 @@ at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& codes, const at::
 #endif
 }
 
-// x [M, K] -> x @ w.T [M, N] in `out_dtype` (float32 or bfloat16), w packed bfloat16.
+at::Tensor linear_dense_rows(const at::Tensor& x, const at::Tensor& weight, int64_t N, bool bf16_out, int64_t isa);
+
+// x [..., K] -> x @ w.T [..., N] in `out_dtype` (float32 or bfloat16), w packed bfloat16.
 at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& weight, int64_t N, bool bf16_out, int64_t isa) {
+  return linear_dense_rows(as_rows(x), weight, N, bf16_out, isa).view(sizes_with_last(x, N));
+}
+
+at::Tensor linear_dense_rows(const at::Tensor& x, const at::Tensor& weight, int64_t N, bool bf16_out, int64_t isa) {
 #if VERISPEC_X86
   check(runs(isa), "this CPU does not run this kernel class");
-  check(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] matrix");
   check(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
   check(K % 32 == 0 && N % TILE == 0 && weight.numel() == N * K, "a packed weight of this shape");
@@ -1070,14 +1098,16 @@ at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& weight, int64_t N
 #endif
 }
 
-// q [heads, n, D] (after rotary), keys / values [kv_heads, capacity, D] (a cache's buffers),
-// the first `length` slots valid; mask [n, length] bool or None (causal: row i sees the first
-// length - n + i + 1). Returns [n, heads * D] in q's dtype.
-at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+// q [1, heads, n, D] (after rotary), keys / values [1, kv_heads, capacity, D] (a cache's
+// buffers), the first `length` slots valid; mask [n, length] bool or None (causal: row i sees the
+// first length - n + i + 1). Returns [1, n, heads * D] in q's dtype.
+at::Tensor attention(const at::Tensor& q4, const at::Tensor& keys4, const at::Tensor& values4,
                      const c10::optional<at::Tensor>& mask, int64_t length, double scale, int64_t isa) {
 #if VERISPEC_X86
   check(runs(isa), "this CPU does not run this kernel class");
-  check(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "q [heads, n, D], keys/values [kv_heads, slots, D]");
+  check(q4.dim() == 4 && keys4.dim() == 4 && values4.dim() == 4 && q4.size(0) == 1 && keys4.size(0) == 1 &&
+            values4.size(0) == 1, "q [1, heads, n, D], keys/values [1, kv_heads, slots, D]");
+  const at::Tensor q = q4[0], keys = keys4[0], values = values4[0];
   check(q.stride(2) == 1 && keys.is_contiguous() && values.is_contiguous(), "contiguous head dims and caches");
   check(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(), "one dtype");
   const int64_t D = q.size(2);
@@ -1092,10 +1122,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   if (q.scalar_type() == at::kFloat) attention_dispatch<float>(q, keys, values, m, length, scale, out, isa);
   else if (q.scalar_type() == at::kBFloat16) attention_dispatch<at::BFloat16>(q, keys, values, m, length, scale, out, isa);
   else check(false, "float32 or bfloat16 attention");
-  return out;
+  return out.unsqueeze(0);
 #else
   check(false, "x86-64 only");
-  return q;
+  return q4;
 #endif
 }
 

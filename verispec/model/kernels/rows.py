@@ -275,12 +275,11 @@ class CodesProduct:
             self.name = f"{bits}-bit codes g{group} as bfloat16 weights ({name(self.kernel)})"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).contiguous()
         if self.dense is not None:
+            flat = x.reshape(-1, self.in_features).contiguous()
             return fixed_shape_linear(flat, self.dense).float().reshape(*x.shape[:-1], self.out_features)
-        out = library().linear_codes(flat, self.codes, self.scales, self.mins, self.group, self.nibbles,
-                                     self.out_features, self.isa)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return library().linear_codes(x, self.codes, self.scales, self.mins, self.group, self.nibbles,
+                                      self.out_features, self.isa)  # x [..., in] -> [..., out]
 
 
 class DenseProduct:
@@ -301,13 +300,11 @@ class DenseProduct:
         self.dense = weight.detach().to(torch.bfloat16).contiguous() if self.kernel == ONEDNN else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).contiguous()
         if self.dense is not None:
-            out = fixed_shape_linear(flat, self.dense).to(x.dtype)
+            out = fixed_shape_linear(x.reshape(-1, self.in_features).contiguous(), self.dense).to(x.dtype)
             return out.reshape(*x.shape[:-1], self.out_features)
         bf16_out = x.dtype == torch.bfloat16
-        out = library().linear_dense(flat, self.packed, self.out_features, bf16_out, self.isa)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return library().linear_dense(x, self.packed, self.out_features, bf16_out, self.isa)  # [..., out]
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int,
@@ -317,4 +314,4 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length:
     q: [1, heads, n, head_dim]; keys, values: a cache's whole buffers [1, kv_heads, capacity,
     head_dim] (KVCache), the first `length` slots valid; mask: [n, length] bool. Returns
     [1, n, heads * head_dim] in q's dtype; `kernel` as CodesProduct's."""
-    return library().attention(q[0], keys[0], values[0], mask, length, scale, isa(kernel))[None]
+    return library().attention(q, keys, values, mask, length, scale, isa(kernel))
