@@ -250,8 +250,10 @@ def _self_methods() -> list[Method]:
     advice = {"int4": "any model of a lean family, no training; its drafts are accepted ~99% of "
                       "the time on the built-in model (its weights are their own 4-bit grid), "
                       "~85% on a model off that grid",
-              "int8": "for comparison: slower drafts than int4 on the CPUs measured",
-              "bf16": "for comparison: slower drafts than int4 on the CPUs measured"}
+              "int8": "where int8 drafts faster than int4 on this CPU (`verispec profile` says; "
+                      "auto picks the fastest format by it)",
+              "bf16": "where bfloat16 drafts fastest on this CPU (`verispec profile` says; auto "
+                      "picks the fastest format by it)"}
     single = [Method(f"self-{fmt}", f"the target's own weights in {fmt}, its own KV cache", 8,
                      _self(fmt, False), advice[fmt], Needs.SELF, trees=True) for fmt in FORMATS]
     staged = [Method(f"self-{fmt}-pld", f"staged: prompt lookup guesses, the target's own weights "
@@ -322,11 +324,11 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            BlockDrafter.kind, trees=True),
     Method("draft", "an independent small model (with the target's tokenizer or another: its text "
            "carried into the target's tokens), or a distilled student", 5, _draft_model,
-           "you have a small model of the same family; slower than plain decoding on CPU so far",
+           "you have a small model of the same family (on CPU its figures: docs/benchmarks.md)",
            Needs.DRAFT_MODEL, DraftStudent.kind, trees=True, hf_peer="hf-assisted"),
     Method("early-exit", "the target's own first layers, through a trained exit when one exists "
-           "(LayerSkip-style)", 5, _early_exit, "no other drafter fits; slower than plain decoding "
-           "on CPU so far", trained_kind=ExitAdapter.kind, trees=True, hf_peer="hf-early-exit"),
+           "(LayerSkip-style)", 5, _early_exit, "no other drafter fits (on CPU its figures: "
+           "docs/benchmarks.md)", trained_kind=ExitAdapter.kind, trees=True, hf_peer="hf-early-exit"),
 ]}
 
 TREE_METHODS = tuple(name for name, method in METHODS.items() if method.trees)

@@ -4,9 +4,8 @@ preallocated KV cache instead of Hugging Face's forward.
 For a small model on a 2-core CPU, what surrounds the matrix products is a large share of a step:
 Hugging Face's forward builds position ids, masks and cache objects per call, runs q, k, v and
 gate, up as separate products, repeats keys and values for grouped-query attention, and its
-DynamicCache appends by concatenation, copying every cached key and value at every step (on
-SmolLM2-135M that glue was a fifth of a one-token forward and a third of a four-token one:
-docs/performance.md, "Figures behind the target's design"). This module runs the same weights
+DynamicCache appends by concatenation, copying every cached key and value at every step (what
+that glue cost: docs/performance.md, "Figures behind the target's design"). This module runs the same weights
 with the same arithmetic (RMSNorm in float32, rotary embeddings from the model's own rotary
 module, scaled dot-product attention) and none of that glue: keys and values are written into
 place, q/k/v and gate/up are one product each.
@@ -429,8 +428,7 @@ def sight(past: int, block: Block, positions: torch.Tensor, window: int | None) 
     positions back (Hugging Face's sliding window: key > query - window).
 
     A first block over an empty cache that no window cuts into is plain causal attention, which
-    SDPA runs without materialising a mask (its flash kernel: ~35% less attention time on long
-    prompts)."""
+    SDPA runs without materialising a mask (its flash kernel: docs/performance.md)."""
     n = block.tokens.shape[0]
     end, device = past + n, block.tokens.device
     whole = block.mask is None and n > 1 and past == 0
@@ -455,7 +453,7 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
     each row attends as a one-token step would (`row_attention`), so a position's logits and keys
     do not depend on the block, tree or batch it was computed in. The exception is a sequence's
     first block over an empty cache (its prompt): plain decoding and speculation both cache the
-    prompt in that one causal block, so it attends as one (a third faster for a 300-token prompt).
+    prompt in that one causal block, so it attends as one (SDPA's causal kernel: docs/performance.md).
     """
     w = decoders[0].weights
     invariant = decoders[0].invariant
