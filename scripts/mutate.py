@@ -267,6 +267,11 @@ MUTANTS = (
            ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each",
             f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx2]"),
            "the AVX2 class's block rows attend with a scale one ulp off a one-token step's"),
+    Mutant("rotary-sign-on-the-wrong-half", "verispec/model/lean.py",
+           "torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)",
+           "torch.cat([sin[:, :half], -sin[:, half:]], dim=-1)",
+           ("tests/test_cached_model.py::test_lean_path_gives_the_models_own_logits",),
+           "the lean forward's rotation folds rotate_half's sign into the wrong half of sin"),
     Mutant("row-attention-only-for-blocks", "verispec/model/lean.py",
            "            if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:",
            "            if invariant and not seen.whole and layer.window is None and w.row_kernel_attention"
