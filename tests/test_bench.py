@@ -215,3 +215,11 @@ def test_llamacpp_baselines_need_the_targets_gguf(tiny_dir, questions, tmp_path)
     for name in ("llama.cpp", "llama.cpp-lookup"):
         with pytest.raises(VerispecError, match="GGUF"):
             run_bench(config(tiny_dir, questions, tmp_path / name, methods=[name]), progress=False)
+
+
+def test_no_load_cap_without_batches_is_refused_by_name(tiny_dir, questions, tmp_path, capsys):
+    out = tmp_path / "refused"
+    assert main(["bench", "--model", str(tiny_dir), "--questions", str(questions), "--no-load-cap",
+                 "--methods", "pld", "--out", str(out)]) == 2
+    assert "--no-load-cap sets the draft length at each batch size" in capsys.readouterr().err
+    assert not out.exists()

@@ -90,6 +90,9 @@ def run_command(args: argparse.Namespace) -> int:
         if beams is not None:
             raise VerispecError("--batch-size measures decoding one path: it takes no --num-beams")
         return bench_batched(args)
+    if args.no_load_cap:
+        raise VerispecError("--no-load-cap sets the draft length at each batch size: "
+                            "it goes with --batch-size")
     config = BenchConfig(model=args.model, out=Path(args.out), methods=args.methods, ks=args.k,
                          draft=args.draft, trained=args.trained, exit_layer=args.exit_layer,
                          options=draft_options(args, k=None, tree=None),
