@@ -441,6 +441,31 @@ def sight(past: int, block: Block, positions: torch.Tensor, window: int | None) 
     return Sight(mask, whole and mask is None, whole, None if block.mask is None else mask)
 
 
+def split_heads(w: LeanWeights, layer: Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                run: Callable[[Product | None, torch.Tensor], torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's q, k, v [1, heads, n, head_dim] from its qkv product [1, n, q + 2 * kv], q and
+    k rotated (together, in one rotate, where no per-head norm comes first). `run` applies a
+    per-head norm as the forward applies its products (over n * heads rows, so that a fixed-row
+    forward chunks rows, not heads)."""
+    n, q_size, kv_size = qkv.shape[1], w.heads * w.head_dim, w.kv_heads * w.head_dim
+
+    def heads(t: torch.Tensor, count: int, norm: Product | None) -> torch.Tensor:
+        # [1, n, count * head_dim] -> [1, n, count, head_dim]
+        if norm is None:
+            return t.view(1, n, count, w.head_dim)
+        return run(norm, t.reshape(1, n * count, w.head_dim)).view(1, n, count, w.head_dim)
+
+    if layer.q_norm is None and layer.k_norm is None:
+        qk = rotate(heads(qkv[..., : q_size + kv_size], w.heads + w.kv_heads, None), cos, sin, w.swap)
+        q, k = qk[:, :, : w.heads], qk[:, :, w.heads:]
+    else:
+        q = rotate(heads(qkv[..., :q_size], w.heads, layer.q_norm), cos, sin, w.swap)
+        k = rotate(heads(qkv[..., q_size: q_size + kv_size], w.kv_heads, layer.k_norm), cos, sin, w.swap)
+    v = heads(qkv[..., q_size + kv_size:], w.kv_heads, None)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
 @torch.inference_mode()
 def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
                  layers: tuple[int, ...] = ()) -> torch.Tensor:
@@ -479,7 +504,7 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
     for kind in {layer.kind for layer in stack}:
         cos, sin = w.rotary_tables(x, every, kind)
         rotary[kind] = [(cos, sin)] if len(blocks) == 1 else list(zip(cos.split(sizes), sin.split(sizes)))
-    q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
+    q_size = w.heads * w.head_dim
     widen = invariant and x.shape[1] == 1
     fixed = invariant and w.fixed_rows and not prompts_only  # prompts are cached alike anyway
 
@@ -490,27 +515,6 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
             return at_fixed_rows(f, h)
         return f(torch.cat([h, h], dim=1))[:, :1] if widen and role in w.paired else f(h)
 
-    def heads(t: torch.Tensor, n: int, count: int, norm: Product | None) -> torch.Tensor:
-        # [1, n, count * head_dim] -> [1, n, count, head_dim], each head normed where the family
-        # says (as n * count rows, so that a fixed-row forward chunks rows, not heads)
-        if norm is None:
-            return t.view(1, n, count, w.head_dim)
-        return run(norm, t.reshape(1, n * count, w.head_dim)).view(1, n, count, w.head_dim)
-
-    def split_heads(qkv: torch.Tensor, n: int, layer: Layer, cos: torch.Tensor,
-                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # qkv [1, n, q_size + 2 * kv_size] -> q, k, v [1, heads, n, head_dim], q and k rotated
-        # (together, in one rotate, where no per-head norm comes first)
-        if layer.q_norm is None and layer.k_norm is None:
-            qk = rotate(heads(qkv[..., : q_size + kv_size], n, w.heads + w.kv_heads, None), cos, sin, w.swap)
-            q, k = qk[:, :, : w.heads], qk[:, :, w.heads:]
-        else:
-            k = heads(qkv[..., q_size: q_size + kv_size], n, w.kv_heads, layer.k_norm)
-            q = rotate(heads(qkv[..., :q_size], n, w.heads, layer.q_norm), cos, sin, w.swap)
-            k = rotate(k, cos, sin, w.swap)
-        v = heads(qkv[..., q_size + kv_size:], n, w.kv_heads, None)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
     captured = []
     for index, layer in enumerate(stack):
         if index in layers:
@@ -520,7 +524,7 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
         for decoder, qkv, n, (cos, sin), seen in zip(
                 decoders, [qkv_all] if len(blocks) == 1 else qkv_all.split(sizes, dim=1),
                 sizes, rotary[layer.kind], sights[layer.window]):
-            q, k, v = split_heads(qkv, n, layer, cos, sin)
+            q, k, v = split_heads(w, layer, qkv, cos, sin, run)
             cache = decoder.caches[index]
             cache.write(k, v)
             if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:
@@ -612,26 +616,19 @@ def static_forward(w: LeanWeights, caches: list[KVCache], passes: StaticPasses,
     count = passes.rows
     x = w.embed(passes.tokens)[None]  # [1, rows, hidden]
     rotary = {kind: w.rotary_tables(x, passes.positions, kind) for kind in {layer.kind for layer in w.layers}}
-    q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
+    q_size = w.heads * w.head_dim
 
     def run(f: Product | None, h: torch.Tensor) -> torch.Tensor:  # h: [1, rows, in]
         return h if f is None else at_fixed_rows(f, h)
-
-    def heads(t: torch.Tensor, number: int, norm: Product | None) -> torch.Tensor:
-        # [1, rows, number * head_dim] -> [1, rows, number, head_dim], each head normed where asked
-        return run(norm, t.reshape(1, count * number, w.head_dim)).view(1, count, number, w.head_dim)
 
     captured = []
     for index, layer in enumerate(w.layers):
         if index in layers:
             captured.append(x[0])
-        q, k, v = run(layer.qkv, run(layer.attn_norm, x)).split([q_size, kv_size, kv_size], dim=-1)
-        cos, sin = rotary[layer.kind]
+        q, k, v = split_heads(w, layer, run(layer.qkv, run(layer.attn_norm, x)), *rotary[layer.kind], run)
         cache = caches[index]
-        cache.keys.index_copy_(2, passes.slots,
-                               rotate(heads(k, w.kv_heads, layer.k_norm), cos, sin, w.swap).transpose(1, 2))
-        cache.values.index_copy_(2, passes.slots, heads(v, w.kv_heads, None).transpose(1, 2))
-        q = rotate(heads(q, w.heads, layer.q_norm), cos, sin, w.swap).transpose(1, 2)
+        cache.keys.index_copy_(2, passes.slots, k)
+        cache.values.index_copy_(2, passes.slots, v)
         attended = nn.functional.scaled_dot_product_attention(
             q, cache.keys, cache.values,
             attn_mask=passes.biases[layer.window], scale=w.scaling, enable_gqa=w.kv_heads != w.heads)
