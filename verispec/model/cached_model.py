@@ -235,7 +235,7 @@ class CachedModel:
         if self.lean is not None:
             for mine, theirs in zip(self.lean.caches, other.lean.caches):
                 mine.rewind(0)
-                mine.append(theirs.keys[:, :, : theirs.length], theirs.values[:, :, : theirs.length])
+                mine.append(*theirs.filled())
         else:
             self.cache = copy.deepcopy(other.cache)
 

@@ -328,17 +328,13 @@ class LeanWeights:
         """The (cached) weights of `model`; renewed when a linear weight was replaced or changed."""
         return per_model(_WEIGHTS, model, cls)
 
-    def cos_sin(self, x: torch.Tensor, positions: torch.Tensor, kind: str | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary tables at positions [rows] (of one attention kind where the family has one
-        per kind): cos, sin [rows, head_dim]."""
-        tables = self.rotary(x, positions[None]) if kind is None else self.rotary(x, positions[None], kind)
-        return tables[0][0], tables[1][0]
-
     def rotary_tables(self, x: torch.Tensor, positions: torch.Tensor, kind: str | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What `rotate` takes at positions [rows]: cos and the sign-folded sin, [rows, 1, head_dim]."""
-        cos, sin = self.cos_sin(x, positions, kind)
+        """What `rotate` takes at positions [rows] (of one attention kind where the family has one
+        per kind): cos and the sign-folded sin, [rows, 1, head_dim], from the model's own rotary
+        module."""
+        tables = self.rotary(x, positions[None]) if kind is None else self.rotary(x, positions[None], kind)
+        cos, sin = tables[0][0], tables[1][0]  # [rows, head_dim]
         half = sin.shape[-1] // 2
         return cos[:, None], torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)[:, None]
 
