@@ -7,6 +7,7 @@ data's held-out split (DATA/held-out: prompts the training shards never saw; nev
 --max-new-tokens each, and records tau (tokens per target forward) and acceptance by draft
 position. Writes OUT/curve.json and OUT/curve.png (both against training tokens, log scale), and
 one drafter directory per size (OUT/SIZE). Resumable: a size already in curve.json is skipped.
+--init starts every size from a trained drafter (a warm start: does new data add to old?).
 
     python scripts/training_curve.py eagle3 --data runs/sharegpt-self --out runs/curve-eagle3 \\
         --sizes 30000 100000 300000 1000000 3000000 10000000
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--min-steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--init", help="start every size from this trained drafter (same kind)")
     parser.add_argument("--count", type=int, default=40, help="held-out prompts to draft on")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
@@ -97,7 +99,7 @@ def main() -> None:
         count = len(first_tokens(sequences, size))
         steps = max(args.min_steps, math.ceil(args.epochs * count / args.batch_size))
         config = TrainConfig(steps=steps, lr=args.lr, batch_size=args.batch_size)
-        drafter = train_drafter(args.kind, target, [data], out / str(size), config, RecipeOptions(),
+        drafter = train_drafter(args.kind, target, [data], out / str(size), config, RecipeOptions(init=args.init),
                                 max_tokens=size)
         point = {"tokens": size, "sequences": count, "steps": steps,
                  **held_out_acceptance(target, method, drafter, prompts, args.max_new_tokens)}
