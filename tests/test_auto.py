@@ -14,17 +14,21 @@ from verispec import profile
 from verispec.cli import main
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
-from verispec.core.types import GenerationStats, SamplingParams
+from verispec.core.types import GenerationStats, Proposal, SamplingParams
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.sequence import SequenceSpec
+from verispec.drafters import auto as auto_module
 from verispec.drafters.auto import (
     Acceptance,
     AutoDrafter,
     CostProfile,
     DrafterCost,
+    Survival,
     best_choice,
+    expected_by_length,
     expected_tokens,
 )
+from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import _WEIGHTS, SelfDrafter, SelfSettings
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
@@ -115,6 +119,69 @@ def test_acceptance_starts_at_the_prior_and_follows_what_is_seen():
     assert rate.rate > 0.95
 
 
+def test_survival_counts_each_position_kept_through_it(monkeypatch):
+    """Against a direct count: of offers [4 kept 4, 4 kept 1, 2 kept 0, 4 kept 2] the first j
+    tokens were all kept by 3/4, 2/4, 1/3 and 1/3 of the offers reaching j (no prior, no decay)."""
+    monkeypatch.setattr(auto_module, "DECAY", 1.0)
+    curve = Survival(0.5, 4)
+    curve.kept, curve.seen = [0.0] * 4, [0.0] * 4
+    for length, kept in ((4, 4), (4, 1), (2, 0), (4, 2)):
+        curve.observe(length, kept)
+    assert curve.curve == pytest.approx((3 / 4, 2 / 4, 1 / 3, 1 / 3))
+    assert expected_by_length(curve.curve, 4) == pytest.approx(1 + 3 / 4 + 2 / 4 + 1 / 3 + 1 / 3)
+
+
+def test_survival_starts_geometric_never_rises_and_learns_long_offers():
+    curve = Survival(0.5, 8)
+    assert curve.curve == pytest.approx(tuple(0.5 ** j for j in range(1, 9)))
+    for _ in range(20):
+        curve.observe(8, 8)  # long offers kept whole
+        curve.observe(2, 0)  # short ones refused at once
+    s = curve.curve
+    assert all(a >= b for a, b in zip(s, s[1:]))
+    assert s[-1] > 0.3 and expected_by_length(s, 8) > 3
+
+
+def test_an_offer_drafted_whole_or_not_at_all():
+    costs = fake_profile(lookup=DrafterCost(0.0, 0.0))
+    sure_then_not = (0.9, 0.1, 0.05, 0.01, 0.0, 0.0, 0.0, 0.0)
+    # free to cut it short, it drafts the 3 tokens whose rows cost nothing here
+    assert best_choice(costs, {"lookup": sure_then_not}, {"lookup": 8}).k == 3
+    whole = best_choice(costs, {"lookup": sure_then_not}, {"lookup": 8}, whole={"lookup"})
+    assert whole.method is None  # 8 rows for ~1 token does not pay: plain decoding
+    kept = best_choice(costs, {"lookup": (0.9,) * 8}, {"lookup": 8}, whole={"lookup"})
+    assert (kept.method, kept.k) == ("lookup", 8)
+
+
+class Offers(Drafter):
+    """A lookup that offers the given drafts in turn (an empty one: no offer) and counts asks."""
+
+    def __init__(self, offers: list[list[int]]) -> None:
+        self.offers, self.asked = offers, 0
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        self.asked += 1
+        return Proposal(torch.tensor(self.offers[self.asked - 1], dtype=torch.int64))
+
+
+def test_lookups_in_order_of_preference_and_every_offer_judged_whole():
+    """The first lookup that offers is the candidate (the next is not asked); its offer is scored
+    whole once the committed text decides it, however few of it the step itself kept."""
+    first, second = Offers([[7, 8, 9], [], [], []]), Offers([[1], [2], [3], [4]])
+    costs = fake_profile(first=DrafterCost(0.0, 0.0), second=DrafterCost(0.0, 0.0))
+    auto = AutoDrafter(costs, {"first": first, "second": second}, {}, {"first": 8, "second": 8}, PLAIN)
+    request = DraftRequest(torch.tensor([5, 6]), 8, SamplingParams(), None)
+    assert auto.propose(request).tokens.tolist() == [7, 8, 9] and second.asked == 0
+    auto.commit(0)  # the step kept none of it: the target said 7
+    before = auto.survival["first"].kept[:]
+    auto.propose(DraftRequest(torch.tensor([5, 6, 7]), 8, SamplingParams(), None))
+    assert second.asked == 1 and auto.survival["first"].kept == before  # 8, 9 not decided yet
+    auto.commit(0)
+    auto.propose(DraftRequest(torch.tensor([5, 6, 7, 8, 9]), 8, SamplingParams(), None))
+    # now decided: all three kept, each of its positions counted once, the positions past it not
+    assert auto.survival["first"].kept == pytest.approx([0.9 * k + 1 for k in before[:3]] + before[3:])
+
+
 # -- the profile: measured, cached, keyed ------------------------------------------------------
 
 def test_the_profile_is_cached_and_measured_again_when_its_key_changes(cache, monkeypatch):
@@ -178,7 +245,8 @@ def auto_engine(loaded: LoadedModel, costs: CostProfile,
 
     def make() -> AutoDrafter:
         models = {"self-int8": SelfDrafter(loaded, settings)}
-        lookups = {"pld": PromptLookupDrafter(3, 1), "suffix": SuffixDrafter(SuffixSettings(cache_tokens=0))}
+        # in order of preference, as verispec.methods gives them
+        lookups = {"suffix": SuffixDrafter(SuffixSettings(cache_tokens=0)), "pld": PromptLookupDrafter(3, 1)}
         return AutoDrafter(costs, lookups, models, limits, PLAIN)
     return SpeculativeEngine(loaded.model, make(), ConstantK(16), spawn=make, load_cap=LoadCap(()))
 

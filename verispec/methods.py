@@ -149,7 +149,7 @@ def _self(fmt: str, staged: bool) -> Callable[[LoadedModel, DraftOptions], Draft
 
 
 # What `auto` chooses among: drafters that need no training (lookups, then the target's own weights).
-AUTO_LOOKUPS = ("pld", "suffix")
+AUTO_LOOKUPS = ("suffix", "pld")  # in order of preference (verispec.drafters.auto)
 AUTO_SELF = tuple(f"self-{fmt}" for fmt in FORMATS)
 
 

@@ -28,19 +28,19 @@ from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.auto import CostProfile, DrafterCost
 from verispec.drafters.base import Drafter
-from verispec.model.cached_model import CachedModel
+from verispec.model.cached_model import CachedModel, forward_rows
 from verispec.model.loading import LoadedModel
 from verispec.model.packed import linear_fingerprint
 
 CONTEXT = 300  # tokens cached while the forward is timed
 MAX_ROWS = 17  # the widest forward timed: a 16-token draft and the token before it
-REPEATS = 3  # timings per row count (the median is kept)
+REPEATS = 3  # timings per row count after a warm-up round (the median is kept)
 DRAFT_TOKENS = 24  # new tokens each drafter's timing run generates
 # Drafters are timed continuing this text (their acceptance on it is the profile's prior).
 TEXT = ("Write a short guide for a new gardener. Explain when to plant tomatoes, how often to "
         "water them, which soil they like, and how to keep pests away without chemicals. Then "
         "list three common mistakes beginners make and how to avoid each of them.")
-VERSION = 1  # of the file's layout: a new layout measures again
+VERSION = 2  # of the file's layout and the way it is measured: a new one measures again
 
 # model -> {(its linear weights' fingerprint, threads, drafters): profile}
 _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -138,8 +138,13 @@ def measure(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[
             limits: dict[str, int]) -> CostProfile:
     """Time the target's forward by rows and prefill, then each drafter in a short generation."""
     generator = torch.Generator().manual_seed(0)
+    prompt = _prompt(target, generator)
     cached = max(1, min(CONTEXT, target.context_length - MAX_ROWS))  # a short-context model's most
-    context = torch.randint(0, target.vocab_size, (cached,), generator=generator).to(lm.device)
+    # Text going on, through the engine's own pass, after a warm-up round: timed on random tokens
+    # through CachedModel.forward without one, the figures read 20-45% above the engine's own
+    # passes and grew too slowly with the rows (docs/tuning.md, "auto").
+    text = torch.tensor(prompt * (1 + (cached + MAX_ROWS) // len(prompt)), device=lm.device)
+    context = text[:cached]
     lm.reset()
     lm.forward(context[:64])  # warm-up
     lm.reset()
@@ -147,16 +152,16 @@ def measure(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[
     lm.forward(context)
     prefill_rate = cached / (time.perf_counter() - started)
     times: dict[int, list[float]] = {rows: [] for rows in range(1, MAX_ROWS + 1)}
-    for _ in range(REPEATS):
+    for repeat in range(1 + REPEATS):  # the first round warms every shape up, untimed
         for rows in times:
-            block = torch.randint(0, target.vocab_size, (rows,), generator=generator).to(lm.device)
+            block = text[cached:cached + rows]  # the text going on
             started = time.perf_counter()
-            lm.forward(block)
-            times[rows].append(time.perf_counter() - started)
+            forward_rows([lm], [block], [None])  # the engine's pass (under inference mode)
+            if repeat:
+                times[rows].append(time.perf_counter() - started)
             lm.rewind(cached)
     lm.reset()
     forward = tuple(statistics.median(times[rows]) for rows in times)
-    prompt = _prompt(target, generator)
     costs = {name: drafter_cost(target, build(), limits[name], prompt) for name, build in drafters.items()}
     return CostProfile(forward, cached, prefill_rate, costs)
 
