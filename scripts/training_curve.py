@@ -99,8 +99,8 @@ def main() -> None:
         count = len(first_tokens(sequences, size))
         steps = max(args.min_steps, math.ceil(args.epochs * count / args.batch_size))
         config = TrainConfig(steps=steps, lr=args.lr, batch_size=args.batch_size)
-        drafter = train_drafter(args.kind, target, [data], out / str(size), config, RecipeOptions(init=args.init),
-                                max_tokens=size)
+        drafter = train_drafter(args.kind, target, [data], out / str(size), config,
+                                RecipeOptions(init=args.init), max_tokens=size)
         point = {"tokens": size, "sequences": count, "steps": steps,
                  **held_out_acceptance(target, method, drafter, prompts, args.max_new_tokens)}
         print(json.dumps(point), flush=True)

@@ -149,7 +149,9 @@ def _self(fmt: str, staged: bool) -> Callable[[LoadedModel, DraftOptions], Draft
 
 
 # What `auto` chooses among: drafters that need no training (lookups, then the target's own weights).
-AUTO_LOOKUPS = ("suffix", "pld")  # in order of preference (verispec.drafters.auto)
+# Prompt lookup is no candidate: behind suffix decoding it never drafted a token on the held-out
+# prompts of all seven targets measured (docs/tuning.md), and asking it cost ~0.05 ms every step.
+AUTO_LOOKUPS = ("suffix",)  # in order of preference (verispec.drafters.auto)
 AUTO_SELF = tuple(f"self-{fmt}" for fmt in FORMATS)
 
 
@@ -269,9 +271,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("ar", "nothing: plain autoregressive decoding", 0, None,
            "the reference, or a baseline to compare with"),
     Method("auto", "each step, the drafter and k with the most expected tokens per second by this "
-           "machine's cost profile (`verispec profile`) and the acceptance seen so far: prompt "
-           "lookup or suffix decoding where the text repeats, the target's own low-precision "
-           "weights elsewhere, plain decoding where nothing pays", 16, _auto,
+           "machine's cost profile (`verispec profile`) and the acceptance seen so far: suffix "
+           "decoding where the text repeats, the target's own low-precision weights elsewhere, "
+           "plain decoding where nothing pays", 16, _auto,
            "the default: any model, no training; measures the machine once (seconds, cached)"),
     *_self_methods(),
     Method("pld", "prompt lookup: the tokens that followed the context's last n-gram where it "

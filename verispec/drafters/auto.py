@@ -265,7 +265,8 @@ class AutoDrafter(Drafter):
         self.asked = {}
         drafts: dict[str, Proposal] = {}
         for name, lookup in self.lookups.items():  # in order of preference: the first offer stands
-            proposal = lookup.propose(replace(request, k=min(request.k, self.limits[name])))
+            asked = request if request.k <= self.limits[name] else replace(request, k=self.limits[name])
+            proposal = lookup.propose(asked)
             self.asked[name] = lookup
             if len(proposal):
                 drafts[name] = proposal
