@@ -278,6 +278,16 @@ MUTANTS = (
            " and n > 1:",
            ("tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps",),
            "one-token steps attend through SDPA while blocks use the row kernel's attention"),
+    Mutant("auto-cuts-lookup-offers-short", "verispec/drafters/auto.py",
+           "for k in (limit,) if name in whole else range(1, limit + 1):",
+           "for k in range(1, limit + 1):",
+           ("tests/test_auto.py::test_an_offer_drafted_whole_or_not_at_all",),
+           "auto cuts a lookup's offer to the k its counts favour (the rule that lost to suffix alone)"),
+    Mutant("auto-judges-offers-early", "verispec/drafters/auto.py",
+           "if kept < len(text) or len(text) == len(draft):", "if True:",
+           ("tests/test_auto.py::test_lookups_in_order_of_preference_and_every_offer_judged_whole",),
+           "auto scores a lookup's offer before the committed text has decided it (a kept tail "
+           "counted as refused)"),
 )
 
 
