@@ -6,9 +6,9 @@ seed no drafter was trained with; never the Spec-Bench questions).
 
 Prints the profile auto decides by (measured again first), then per prompt each method's speed
 against `ar` (auto's first; with --repeats N, each time the median of N rounds), overall auto
-against the best fixed method, whether every output equals `ar`'s, and what auto chose; then the issue's bar (auto >= 0.97x ar on every prompt,
->= 0.95x the best fixed method overall, every output identical): PASS or FAIL. Exit status 1
-where an output differs from ar's.
+against the best fixed method, whether every output equals `ar`'s, and what auto chose; then
+the issue's bar (auto >= 0.97x ar on every prompt, >= 0.95x the best fixed method overall, every
+output identical): PASS or FAIL. Exit status 1 where an output differs from ar's.
 """
 
 from __future__ import annotations
