@@ -24,13 +24,14 @@ import time
 import torch
 
 from scripts.held_out import held_out
+from verispec.core.policies import SCHEDULES
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import SamplingParams
 from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.auto import AutoDrafter, CostProfile
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.suffix import forget_outputs
-from verispec.methods import AUTO_LOOKUPS, PLAIN, _auto_candidates, auto_profile, build_engine
+from verispec.methods import AUTO_LOOKUPS, METHODS, PLAIN, _auto_candidates, auto_profile, build_engine
 from verispec.model.loading import DEFAULT_MODEL, LoadedModel
 from verispec.options import DraftOptions
 
@@ -43,7 +44,8 @@ def drafter_for(target: LoadedModel, method: str, profile: CostProfile) -> tuple
     if method == AUTO_LOOKUPS_ONLY:
         builders, limits = _auto_candidates(target, DraftOptions())
         lookups = {name: builders[name]() for name in AUTO_LOOKUPS}
-        policy = build_engine(target, "auto").speculation.policy
+        options = DraftOptions()
+        policy = SCHEDULES[options.schedule](METHODS["auto"].default_k)  # auto's, without its self-drafter
         return AutoDrafter(profile, lookups, {}, limits, PLAIN), policy
     engine = build_engine(target, method)
     return engine.speculation.drafter, engine.speculation.policy

@@ -265,8 +265,8 @@ class AutoDrafter(Drafter):
         self.asked = {}
         drafts: dict[str, Proposal] = {}
         for name, lookup in self.lookups.items():  # in order of preference: the first offer stands
-            asked = request if request.k <= self.limits[name] else replace(request, k=self.limits[name])
-            proposal = lookup.propose(asked)
+            capped = request if request.k <= self.limits[name] else replace(request, k=self.limits[name])
+            proposal = lookup.propose(capped)
             self.asked[name] = lookup
             if len(proposal):
                 drafts[name] = proposal
