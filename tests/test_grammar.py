@@ -231,7 +231,8 @@ def test_constrained_sampling_follows_the_masked_targets_law(tokenizer, sampling
         return kept, masks
 
     monkeypatch.setattr(Constraint, "cut", counting)
-    drafter = lambda: ModelDrafter(tiny_llama(seed=5, layers=1), VOCAB)  # noqa: E731
+    draft = tiny_llama(seed=5, layers=1)  # one model, a drafter (and cache) per row
+    drafter = lambda: ModelDrafter(draft, VOCAB)  # noqa: E731
     engine = SpeculativeEngine(target, drafter(), ConstantK(3), spawn=drafter, load_cap=LoadCap(()))
     prompt = PROMPTS[1]
     exact = exact_masked_marginals(target, tokenizer, prompt, POSITIONS, grammar, sampling)
@@ -264,7 +265,8 @@ def test_constrained_tree_sampling_follows_the_masked_targets_law(tokenizer, ske
         return kept, masks
 
     monkeypatch.setattr(Constraint, "cut", counting)
-    drafter = lambda: ModelDrafter(tiny_llama(seed=5, layers=1), VOCAB,  # noqa: E731
+    draft = tiny_llama(seed=5, layers=1)  # one model, a drafter (and cache) per row
+    drafter = lambda: ModelDrafter(draft, VOCAB,  # noqa: E731
                                    tree=TreeSettings(topk=3, nodes=8))
     engine = SpeculativeEngine(target, drafter(), ConstantK(2), spawn=drafter, load_cap=LoadCap(()))
     prompt = PROMPTS[1]

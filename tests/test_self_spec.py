@@ -85,6 +85,33 @@ def test_every_kernel_multiplies_by_the_stored_weight(fmt):
     assert choose_kernel(fmt, ((64, 128),)) in candidates(fmt, torch.device("cpu"))
 
 
+
+def test_the_kernel_choice_is_measured_once_per_machine(monkeypatch, tmp_path):
+    """The first load on a machine times the candidates and caches its choice under the cache
+    directory; a later process reads it, timing nothing; other threads (or another CPU, torch or
+    kernel build: the same key) time again."""
+    from verispec.model import lowbit
+    from verispec.model.kernels import rows
+
+    monkeypatch.setattr(rows, "cache_dir", lambda: tmp_path)
+    timed = []
+    fastest = "int4-f32"  # not what this machine would pick: the cached label is what comes back
+    monkeypatch.setattr(lowbit, "time_kernels", lambda *args: timed.append(args[:3]) or fastest)
+    shapes = ((64, 128), (32, 64))
+    choose_kernel.cache_clear()
+    try:
+        first = choose_kernel("int4", shapes)
+        choose_kernel.cache_clear()  # as a new process
+        second = choose_kernel("int4", shapes)
+        assert first == second == fastest and timed == [("int4", shapes, 32)]
+        assert len(list(tmp_path.glob("lowbit-*.json"))) == 1
+        choose_kernel.cache_clear()
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+        assert choose_kernel("int4", shapes) == fastest and len(timed) == 2
+        assert len(list(tmp_path.glob("lowbit-*.json"))) == 2
+    finally:
+        choose_kernel.cache_clear()
+
 def test_int4_kernel_packs_the_codes_it_was_given():
     """The packed layout, read back through the kernel (x = identity), gives the dequantized
     weights up to the bfloat16 rounding of scales and zeros."""
