@@ -215,6 +215,20 @@ def test_the_profile_is_cached_and_measured_again_when_its_key_changes(cache, mo
     assert auto_profile(loaded, refresh=True) == measured and len(calls) == 1
 
 
+
+def test_a_cpu_held_to_fewer_instructions_is_another_machine(monkeypatch):
+    """The same CPU with torch or oneDNN held to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
+    as on a laptop without AVX-512) has other costs and other fastest kernels: the profile's CPU
+    identity and the row kernels' cache key both change."""
+    from verispec.model.kernels import rows
+
+    identity, key = profile.cpu_identity(), rows.cpu_key()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2-held")
+    assert profile.cpu_identity() != identity and rows.cpu_key() != key
+    monkeypatch.undo()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert profile.cpu_identity() != identity and rows.cpu_key() != key
+
 def test_a_stale_or_broken_file_is_measured_again(cache):
     assert profile.read_profile(cache / "absent.json", {}) is None
     cache.mkdir(parents=True)

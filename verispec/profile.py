@@ -2,8 +2,9 @@
 cached, its prefill rate, and what each candidate drafter costs per proposal and per drafted
 token (with the acceptance it reached), all in seconds, measured in a few seconds (medians of
 few repeats) and cached as JSON under $XDG_CACHE_HOME/verispec/profiles/, keyed by the CPU (model
-name and flags), torch's version, the target's fingerprint (name, weight format, a hash of its
-weights' shapes and leading values) and the kernel its products run on: any change measures again.
+name and flags, and the instruction sets torch and oneDNN are held to), torch's version, the
+target's fingerprint (name, weight format, a hash of its weights' shapes and leading values) and
+the kernel its products run on: any change measures again.
 
 `auto` (verispec.drafters.auto) decides by it; `verispec profile` prints and draws it.
 """
@@ -52,11 +53,15 @@ def cache_dir() -> Path:
 
 
 def cpu_identity() -> dict[str, str]:
-    """The CPU's model name and a digest of all its flags (Linux), else the architecture."""
+    """The CPU's model name and a digest of all its flags (Linux), else the architecture, and the
+    instruction sets torch and oneDNN are held to (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA: the
+    same CPU held to AVX2 is another machine for costs)."""
+    isa = {"torch_isa": torch.backends.cpu.get_cpu_capability(),
+           "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", ""))}
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return {"model": platform.processor() or platform.machine(), "flags": ""}
+        return {"model": platform.processor() or platform.machine(), "flags": "", **isa}
     fields = {}
     for line in text.splitlines():
         if ":" in line:
@@ -64,7 +69,7 @@ def cpu_identity() -> dict[str, str]:
             fields.setdefault(key.strip(), value.strip())
     flags = " ".join(sorted(fields.get("flags", "").split()))
     return {"model": fields.get("model name", platform.machine()),
-            "flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+            "flags": hashlib.sha256(flags.encode()).hexdigest()[:16], **isa}
 
 
 def weights_digest(model: torch.nn.Module) -> str:

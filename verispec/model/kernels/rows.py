@@ -73,7 +73,8 @@ def supported() -> list[str]:
 
 
 def cpu_key() -> str:
-    """This CPU's model and flags, torch's version and the kernels' build: what a choice depends on."""
+    """This CPU's model and flags, the instruction sets torch and oneDNN are held to, torch's
+    version and the kernels' build: what a choice depends on."""
     model, flags = platform.processor(), ""
     try:
         for line in open("/proc/cpuinfo", encoding="utf-8"):
@@ -84,7 +85,9 @@ def cpu_key() -> str:
                 break
     except OSError:
         pass
-    text = f"{model}|{flags}|{torch.__version__}|{library_name()}"
+    held = (f"{torch.backends.cpu.get_cpu_capability()}|"
+            f"{os.environ.get('ONEDNN_MAX_CPU_ISA', os.environ.get('DNNL_MAX_CPU_ISA', ''))}")
+    text = f"{model}|{flags}|{held}|{torch.__version__}|{library_name()}"
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
