@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 import verispec.request
+from verispec.bench import runner
 from verispec.bench.report import results_json
 from verispec.bench.runner import BenchConfig, choose_methods, run_bench
 from verispec.cli import main
@@ -103,7 +104,38 @@ def test_bench_validates_before_running(tiny_dir, questions, tmp_path):
         run_bench(config(tiny_dir, questions, tmp_path / "b", methods=["draft"]), progress=False)
     with pytest.raises(VerispecError, match="does not exist"):
         run_bench(config(tiny_dir, tmp_path / "none.jsonl", tmp_path / "c"), progress=False)
-    assert not any((tmp_path / name).exists() for name in "abc")
+    with pytest.raises(VerispecError, match="--repeats must be >= 1"):
+        run_bench(config(tiny_dir, questions, tmp_path / "d", methods=["pld"], repeats=0), progress=False)
+    assert not any((tmp_path / name).exists() for name in "abcd")
+
+
+def test_repeats_keep_the_median_and_every_round_drafts_from_the_same_outputs(tiny_dir, questions,
+                                                                              tmp_path, monkeypatch):
+    """--repeats 3: a record is the run of median seconds, with all three runs' seconds; what a
+    round adds to the suffix caches is dropped before the next, so suffix drafts alike in every
+    round (had its first answer stayed, the next round would draft the whole of it back: fewer
+    target forwards); the report names the repeats and gives each method's spread."""
+    rounds = {}
+    median_run = runner.median_run
+
+    def recorded(outcomes):
+        rounds.setdefault(len(rounds), outcomes)
+        return median_run(outcomes)
+
+    monkeypatch.setattr(runner, "median_run", recorded)
+    out = tmp_path / "repeats"
+    results = run_bench(config(tiny_dir, questions, out, methods=["suffix"], repeats=3), progress=False)
+    assert {run.label for run in results.runs} == {"hf", "ar", "suffix"}
+    for run in results.runs:
+        assert len(run.repeat_seconds) == 3 and run.seconds == sorted(run.repeat_seconds)[1]
+    suffix = [outcomes for outcomes in rounds.values() if outcomes[0].stats is not None
+              and outcomes[0].stats.drafted_by_position]
+    assert suffix, "suffix drafted in none of the runs"
+    for outcomes in suffix:
+        assert len({o.target_forwards for o in outcomes}) == 1, [o.target_forwards for o in outcomes]
+        assert len({tuple(o.tokens) for o in outcomes}) == 1
+    report = (out / "report.md").read_text()
+    assert "**repeats**: 3" in report and "| spread |" in report
 
 
 def test_compare_prints_the_change(tiny_dir, questions, tmp_path, capsys):

@@ -112,6 +112,7 @@ def test_warmup_runs_each_contender_that_many_times(tiny_dir, questions, tmp_pat
     (["--methods", "pld", "--draft", "x"], "--draft: none of pld runs a draft model"),
     (["--methods", "pld", "--temperature", "0.8", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["--methods", "pld", "--warmup", "-1"], "--warmup must be >= 0"),
+    (["--methods", "pld", "--repeats", "2"], "--repeats times one path's runs"),
 ])
 def test_what_it_cannot_honour_is_refused_by_name(tiny_dir, questions, tmp_path, capsys, extra, error):
     out = tmp_path / "refused"

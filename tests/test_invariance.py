@@ -266,3 +266,23 @@ def test_the_fixed_shape_passes_compute_the_models_own_logits():
                         decoder.logits(decoder.forward(tokens[3:4])),
                         decoder.logits(decoder.forward(tokens[4:40]))])
     torch.testing.assert_close(logits, model(tokens[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not rows.available(), reason=f"row kernels: {rows.unavailable_reason()}")
+@torch.no_grad()
+def test_bfloat16_is_lean_on_the_row_kernels_where_onednn_cannot_pack_it(monkeypatch):
+    """Where oneDNN cannot pack bfloat16 (a CPU with AVX2 and no AVX-512), a bfloat16 Llama runs
+    the lean path on the row kernels, invariant, not its own forward: held to AVX2 that way,
+    SmolLM2's bfloat16 target ran its own forward and pld's and suffix's greedy outputs parted
+    from `ar`'s on 6 of 8 held-out prompts, auto's on 2 (scripts/auto_heldout.py, 2026-11-26)."""
+    from verispec.model import lean, lowbit, packed
+
+    refuses = lambda dtype: dtype != torch.bfloat16  # noqa: E731 (oneDNN on an AVX2 CPU)
+    for module in (packed, lean, lowbit):
+        monkeypatch.setattr(module, "cpu_packs", refuses)
+    model = tiny_llama(hidden=64).to(torch.bfloat16)
+    assert not packed.can_pack(model) and lean.lean_supported(model)
+    target = CachedModel(model)
+    assert target.invariance == "row-attention" and isinstance(target.lean.weights.head, rows.DenseProduct)
+    tokens = torch.randint(3, 64, (PREFIX + 17,), generator=torch.Generator().manual_seed(0))
+    assert blocks_differing(target.lean.weights, tokens, invariant=True) == []

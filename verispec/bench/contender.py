@@ -35,6 +35,7 @@ class BenchConfig:
     top_p: float = 1.0  # 1: off
     seed: int = 0
     warmup: int = 1
+    repeats: int = 1  # timed runs of each contender on each question (the median is recorded)
     dtype: str = "float32"
     device: str = "cpu"
     # also run tree-capable methods with these trees (DEFAULT_TREE: each method's own)

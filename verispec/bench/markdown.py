@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -79,7 +80,9 @@ def _header(results: Results) -> list[str]:
         f" · **kernel**: {config.get('kernel', '?')} · **device**: {config.get('device', '?')}"
         f" · **invariance**: {config.get('invariance', '?')} · **forward**: {config.get('path', '?')}",
         f"- **max_new_tokens**: {config.get('max_new_tokens', '?')} · **temperature**: {temperature}"
-        f" ({mode}) · **seed**: {config.get('seed', '?')} · **warmup**: {config.get('warmup', '?')}",
+        f" ({mode}) · **seed**: {config.get('seed', '?')} · **warmup**: {config.get('warmup', '?')}"
+        + (f" · **repeats**: {config['repeats']} (each run's seconds: the median of them)"
+           if (config.get("repeats") or 1) > 1 else ""),
         f"- **questions per task**: {per_task or 'none'}"
         f" ({sum(len(q) for q in questions.values())} in total)",
     ]
@@ -97,7 +100,21 @@ def _header(results: Results) -> list[str]:
     return lines
 
 
-def _main_table(summaries: list[MethodSummary], crashed: dict[str, str]) -> list[str]:
+def spread(runs: list[Run], label: str) -> float | None:
+    """With --repeats: how far `label`'s summed seconds moved between rounds, (most - least) /
+    median over the rounds (round r: every question's r-th run); None without repeats."""
+    rounds = [run.repeat_seconds for run in runs if run.label == label]
+    if not rounds or min(len(r) for r in rounds) < 2:
+        return None
+    totals = sorted(sum(r[i] for r in rounds) for i in range(min(len(r) for r in rounds)))
+    return (totals[-1] - totals[0]) / statistics.median(totals)
+
+
+def _spread(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
+def _main_table(summaries: list[MethodSummary], crashed: dict[str, str], runs: list[Run]) -> list[str]:
     tasks = summary_tasks(summaries)
     if any(s.label == HF for s in summaries):
         key, title = "speedup_vs_hf", "## Speedup over Hugging Face generate()"
@@ -108,7 +125,10 @@ def _main_table(summaries: list[MethodSummary], crashed: dict[str, str]) -> list
         key, title = "speedup_vs_ar", "## Speedup over plain decoding"
         intro = ("No `hf` runs: task and overall columns show the speedup vs `ar` (verispec's plain "
                  "decoding), the ratio of summed wall-clock seconds over the questions both ran.")
+    spreads = {s.label: spread(runs, s.label) for s in summaries}
+    repeated = any(value is not None for value in spreads.values())
     header = ["method", *tasks, "overall", "vs ar", "τ", "tok/s", "identical"]
+    header += ["spread"] if repeated else []
     rows = []
     for s in summaries:
         overall = s.overall
@@ -117,12 +137,17 @@ def _main_table(summaries: list[MethodSummary], crashed: dict[str, str]) -> list
                      *[_x(getattr(s.cells[t], key)) if t in s.cells else "–" for t in tasks],
                      f"**{_x(getattr(overall, key))}**", _x(overall.speedup_vs_ar),
                      _f(overall.mean_accepted_tokens), _f(overall.tokens_per_second, 1),
-                     overall.identical])
+                     overall.identical]
+                    + ([_spread(spreads[s.label])] if repeated else []))
     ran = {s.label for s in summaries}
     rows += [[f"{_name(label)} — {why}", *["–"] * (len(header) - 1)]
              for label, why in crashed.items() if label not in ran]
     intro += (" τ: new tokens per target forward. tok/s: new tokens per second over all the method's runs. "
               "`identical`: runs whose output equals `ar`'s token for token.")
+    if repeated:
+        intro += (" Each run's seconds are the median of the repeats; `spread`: how far the method's "
+                  "summed seconds moved between rounds ((most - least) / median): a speedup between "
+                  "two methods closer than their spreads is not a difference.")
     return [title, "", intro, ""] + _table(header, rows)
 
 
@@ -374,7 +399,7 @@ def render_markdown(results: Results, figures: list[str] = ()) -> str:
         lines += [""] + _beam_table(summaries, beams)
     else:
         crashed = results.config.get("crashed") or {}
-        lines += [""] + _main_table(summaries, crashed) + _ar_note(summaries, results)
+        lines += [""] + _main_table(summaries, crashed, runs) + _ar_note(summaries, results)
     lines += _tree_section(runs, summaries)
     lines += _theory_section(speedup_model(runs, results.forward))
     lines += _memory_section(results)

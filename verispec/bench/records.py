@@ -41,9 +41,10 @@ class Run:
     question_id: int
     k: int | None
     new_tokens: int
-    seconds: float
+    seconds: float  # with --repeats N: the median of the N runs' seconds
     target_forwards: int | None  # None where it cannot be counted
     tree: str | None = None  # "TOPKxNODES" for a tree
+    repeat_seconds: tuple[float, ...] = ()  # with --repeats N > 1: each run's seconds, in order
     baseline: bool = False  # a baseline (hf*, ar, ...), not a speculative method
     # Another engine with its own kernels (llama.cpp): its agreement with ar is reported, not
     # required, so its differences are not exactness failures.
@@ -83,7 +84,7 @@ class Run:
         naming rule they were written under (hf* and ar are baselines)."""
         known = {f.name for f in fields(cls)}
         values = {key: value for key, value in data.items() if key in known}
-        for key in ("drafted_by_position", "accepted_by_position", "reached_by_position"):
+        for key in ("drafted_by_position", "accepted_by_position", "reached_by_position", "repeat_seconds"):
             values[key] = tuple(values.get(key) or ())
         if values.get("first_difference"):
             values["first_difference"] = FirstDifference(**values["first_difference"])

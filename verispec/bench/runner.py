@@ -1,4 +1,5 @@
-"""`verispec bench`: methods against baselines on the same questions, one run.
+"""`verispec bench`: methods against baselines on the same questions, one run each (--repeats N:
+the median of N).
 
 Contenders run interleaved question by question (the order rotates), so machine drift hits all
 of them alike. The default methods are the registry's bench set that the model can run, each
@@ -35,7 +36,7 @@ from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.self_spec import check as check_self
-from verispec.drafters.suffix import forget_outputs
+from verispec.drafters.suffix import forget_outputs, forget_outputs_since, outputs_mark
 from verispec.methods import Method, Needs, engine_for_checked, resolve_tree
 from verispec.model.cached_model import CachedModel
 from verispec.model.loading import LoadedModel, load_model
@@ -277,6 +278,8 @@ def check_config(config: BenchConfig) -> None:
         raise VerispecError(f"--k values must be >= 0, got {config.ks}")
     if config.warmup < 0:
         raise VerispecError(f"--warmup must be >= 0, got {config.warmup}")
+    if config.repeats < 1:
+        raise VerispecError(f"--repeats must be >= 1, got {config.repeats}")
     check_beams(config)
 
 
@@ -325,25 +328,43 @@ def start_results(config: BenchConfig, target: LoadedModel, contenders: list[Con
         machine=machine_info(config.device))
 
 
+def median_run(outcomes: list[Outcome]) -> Outcome:
+    """The outcome of median seconds (the lower middle one of an even count: a run that was
+    measured, not an average of two; its tokens are the ones compared)."""
+    return sorted(outcomes, key=lambda outcome: outcome.seconds)[(len(outcomes) - 1) // 2]
+
+
 def run_question(question: Question, prompt_ids: list[int], contenders: list[Contender], first: int,
                  target: LoadedModel, config: BenchConfig, reference: str | None, bar: tqdm,
                  crashed: dict[str, str]) -> list[Run]:
-    """Every contender on one question, starting with contenders[first] (the order rotates), its
-    record; each output compared token for token with the contender labelled `reference`'s
-    (None: none, under sampling). A contender whose child process crashed has no record."""
-    outputs = {}
-    for contender in contenders[first:] + contenders[:first]:
-        bar.set_postfix_str(f"{question.task} #{question.question_id} {contender.label}")
-        with PeakResident() as memory:
-            outcome = attempt(contender, prompt_ids, f"on {question.task} #{question.question_id}", crashed)
-        if outcome is not None:  # a baseline's child process measured its own peak
-            outcome.peak_rss_mib = outcome.peak_rss_mib or memory.peak
-            outputs[contender] = outcome
-        bar.update()
+    """Every contender on one question, config.repeats rounds, each round starting one contender
+    further on from contenders[first] (the order rotates), its record (with repeats, the run of
+    median seconds, and every run's seconds); each output compared token for token with the
+    contender labelled `reference`'s (None: none, under sampling). Every round drafts from the
+    same earlier outputs: what a round adds to the suffix caches is dropped before the next. A
+    contender whose child process crashed has no record."""
+    rounds: dict[Contender, list[Outcome]] = {}
+    where = f"on {question.task} #{question.question_id}"
+    for repeat in range(config.repeats):
+        marks = outputs_mark(target.model)
+        turn = (first + repeat) % len(contenders)
+        for contender in contenders[turn:] + contenders[:turn]:
+            bar.set_postfix_str(f"{question.task} #{question.question_id} {contender.label}")
+            with PeakResident() as memory:
+                outcome = attempt(contender, prompt_ids, where, crashed)
+            if outcome is not None:  # a baseline's child process measured its own peak
+                outcome.peak_rss_mib = outcome.peak_rss_mib or memory.peak
+                rounds.setdefault(contender, []).append(outcome)
+            bar.update()
+        if repeat < config.repeats - 1:
+            forget_outputs_since(target.model, marks)
+    outputs = {contender: median_run(runs) for contender, runs in rounds.items()}
     baseline = next((o.tokens for c, o in outputs.items() if c.label == reference), None)
     records = []
     for contender in (c for c in contenders if c in outputs):  # records in a stable order
         record = run_record(contender, question, outputs[contender])
+        if config.repeats > 1:
+            record = replace(record, repeat_seconds=tuple(o.seconds for o in rounds[contender]))
         if baseline is not None and contender.label != reference:
             tokens = outputs[contender].tokens
             difference = (parting(tokens, baseline) if config.beams is not None
@@ -375,7 +396,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
     crashed: dict[str, str] = {}  # label -> how and where its child process died
     results = start_results(config, target, contenders, left_out, questions, crashed)
     first_prompt = prompts[questions[0]]
-    bar = tqdm(total=len(questions) * len(contenders) + config.warmup * len(contenders),
+    bar = tqdm(total=(len(questions) * config.repeats + config.warmup) * len(contenders),
                desc="bench", unit="run", disable=not progress)
     try:
         for _ in range(config.warmup):

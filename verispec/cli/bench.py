@@ -44,6 +44,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        "mass, in (0, 1]")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--warmup", type=int, default=1, help="untimed runs of each method first")
+    bench.add_argument("--repeats", type=int, default=1, metavar="N",
+                       help="time each method N times on each question: the median is recorded and the "
+                            "report gives the run-to-run spread (default: 1)")
     bench.add_argument("--batch-size", type=list_of(int), metavar="B,...",
                        help="measure throughput of batches of these sizes instead (e.g. 1,2,4,8,16): "
                             "hf batched, ar batched and each method; default methods "
@@ -99,7 +102,7 @@ def run_command(args: argparse.Namespace) -> int:
                          questions=Path(args.questions) if args.questions else None, tasks=args.tasks,
                          limit_per_task=args.limit_per_task, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         seed=args.seed, warmup=args.warmup,
+                         seed=args.seed, warmup=args.warmup, repeats=args.repeats,
                          dtype=args.dtype, device=args.device, trees=args.tree,
                          typical=args.typical, beams=beams)
     results = run_bench(config)
@@ -126,6 +129,8 @@ def bench_batched(args: argparse.Namespace) -> int:
     """`--batch-size`: every flag it is given is honoured, or refused here by name."""
     from verispec.bench.batched import BatchBenchConfig, run_batched_bench
 
+    if args.repeats != 1:
+        raise VerispecError("--repeats times one path's runs: it goes without --batch-size")
     if args.trained:
         raise VerispecError("--batch-size runs trained methods with the drafters shipped for the model: "
                             "it takes no --trained")

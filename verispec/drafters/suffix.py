@@ -50,7 +50,7 @@ class SuffixIndex:
         self._sequences: OrderedDict[int, list[int]] = OrderedDict()
         self._where: dict[tuple[int, ...], dict[tuple[int, int], None]] = {}  # anchor -> (seq, end)
         self._tokens = 0
-        self._ids = itertools.count()
+        self._next = 0  # the next sequence's id
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -64,7 +64,7 @@ class SuffixIndex:
     def start(self, tokens: list[int]) -> int:
         """A new sequence starting with `tokens`; returns its id."""
         with self._lock:
-            seq = next(self._ids)
+            seq, self._next = self._next, self._next + 1
             self._sequences[seq] = []
         self.extend(seq, tokens)
         return seq
@@ -97,6 +97,18 @@ class SuffixIndex:
             self._sequences.clear()
             self._where.clear()
             self._tokens = 0
+
+    def mark(self) -> int:
+        """The id the next sequence will get: `forget_since(mark)` drops what came after."""
+        with self._lock:
+            return self._next
+
+    def forget_since(self, mark: int) -> None:
+        """Drop every sequence started at or after `mark` (a benchmark's repeated run of a
+        question must not draft from the answer its earlier run left)."""
+        with self._lock:
+            for seq in [seq for seq in self._sequences if seq >= mark]:
+                self._evict(seq)
 
     def _evict(self, seq: int) -> None:
         sequence = self._sequences.pop(seq)
@@ -180,6 +192,21 @@ def shared_cache(model: torch.nn.Module, max_tokens: int, owner: str = "suffix")
     if cache.max_tokens != max_tokens:
         cache.resize(max_tokens)
     return cache
+
+
+def outputs_mark(model: torch.nn.Module) -> dict[str, int]:
+    """Where each of `model`'s shared caches stands now (owner -> `SuffixIndex.mark`)."""
+    with _CACHES_LOCK:
+        caches = dict(_CACHES.get(model, {}))
+    return {owner: cache.mark() for owner, cache in caches.items()}
+
+
+def forget_outputs_since(model: torch.nn.Module, marks: dict[str, int]) -> None:
+    """Drop what `model`'s shared caches took in since `marks` (a cache made since: all of it)."""
+    with _CACHES_LOCK:
+        caches = dict(_CACHES.get(model, {}))
+    for owner, cache in caches.items():
+        cache.forget_since(marks.get(owner, 0))
 
 
 def forget_outputs(model: torch.nn.Module) -> None:

@@ -97,7 +97,7 @@ def lean_supported(model: PreTrainedModel) -> bool:
     parameter = next(model.parameters(), None)
     on_gpu = (parameter is not None and parameter.device.type == "cuda"
               and parameter.dtype in (torch.float32, torch.bfloat16, torch.float16))
-    if family is None or not (can_pack(model) or on_gpu):
+    if family is None or not (can_pack(model) or on_gpu or rows_take_bfloat16(model)):
         return False
     config = model.config.get_text_config(decoder=True)
     if (activation_name(config) != family.activation
@@ -123,6 +123,18 @@ def lean_supported(model: PreTrainedModel) -> bool:
                 or not all(hasattr(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))):
             return False
     return True
+
+
+def rows_take_bfloat16(model: PreTrainedModel) -> bool:
+    """Whether the row kernels run every product of a bfloat16 CPU model (each linear weight's
+    shape fits them): then the lean path runs it where oneDNN cannot pack bfloat16 (an AVX2
+    CPU), instead of the model's own forward, which is not row-invariant there (greedy outputs
+    parted from plain decoding's on SmolLM2 held to AVX2)."""
+    parameter = next(model.parameters(), None)
+    if parameter is None or parameter.device.type != "cpu" or parameter.dtype != torch.bfloat16:
+        return False
+    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
+    return rows.available() and all(rows.fits(*module.weight.shape) for module in linears)
 
 
 def activation_name(config) -> str | None:
