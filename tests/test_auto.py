@@ -5,6 +5,8 @@ in a batch) and exact sampling."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -33,6 +35,7 @@ from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import _WEIGHTS, SelfDrafter, SelfSettings
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
 from verispec.methods import PLAIN, _auto_candidates, auto_profile, build_engine
+from verispec.model.cached_model import CachedModel
 from verispec.model.loading import LoadedModel
 from verispec.model.lowbit import int4_target
 from verispec.options import DraftOptions
@@ -239,6 +242,42 @@ def test_a_stale_or_broken_file_is_measured_again(cache):
     assert profile.read_profile(cache / "old.json", {"version": 1}) is None
     assert profile.read_profile(cache / "old.json", {"version": 0}) == figures
 
+
+
+def test_a_profile_measured_on_a_busy_machine_is_measured_again_and_not_cached(cache, monkeypatch, capsys):
+    """Forward timings whose repeats disagree by more than NOISY are a busy machine's: measured
+    again, and if every attempt is noisy, used for this process but not cached (with a warning);
+    a steady attempt is cached. The noise itself is measured: repeats of a forward that takes
+    alternately 1x and 3x its time read as noisy."""
+    loaded = tiny_loaded()
+    noisy = CostProfile(flat_then_linear(), 300, 1e4, {}, noise=0.9)
+    attempts = []
+    monkeypatch.setattr(profile, "measure", lambda *args: attempts.append(args) or noisy)
+    assert auto_profile(loaded) == noisy and len(attempts) == profile.ATTEMPTS
+    assert not cache.exists() or not list(cache.glob("*.json"))
+    assert "not cached" in capsys.readouterr().err
+    steady = CostProfile(flat_then_linear(), 300, 1e4, {}, noise=0.05)
+    results = iter([noisy, steady])
+    monkeypatch.setattr(profile, "measure", lambda *args: next(results))
+    profile._MEMO.clear()
+    assert auto_profile(loaded) == steady and len(list(cache.glob("*.json"))) == 1
+
+    monkeypatch.undo()
+    monkeypatch.setattr(profile, "REPEATS", 2)
+    monkeypatch.setattr(profile, "DRAFT_TOKENS", 8)
+    slow = iter(range(10**6))
+    real = profile.forward_rows
+
+    def uneven(*args):  # every other pass takes three times as long
+        started = time.perf_counter()
+        out = real(*args)
+        if next(slow) % 2:
+            time.sleep(2 * (time.perf_counter() - started) + 0.002)
+        return out
+
+    monkeypatch.setattr(profile, "forward_rows", uneven)
+    measured = profile.measure(loaded, CachedModel(loaded.model), {}, {})
+    assert measured.noise > profile.NOISY
 
 def test_profile_command_prints_the_table_and_draws_the_plot(tiny_dir, cache, tmp_path, capsys):
     plot = tmp_path / "profile.png"

@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -41,7 +42,13 @@ DRAFT_TOKENS = 24  # new tokens each drafter's timing run generates
 TEXT = ("Write a short guide for a new gardener. Explain when to plant tomatoes, how often to "
         "water them, which soil they like, and how to keep pests away without chemicals. Then "
         "list three common mistakes beginners make and how to avoid each of them.")
-VERSION = 2  # of the file's layout and the way it is measured: a new one measures again
+VERSION = 3  # of the file's layout and the way it is measured: a new one measures again
+# A profile whose forward timings disagree between repeats by more than this (CostProfile.noise)
+# was measured on a busy machine: measured again, up to ATTEMPTS times, and never cached (a test
+# run beside a training run once cached T(8) = 14.8 T(1), and `auto` chose by it for good).
+NOISY = 0.25
+ATTEMPTS = 3
+STEADY_FLOOR = 0.002  # seconds: a forward faster than this (a tiny model's) is not judged
 
 # model -> {(its linear weights' fingerprint, threads, drafters): profile}
 _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -111,10 +118,24 @@ def cost_profile(target: LoadedModel, drafters: dict[str, Callable[[], Drafter]]
     path = cache_dir() / f"{_digest(key)}.json"
     profile = None if refresh else read_profile(path, key)
     if profile is None:
-        profile = measure(target, lm, drafters, limits)
-        write_profile(path, key, profile)
+        for _ in range(ATTEMPTS):
+            profile = measure(target, lm, drafters, limits)
+            if steady(profile):
+                write_profile(path, key, profile)
+                break
+        else:
+            print(f"verispec: the cost profile's timings varied by {100 * profile.noise:.0f}% between "
+                  "repeats (a busy machine?): used for this process, not cached; `verispec profile "
+                  "--refresh` on an idle machine measures it again", file=sys.stderr)
     memo[seen] = profile
     return profile
+
+
+def steady(profile: CostProfile) -> bool:
+    """Whether the profile's forward timings agreed well enough between repeats to be this
+    machine's (a tiny model's sub-millisecond forwards are not judged: their jitter is large and
+    nothing but tests runs them)."""
+    return profile.noise <= NOISY or profile.forward[0] < STEADY_FLOOR
 
 
 def read_profile(path: Path, key: dict) -> CostProfile | None:
@@ -128,7 +149,8 @@ def read_profile(path: Path, key: dict) -> CostProfile | None:
         return None
     figures = data["profile"]
     return CostProfile(tuple(figures["forward"]), figures["context"], figures["prefill_rate"],
-                       {name: DrafterCost(**cost) for name, cost in figures["drafters"].items()})
+                       {name: DrafterCost(**cost) for name, cost in figures["drafters"].items()},
+                       figures.get("noise", 0.0))
 
 
 def write_profile(path: Path, key: dict, profile: CostProfile) -> None:
@@ -167,8 +189,9 @@ def measure(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[
             lm.rewind(cached)
     lm.reset()
     forward = tuple(statistics.median(times[rows]) for rows in times)
+    noise = statistics.median((max(t) - min(t)) / statistics.median(t) for t in times.values())
     costs = {name: drafter_cost(target, build(), limits[name], prompt) for name, build in drafters.items()}
-    return CostProfile(forward, cached, prefill_rate, costs)
+    return CostProfile(forward, cached, prefill_rate, costs, noise)
 
 
 def _prompt(target: LoadedModel, generator: torch.Generator) -> list[int]:
@@ -236,7 +259,8 @@ def profile_table(profile: CostProfile) -> str:
              "  " + "  ".join(f"{rows}: {seconds * 1e3:.1f} ({seconds / one:.2f}x)"
                               for rows, seconds in enumerate(profile.forward, 1)
                               if rows in (1, 2, 4, 8, 12, 16, 17)),
-             f"prefill: {profile.prefill_rate:.0f} tokens/s",
+             f"prefill: {profile.prefill_rate:.0f} tokens/s; the forward's repeats varied by "
+             f"{100 * profile.noise:.0f}% (median over row counts)",
              "drafter      ms/proposal  ms/token  acceptance"]
     for name, cost in profile.drafters.items():
         accepted = "-" if cost.acceptance is None else f"{cost.acceptance:.3f}"

@@ -70,6 +70,9 @@ class CostProfile:
     context: int  # tokens cached while `forward` was measured
     prefill_rate: float  # prompt tokens per second
     drafters: dict[str, DrafterCost]
+    # how far the forward's repeated timings disagreed: the median over row counts of (most -
+    # least) / median (verispec.profile: a busy machine's profile is not cached)
+    noise: float = 0.0
 
     def forward_seconds(self, rows: int) -> float:
         """T(rows): measured up to len(forward) rows, extended linearly from the last two beyond.
