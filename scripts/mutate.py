@@ -288,6 +288,23 @@ MUTANTS = (
            ("tests/test_auto.py::test_lookups_in_order_of_preference_and_every_offer_judged_whole",),
            "auto scores a lookup's offer before the committed text has decided it (a kept tail "
            "counted as refused)"),
+    Mutant("lean-refuses-bfloat16-without-onednn", "verispec/model/lean.py",
+           "or on_gpu or rows_take_bfloat16(model)):", "or on_gpu):",
+           ("tests/test_invariance.py::test_bfloat16_is_lean_on_the_row_kernels_where_onednn_cannot_pack_it",),
+           "a bfloat16 target where oneDNN cannot pack it (AVX2) runs its own forward, not invariant"),
+    Mutant("profile-caches-a-busy-machines-profile", "verispec/profile.py",
+           "            if steady(profile):", "            if True:",
+           ("tests/test_auto.py::test_a_profile_measured_on_a_busy_machine_is_measured_again_and_not_cached",),
+           "a profile whose repeats disagree (a busy machine's) is cached and read for good"),
+    Mutant("bench-repeats-draft-from-their-own-answer", "verispec/bench/runner.py",
+           "            forget_outputs_since(target.model, marks)", "            pass",
+           ("tests/test_bench.py::test_repeats_keep_the_median_and_every_round_drafts_from_the_same_outputs",),
+           "a repeated round of a question drafts from the answer the round before left in suffix's cache"),
+    Mutant("kernel-choice-measured-every-load", "verispec/model/lowbit.py",
+           "        if label in options:\n            return label",
+           "        if False:\n            return label",
+           ("tests/test_self_spec.py::test_the_kernel_choice_is_measured_once_per_machine",),
+           "the self-drafters' kernel choice is read from the cache but never used"),
 )
 
 
