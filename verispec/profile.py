@@ -31,6 +31,7 @@ from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.auto import CostProfile, DrafterCost
 from verispec.drafters.base import Drafter
 from verispec.model.cached_model import CachedModel, forward_rows
+from verispec.model.kernels.rows import instruction_limits
 from verispec.model.loading import LoadedModel
 from verispec.model.packed import linear_fingerprint
 
@@ -63,8 +64,7 @@ def cpu_identity() -> dict[str, str]:
     """The CPU's model name and a digest of all its flags (Linux), else the architecture, and the
     instruction sets torch and oneDNN are held to (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA: the
     same CPU held to AVX2 is another machine for costs)."""
-    isa = {"torch_isa": torch.backends.cpu.get_cpu_capability(),
-           "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", ""))}
+    isa = instruction_limits()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -72,6 +72,13 @@ def supported() -> list[str]:
     return [name for name, (_, needs, _) in CLASSES.items() if needs in features]
 
 
+def instruction_limits() -> dict[str, str]:
+    """The instruction sets torch and oneDNN are held to (ATEN_CPU_CAPABILITY,
+    ONEDNN_MAX_CPU_ISA): the same CPU held to AVX2 is another machine for costs and kernels."""
+    return {"torch_isa": torch.backends.cpu.get_cpu_capability(),
+            "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", ""))}
+
+
 def cpu_key() -> str:
     """This CPU's model and flags, the instruction sets torch and oneDNN are held to, torch's
     version and the kernels' build: what a choice depends on."""
@@ -85,8 +92,7 @@ def cpu_key() -> str:
                 break
     except OSError:
         pass
-    held = (f"{torch.backends.cpu.get_cpu_capability()}|"
-            f"{os.environ.get('ONEDNN_MAX_CPU_ISA', os.environ.get('DNNL_MAX_CPU_ISA', ''))}")
+    held = "|".join(instruction_limits().values())
     text = f"{model}|{flags}|{held}|{torch.__version__}|{library_name()}"
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
