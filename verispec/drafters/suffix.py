@@ -194,26 +194,26 @@ def shared_cache(model: torch.nn.Module, max_tokens: int, owner: str = "suffix")
     return cache
 
 
+def _caches_of(model: torch.nn.Module) -> dict[str, SuffixIndex]:
+    """`model`'s shared caches by owner (a copy of the mapping, taken under the lock)."""
+    with _CACHES_LOCK:
+        return dict(_CACHES.get(model, {}))
+
+
 def outputs_mark(model: torch.nn.Module) -> dict[str, int]:
     """Where each of `model`'s shared caches stands now (owner -> `SuffixIndex.mark`)."""
-    with _CACHES_LOCK:
-        caches = dict(_CACHES.get(model, {}))
-    return {owner: cache.mark() for owner, cache in caches.items()}
+    return {owner: cache.mark() for owner, cache in _caches_of(model).items()}
 
 
 def forget_outputs_since(model: torch.nn.Module, marks: dict[str, int]) -> None:
     """Drop what `model`'s shared caches took in since `marks` (a cache made since: all of it)."""
-    with _CACHES_LOCK:
-        caches = dict(_CACHES.get(model, {}))
-    for owner, cache in caches.items():
+    for owner, cache in _caches_of(model).items():
         cache.forget_since(marks.get(owner, 0))
 
 
 def forget_outputs(model: torch.nn.Module) -> None:
     """Empty `model`'s shared caches, if it has any (a benchmark's warm-up must not leak into them)."""
-    with _CACHES_LOCK:
-        caches = list(_CACHES.get(model, {}).values())
-    for cache in caches:
+    for cache in _caches_of(model).values():
         cache.clear()
 
 
