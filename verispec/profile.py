@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.core.files import write_json
 from verispec.core.stopping import StoppingRules
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.sequence import SequenceSpec
@@ -154,11 +155,9 @@ def read_profile(path: Path, key: dict) -> CostProfile | None:
 
 
 def write_profile(path: Path, key: dict, profile: CostProfile) -> None:
-    """Cache `profile` (written whole, then renamed: a reader never sees half a file)."""
+    """Cache `profile`, written whole (core.files)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"key": key, "profile": asdict(profile)}, indent=1))
-    partial.replace(path)
+    write_json(path, {"key": key, "profile": asdict(profile)})
 
 
 def measure(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[], Drafter]],

@@ -24,8 +24,9 @@ from tqdm import tqdm
 from verispec.bench.machine import machine_info
 from verispec.bench.plots import plot_batched_throughput
 from verispec.bench.questions import load_questions
-from verispec.bench.records import AR, HF, write_json
+from verispec.bench.records import AR, HF
 from verispec.core.errors import VerispecError
+from verispec.core.files import write_json
 from verispec.core.policies import LoadCap
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams

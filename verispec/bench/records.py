@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -205,13 +204,6 @@ class Results:
     @classmethod
     def load(cls, path: Path) -> Results:
         return cls.from_json(json.loads(Path(path).read_text()))
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Atomic write: a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 def is_lossy(label: str) -> bool:

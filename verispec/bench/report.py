@@ -6,8 +6,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from verispec.bench.markdown import render_markdown
-from verispec.bench.records import HF, Results, write_json
+from verispec.bench.records import HF, Results
 from verispec.bench.summary import acceptance_curves, k_sweep_labels, speedup_model, summarize
+from verispec.core.files import write_json
 
 RESULTS_FILE = "results.json"
 REPORT_FILE = "report.md"

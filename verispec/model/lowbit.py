@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ import torch
 from torch import nn
 
 from verispec.core.errors import VerispecError
+from verispec.core.files import write_json
 from verispec.model.gguf_file import gguf_tensors
 from verispec.model.kernels import rows
 from verispec.model.packed import cpu_packs, pack_weight, packed_linear
@@ -473,9 +473,7 @@ def choose_kernel(fmt: str, shapes: tuple[tuple[int, int], ...], group: int = 32
     label = time_kernels(fmt, shapes, group, options)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed
-        partial.write_text(json.dumps({"label": label, "format": fmt, "shapes": shapes}))
-        partial.replace(path)
+        write_json(path, {"label": label, "format": fmt, "shapes": shapes}, indent=None)
     except OSError:
         pass
     return label

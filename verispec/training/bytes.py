@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import sys
 import sysconfig
 from dataclasses import asdict, dataclass
@@ -33,6 +32,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, LlamaForCausalLM
 
 from verispec.core.errors import VerispecError
+from verispec.core.files import write_text
 from verispec.drafters.learned import save_drafter
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
 from verispec.model.bytes import ASSISTANT, BOS, EOS, PAD, USER, VOCAB_SIZE, byte_config, byte_tokenizer
@@ -118,9 +118,7 @@ def write_answers(target: LoadedModel, out_dir: str | Path, count: int = 2000, s
             text = target.tokenizer.decode(reply, skip_special_tokens=True)
             lines.append(json.dumps({"prompt": prompt, "reply": text, "ended": ended,
                                      "held_out": held_out(prompt)}))
-        tmp = shard.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text("\n".join(lines) + "\n")
-        os.replace(tmp, shard)
+        write_text(shard, "\n".join(lines) + "\n")
     (out / COMPLETE).touch()
     return out
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from verispec.core.errors import VerispecError
+from verispec.core.files import write_whole
 from verispec.core.stopping import StoppingRules
 from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.early_exit import decoder_layers, default_exit_layer
@@ -156,9 +156,7 @@ def write_shard(shard: Path, records: list[Sequence], prompt_lens: list[int]) ->
                 "exit_hidden": r.exit_hidden,
                 **({} if r.aux_hidden is None else {"aux_hidden": r.aux_hidden})}
                for r, n in zip(records, prompt_lens)]
-    tmp = shard.with_suffix(f".tmp{os.getpid()}")
-    torch.save(payload, tmp)
-    os.replace(tmp, shard)
+    write_whole(shard, lambda partial: torch.save(payload, partial))
 
 
 # Requests a corpus passage answers: the target reads the passage as its own reply, as it reads

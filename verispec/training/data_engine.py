@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from verispec.core.errors import VerispecError
+from verispec.core.files import write_json
 from verispec.model.loading import LoadedModel
 from verispec.request import encode_prompt
 from verispec.training.data import COMPLETE, answer, features, start_directory, write_shard
@@ -130,7 +131,7 @@ def _fill(target: LoadedModel, directory: Path, batches: Iterator, budget: int, 
     if exhausted and reached < budget:
         print(f"verispec: the source ran out at {reached} tokens of the {budget} asked for "
               f"({directory})", file=sys.stderr)
-    (directory / COMPLETE).write_text(json.dumps({"tokens": reached, "exhausted": exhausted}))
+    write_json(directory / COMPLETE, {"tokens": reached, "exhausted": exhausted}, indent=None)
 
 
 def _reached(directory: Path, budget: int) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from verispec.core.errors import VerispecError
+from verispec.core.files import write_whole
 
 
 @dataclass(frozen=True)
@@ -98,10 +98,9 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
     torch.manual_seed(config.seed * 1_000_003 + step)
 
     def save() -> None:
-        tmp = checkpoint.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"module": module.state_dict(), "optimizer": optimizer.state_dict(),
-                    "history": history, "step": step, "config": asdict(config)}, tmp)
-        os.replace(tmp, checkpoint)
+        state = {"module": module.state_dict(), "optimizer": optimizer.state_dict(),
+                 "history": history, "step": step, "config": asdict(config)}
+        write_whole(checkpoint, lambda partial: torch.save(state, partial))
 
     def evaluate() -> dict:
         module.eval()

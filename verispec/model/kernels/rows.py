@@ -34,6 +34,7 @@ import torch
 from torch.nn import functional as F
 
 from verispec.core.errors import VerispecError
+from verispec.core.files import write_json
 from verispec.model.kernels.build import cache_dir, library, library_name, load
 
 TILE = 16  # output columns per 512-bit lane set
@@ -179,7 +180,7 @@ def choice() -> Choice:
     if chosen.name is not None:
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
-            cached.write_text(json.dumps({"name": chosen.name, "why": chosen.why}))
+            write_json(cached, {"name": chosen.name, "why": chosen.why}, indent=None)
         except OSError:
             pass
     return chosen
