@@ -21,7 +21,7 @@ from tests.tiny import tiny_llama
 from verispec.model.cached_model import CachedModel
 from verispec.model.gguf_blocks import RowsBlocksKernel
 from verispec.model.kernels import rows
-from verispec.model.lean import LeanWeights
+from verispec.model.lean import LeanWeights, rotate
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.model.lowbit import Int4Groups, Int8Groups, RowsInt4Kernel, RowsInt8Kernel, int4_target
 
@@ -115,6 +115,51 @@ def test_the_check_catches_a_product_that_rounds_by_row_count():
         return x @ w.T
 
     assert {(start, 1) for start in range(ROWS)} <= set(rows_differing(by_count, activations()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [576, 72])  # SmolLM2's hidden size; one with a tail past 16s
+def test_the_norm_gives_each_row_its_own_bits_and_the_rms_norm(dtype, width):
+    """rows.rms_norm: a row's bits the same in every block of 1..17 rows, and each row
+    x / sqrt(mean(x^2) + eps) * weight as float64 computes it (the normalised value rounded to
+    bfloat16 before the weight, for a bfloat16 x, as Llama's module does)."""
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(ROWS, width, generator=generator) * 3).to(dtype)
+    scale = (1 + torch.randn(width, generator=generator) / 4).to(dtype)
+    eps = 1e-5
+
+    def norm(block: torch.Tensor) -> torch.Tensor:
+        return rows.rms_norm(block, scale, eps)
+
+    assert rows_differing(norm, x) == []
+    got = norm(x[None])  # any leading dimensions
+    assert got.shape == (1, ROWS, width) and got.dtype == dtype
+    wide = x.double()
+    normalised = wide / (wide.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    if dtype == torch.bfloat16:
+        normalised = normalised.to(torch.bfloat16).double()
+    expected = normalised * scale.double()
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # bfloat16: one rounding of the result
+    assert (got[0].double() - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 256])  # SmolLM2's; Gemma 3's
+def test_rotate_gives_the_bits_of_the_four_torch_ops(dtype, head_dim):
+    """rows.rotate on a view of a qkv product's columns (heads strided within each row) gives
+    lean.rotate's bits, and the lean forward on a CPU rotates with it."""
+    generator = torch.Generator().manual_seed(4)
+    n, heads = 5, 12
+    qkv = torch.randn(1, n, (heads + 2) * head_dim, generator=generator).to(dtype)
+    x = qkv[..., : heads * head_dim].view(1, n, heads, head_dim)  # rows strided by the qkv width
+    angles = torch.randn(n, 1, head_dim, generator=generator)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    half = head_dim // 2
+    swap = torch.cat([torch.arange(half, head_dim), torch.arange(half)])
+    got = rows.rotate(x, cos, sin)
+    assert got.shape == x.shape and got.is_contiguous()
+    assert torch.equal(got, rotate(x, cos, sin, swap))
+    assert LeanWeights(tiny_llama()).rotate is rows.rotate
 
 
 def attention_inputs(dtype: torch.dtype, head_dim: int = 64):

@@ -325,3 +325,15 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length:
     head_dim] (KVCache), the first `length` slots valid; mask: [n, length] bool. Returns
     [1, n, heads * head_dim] in q's dtype; `kernel` as CodesProduct's."""
     return library().attention(q, keys, values, mask, length, scale, isa(kernel))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row of x [..., H] RMS-normalised and scaled by weight [H] (x's dtype, float32 or
+    bfloat16), row-invariant and the same bits on every x86-64 CPU (rows.cpp); x's shape."""
+    return library().rms_norm(x, weight, eps)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """lean.rotate in one call, the same bits: x [1, n, heads, head_dim] (last dimension
+    contiguous), cos and signed_sin [n, 1, head_dim] in x's dtype -> [1, n, heads, head_dim]."""
+    return library().rotate(x, cos, signed_sin)
