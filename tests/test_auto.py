@@ -208,14 +208,34 @@ def test_the_profile_is_cached_and_measured_again_when_its_key_changes(cache, mo
     other_cpu = {"model": "another CPU", "flags": ""}
     for change in (lambda: monkeypatch.setattr(profile, "cpu_identity", lambda: other_cpu),
                    lambda: monkeypatch.setattr(torch, "__version__", "0.0-other"),
+                   lambda: monkeypatch.setattr(profile, "code_digest", lambda: "an edited kernel"),
                    lambda: loaded.model.lm_head.weight.data.__setitem__((0, 0), 7.0)):
         profile._MEMO.clear()
         change()
         auto_profile(loaded)
         assert len(calls) == 1, "a changed key must measure again"
         calls.clear()
-    assert len(list(cache.glob("*.json"))) == 4
+    assert len(list(cache.glob("*.json"))) == 5
     assert auto_profile(loaded, refresh=True) == measured and len(calls) == 1
+
+
+def test_the_code_digest_follows_the_forwards_source(tmp_path):
+    """An edit to a kernel's or a drafter's source changes the profile's key; a file outside
+    the forward's folders does not."""
+    (tmp_path / "model" / "kernels").mkdir(parents=True)
+    (tmp_path / "drafters").mkdir()
+    kernel, drafter, elsewhere = (tmp_path / "model/kernels/rows.cpp", tmp_path / "drafters/ngram.py",
+                                  tmp_path / "cli.py")
+    for path in (kernel, drafter, elsewhere):
+        path.write_text("one")
+    first = profile.code_digest(tmp_path)
+    elsewhere.write_text("two")
+    assert profile.code_digest(tmp_path) == first
+    for path in (kernel, drafter):
+        path.write_text("two")
+        assert profile.code_digest(tmp_path) != first
+        first = profile.code_digest(tmp_path)
+    assert profile.code_digest() == profile.code_digest()  # the package's own, stable
 
 
 

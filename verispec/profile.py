@@ -49,6 +49,8 @@ VERSION = 3  # of the file's layout and the way it is measured: a new one measur
 # was measured on a busy machine: measured again, up to ATTEMPTS times, and never cached (a test
 # run beside a training run once cached T(8) = 14.8 T(1), and `auto` chose by it for good).
 NOISY = 0.25
+# The package's folders whose source runs a forward or a draft (profile_key's "code").
+CODE = ("model", "drafters")
 ATTEMPTS = 3
 STEADY_FLOOR = 0.002  # seconds: a forward faster than this (a tiny model's) is not judged
 
@@ -92,9 +94,20 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+def code_digest(root: Path = Path(__file__).parent) -> str:
+    """A digest of the source that runs a forward or a draft (CODE under the package `root`): a
+    profile measured before an edit to it (a faster kernel, norm or drafter) is measured again."""
+    digest = hashlib.sha256()
+    for folder in CODE:
+        for path in sorted((root / folder).rglob("*")):
+            if path.suffix in (".py", ".cpp"):
+                digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def profile_key(target: LoadedModel, lm: CachedModel, drafters: list[str]) -> dict:
     """Everything the profile's figures depend on."""
-    return {"version": VERSION, "cpu": cpu_identity(), "torch": torch.__version__,
+    return {"version": VERSION, "cpu": cpu_identity(), "torch": torch.__version__, "code": code_digest(),
             "threads": torch.get_num_threads(), "target": target.name, "format": lm.precision,
             "weights": weights_digest(target.model), "kernel": lm.kernel, "path": lm.path,
             "drafters": sorted(drafters)}
