@@ -162,6 +162,34 @@ def test_rotate_gives_the_bits_of_the_four_torch_ops(dtype, head_dim):
     assert LeanWeights(tiny_llama()).rotate is rows.rotate
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heads_into_cache_gives_the_queries_and_cache_of_the_ops_it_replaces(dtype):
+    """rows.heads_into_cache: the queries rotated as `rotate` rotates them, in attention's layout;
+    the keys rotated and the values written at slots length.. of the cache, every other slot as
+    it was."""
+    generator = torch.Generator().manual_seed(5)
+    n, heads, kv_heads, head_dim, capacity, length = 4, 9, 3, 64, 16, 7
+    qkv = torch.randn(1, n, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    angles = torch.randn(n, 1, head_dim, generator=generator)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    keys, values = (torch.randn(1, kv_heads, capacity, head_dim, generator=generator).to(dtype)
+                    for _ in range(2))
+    before = keys.clone(), values.clone()
+    q = rows.heads_into_cache(qkv, cos, sin, keys, values, length, heads)
+
+    half = head_dim // 2
+    swap = torch.cat([torch.arange(half, head_dim), torch.arange(half)])
+    split = qkv.view(1, n, heads + 2 * kv_heads, head_dim)
+    rotated = rotate(split[:, :, : heads + kv_heads], cos, sin, swap)  # [1, n, heads + kv, d]
+    assert torch.equal(q, rotated[:, :, :heads].transpose(1, 2))
+    new = slice(length, length + n)
+    assert torch.equal(keys[:, :, new], rotated[:, :, heads:].transpose(1, 2))
+    assert torch.equal(values[:, :, new], split[:, :, heads + kv_heads:].transpose(1, 2))
+    for written, old in zip((keys, values), before):
+        assert torch.equal(written[:, :, :length], old[:, :, :length])
+        assert torch.equal(written[:, :, length + n:], old[:, :, length + n:])
+
+
 def attention_inputs(dtype: torch.dtype, head_dim: int = 64):
     """q [1, 9, 5, head_dim], a cache's buffers [1, 3, 64, head_dim] with 40 valid slots."""
     generator = torch.Generator().manual_seed(2)

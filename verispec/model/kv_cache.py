@@ -14,7 +14,7 @@ class KVCache:
     runs under it too."""
 
     def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None  # [1, heads, capacity, head_dim]
+        self.keys: torch.Tensor | None = None  # [batch, heads, capacity, head_dim]: batch 1 but in MTP
         self.values: torch.Tensor | None = None
         self.length = 0
         self.fixed = False  # buffers allocated once (`reserve`) and never moved: CUDA graphs read them
@@ -43,19 +43,27 @@ class KVCache:
         """`append` without its result or its inference-mode context, for a caller already under
         inference mode (the lean forward, once a layer: entering the context costs ~2 us)."""
         end = self.length + keys.shape[2]
-        if self.keys is None or end > self.keys.shape[2]:
-            if self.fixed:
-                raise VerispecError(f"the sequence ({end} tokens) outgrows its fixed KV cache of "
-                                    f"{self.keys.shape[2]} entries", field="max_new_tokens")
-            capacity = max(256, 2 * end)
-            grown = [keys.new_empty(*keys.shape[:2], capacity, keys.shape[3]) for _ in range(2)]
-            if self.keys is not None:
-                grown[0][:, :, : self.length] = self.keys[:, :, : self.length]
-                grown[1][:, :, : self.length] = self.values[:, :, : self.length]
-            self.keys, self.values = grown
+        self.make_room(keys.shape[2], keys.shape[0], keys.shape[1], keys.shape[3], keys)
         self.keys[:, :, self.length: end] = keys
         self.values[:, :, self.length: end] = values
         self.length = end
+
+    def make_room(self, n: int, batch: int, heads: int, head_dim: int, like: torch.Tensor) -> None:
+        """Buffers [batch, heads, capacity, head_dim] with room for n more entries (grown by doubling,
+        the cached entries kept), in the dtype and on the device of `like`; under inference mode,
+        as `write`."""
+        end = self.length + n
+        if self.keys is not None and end <= self.keys.shape[2]:
+            return
+        if self.fixed:
+            raise VerispecError(f"the sequence ({end} tokens) outgrows its fixed KV cache of "
+                                f"{self.keys.shape[2]} entries", field="max_new_tokens")
+        capacity = max(256, 2 * end)
+        grown = [like.new_empty(batch, heads, capacity, head_dim) for _ in range(2)]
+        if self.keys is not None:
+            grown[0][:, :, : self.length] = self.keys[:, :, : self.length]
+            grown[1][:, :, : self.length] = self.values[:, :, : self.length]
+        self.keys, self.values = grown
 
     def rewind(self, length: int) -> None:
         self.length = min(self.length, length)

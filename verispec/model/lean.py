@@ -541,13 +541,20 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
         for decoder, qkv, n, (cos, sin), seen in zip(
                 decoders, [qkv_all] if len(blocks) == 1 else qkv_all.split(sizes, dim=1),
                 sizes, rotary[layer.kind], sights[layer.window]):
-            q, k, v = split_heads(w, layer, qkv, cos, sin, run)
             cache = decoder.caches[index]
-            cache.write(k, v)
             if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:
+                if layer.q_norm is None and layer.k_norm is None and not fixed:  # one C++ call
+                    cache.make_room(n, 1, w.kv_heads, w.head_dim, qkv)
+                    q = rows.heads_into_cache(qkv, cos, sin, cache.keys, cache.values, cache.length, w.heads)
+                    cache.length += n
+                else:
+                    q, k, v = split_heads(w, layer, qkv, cos, sin, run)
+                    cache.write(k, v)
                 attended.append(rows.attention(q, cache.keys, cache.values, cache.length, seen.rows,
                                                w.scaling, w.row_kernel))
                 continue
+            q, k, v = split_heads(w, layer, qkv, cos, sin, run)
+            cache.write(k, v)
             keys, values = cache.filled()
             if n == 1 and seen.mask is None and layer.window is not None:  # one row: the last keys
                 keys, values = keys[:, :, -layer.window:], values[:, :, -layer.window:]
