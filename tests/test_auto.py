@@ -167,22 +167,53 @@ class Offers(Drafter):
         return Proposal(torch.tensor(self.offers[self.asked - 1], dtype=torch.int64))
 
 
-def test_lookups_in_order_of_preference_and_every_offer_judged_whole():
-    """The first lookup that offers is the candidate (the next is not asked); its offer is scored
-    whole once the committed text decides it, however few of it the step itself kept."""
-    first, second = Offers([[7, 8, 9], [], [], []]), Offers([[1], [2], [3], [4]])
+def test_lookups_in_order_of_preference_and_every_offer_judged_as_the_text_decides_it():
+    """The first lookup that offers is the candidate (the next is not asked); each position of its
+    offer is counted once the committed text decides it, however few of it the step itself kept;
+    a refusal decides the positions after it."""
+    first, second = Offers([[7, 8, 9], [], [], [], [3, 4], []]), Offers([[1], [2], [3], [4], [5]])
     costs = fake_profile(first=DrafterCost(0.0, 0.0), second=DrafterCost(0.0, 0.0))
     auto = AutoDrafter(costs, {"first": first, "second": second}, {}, {"first": 8, "second": 8}, PLAIN)
     request = DraftRequest(torch.tensor([5, 6]), 8, SamplingParams(), None)
     assert auto.propose(request).tokens.tolist() == [7, 8, 9] and second.asked == 0
     auto.commit(0)  # the step kept none of it: the target said 7
-    before = auto.survival["first"].kept[:]
+    survival = auto.survival["first"]
+    before, seen = survival.kept[:], survival.seen[:]
     auto.propose(DraftRequest(torch.tensor([5, 6, 7]), 8, SamplingParams(), None))
-    assert second.asked == 1 and auto.survival["first"].kept == before  # 8, 9 not decided yet
+    # 7 decided (kept); 8, 9 not yet: neither counted
+    assert second.asked == 1 and survival.kept == pytest.approx([0.9 * before[0] + 1] + before[1:])
+    assert survival.seen == pytest.approx([0.9 * seen[0] + 1] + seen[1:])
     auto.commit(0)
     auto.propose(DraftRequest(torch.tensor([5, 6, 7, 8, 9]), 8, SamplingParams(), None))
     # now decided: all three kept, each of its positions counted once, the positions past it not
-    assert auto.survival["first"].kept == pytest.approx([0.9 * k + 1 for k in before[:3]] + before[3:])
+    assert survival.kept == pytest.approx([0.9 * k + 1 for k in before[:3]] + before[3:])
+    assert survival.seen == pytest.approx([0.9 * k + 1 for k in seen[:3]] + seen[3:])
+    auto.commit(0)
+    before, seen = survival.kept[:], survival.seen[:]
+    auto.propose(DraftRequest(torch.tensor([5, 6, 7, 8, 9, 1]), 8, SamplingParams(), None))
+    auto.commit(0)
+    assert auto.propose(DraftRequest(torch.tensor([5, 6, 7, 8, 9, 1, 2]), 8, SamplingParams(),
+                                     None)).tokens.tolist() == [3, 4]
+    auto.commit(0)
+    auto.propose(DraftRequest(torch.tensor([5, 6, 7, 8, 9, 1, 2, 0]), 8, SamplingParams(), None))
+    # [3, 4] refused at its first token: both positions counted, neither kept
+    assert survival.kept == pytest.approx([0.9 * k for k in before[:2]] + before[2:])
+    assert survival.seen == pytest.approx([0.9 * k + 1 for k in seen[:2]] + seen[2:])
+
+
+def test_a_lookups_record_is_kept_from_one_sequence_to_the_next():
+    """Survival curves are the lookup's on this workload: a new sequence starts from what the last
+    one taught, not from the geometric prior (which declined every answer's first long offers)."""
+    lookup = Offers([[7, 8, 9, 10]] * 4)
+    auto = AutoDrafter(fake_profile(first=DrafterCost(0.0, 0.0)), {"first": lookup}, {}, {"first": 8}, PLAIN)
+    prior = auto.survival["first"].curve
+    auto.propose(DraftRequest(torch.tensor([5, 6]), 8, SamplingParams(), None))
+    auto.commit(4)
+    auto.propose(DraftRequest(torch.tensor([5, 6, 7, 8, 9, 10, 11]), 8, SamplingParams(), None))
+    learned = auto.survival["first"].curve
+    assert learned[3] > prior[3]
+    auto.reset()
+    assert auto.survival["first"].curve == learned and auto.pending == []
 
 
 # -- the profile: measured, cached, keyed ------------------------------------------------------

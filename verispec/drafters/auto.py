@@ -181,10 +181,11 @@ class Survival:
         self.kept = [PRIOR_WEIGHT * prior ** j for j in range(1, depth + 1)]
         self.seen = [PRIOR_WEIGHT] * depth
 
-    def observe(self, length: int, kept: int) -> None:
-        """A `length`-token draft whose first `kept` tokens matched the text (every position
-        after them fails)."""
-        for j in range(min(length, len(self.seen))):
+    def observe(self, length: int, kept: int, counted: int = 0) -> None:
+        """Positions counted + 1 .. length of a draft whose first `kept` tokens matched the text
+        (every position after them fails); `counted`: its positions observed already (a draft is
+        observed position by position as the text decides them)."""
+        for j in range(counted, min(length, len(self.seen))):
             self.seen[j] = DECAY * self.seen[j] + 1.0
             self.kept[j] = DECAY * self.kept[j] + (1.0 if j < kept else 0.0)
 
@@ -231,19 +232,23 @@ class AutoDrafter(Drafter):
             measured = profile.drafters[name].acceptance
             if measured is not None:
                 self.priors[name] = measured
+        # Each lookup's record of how far its offers are kept, kept across sequences: it is this
+        # lookup's on this workload. Started anew each sequence, every answer's first long offers
+        # were judged by the geometric prior and declined (docs/tuning.md, "auto").
+        self.survival = {name: Survival(self.priors[name], self.limits[name]) for name in self.lookups}
         self.reset()
 
     def reset(self) -> None:
         for drafter in (*self.lookups.values(), *self.models.values()):
             drafter.reset()
         self.acceptance = {name: Acceptance(self.priors[name]) for name in self.models}
-        self.survival = {name: Survival(self.priors[name], self.limits[name]) for name in self.lookups}
         self.asked: dict[str, Drafter] = {}  # drafters that proposed this step (commit follows)
         self.chosen: str | None = None  # None: a plain step
         self.drafted = 0  # tokens the chosen drafter proposed this step
         self.spent = 0.0  # seconds its proposal took
-        # lookups' offers not judged yet: (name, where the draft starts in the context, draft)
-        self.pending: list[tuple[str, int, list[int]]] = []
+        # lookups' offers not wholly judged yet: (name, where the draft starts in the context,
+        # draft, how many of its positions are counted already)
+        self.pending: list[tuple[str, int, list[int], int]] = []
 
     def adopt_prefill(self, target) -> None:
         for drafter in (*self.lookups.values(), *self.models.values()):
@@ -251,16 +256,18 @@ class AutoDrafter(Drafter):
                 drafter.adopt_prefill(target)
 
     def _judge(self, tokens: torch.Tensor) -> None:
-        """Score the pending offers that the committed `tokens` [context] now decide: refused at
-        a token, or covered whole."""
+        """Count the positions of pending offers that the committed `tokens` [context] have
+        decided since: a refusal decides all the rest; a tail not committed yet waits. (Counted
+        only once covered whole, a declined long offer taught nothing while plain steps covered
+        it one token at a time, and was declined again at every step.)"""
         waiting = []
-        for name, start, draft in self.pending:
+        for name, start, draft, counted in self.pending:
             text = tokens[start:start + len(draft)].tolist()
             kept = _leading_matches(draft, text)
-            if kept < len(text) or len(text) == len(draft):
-                self.survival[name].observe(len(draft), kept)
-            else:
-                waiting.append((name, start, draft))
+            decided = len(draft) if kept < len(text) or len(text) == len(draft) else kept
+            self.survival[name].observe(decided, kept, counted)
+            if decided < len(draft):
+                waiting.append((name, start, draft, decided))
         self.pending = waiting
 
     def propose(self, request: DraftRequest) -> Proposal:
@@ -281,7 +288,7 @@ class AutoDrafter(Drafter):
         choice = best_choice(self.profile, rates, limits, request.batch, self.slowdown, drafts)
         self.chosen = choice.method
         context = request.tokens.shape[0]
-        self.pending += [(name, context, proposal.tokens.tolist()) for name, proposal in drafts.items()]
+        self.pending += [(name, context, proposal.tokens.tolist(), 0) for name, proposal in drafts.items()]
         if choice.method in drafts:
             proposal = drafts[choice.method]
         elif choice.method in self.models:
