@@ -154,3 +154,23 @@ def test_a_model_without_a_chat_template_takes_the_prompt_raw(tmp_path, capsys):
     base = json.loads(capsys.readouterr().out)["token_ids"]
     assert main([*args, "--raw"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == base
+
+
+def test_the_top_level_help_lists_every_command_without_importing_torch():
+    """`verispec --help` answers at once: neither it nor `import verispec` imports torch (seconds);
+    each command is listed with its summary, and every public name still resolves on first use."""
+    probe = ("import sys, verispec, verispec.cli\n"
+             "try:\n    verispec.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print('torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    *shown, imported = done.stdout.strip().splitlines()
+    assert imported == "False"
+    from verispec.cli import COMMANDS, build_parser
+    for name, summary in COMMANDS.items():
+        assert any(line.split()[:1] == [name] for line in shown), name
+        full = next(a for a in build_parser(name)._subparsers._group_actions).choices[name]
+        assert full.format_help().count("--") > 1 and summary.split()[0] in " ".join(shown)
+    import verispec
+    assert sorted(verispec.__all__) == sorted(verispec._EXPORTS)
+    assert all(getattr(verispec, name) is not None for name in verispec.__all__)

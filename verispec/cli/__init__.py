@@ -3,25 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from verispec.cli import bench, demo, export, generate, profile, serve, train
 from verispec.core.errors import VerispecError
 
-COMMANDS = (generate, demo, bench, serve, train, export, profile)
+# Each subcommand (its module, verispec.cli.<name>) and the line `verispec --help` shows for it.
+COMMANDS = {
+    "generate": "generate text with one method, coloured by token fate",
+    "demo": "plain vs speculative decoding on the built-in model",
+    "bench": "measure every method against Hugging Face generate() (Spec-Bench style)",
+    "serve": "an OpenAI-compatible HTTP server with speculative decoding and a playground",
+    "train": "train a drafter for a target (self-distillation), or the byte model",
+    "export": "write a trained EAGLE-3 drafter as vLLM or SGLang loads it",
+    "profile": "the target's forward cost by rows and each drafter's cost, on this machine",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand's options, or with `command`'s only (the others by name
+    and summary): a subcommand's options import its module, most of them torch and the method
+    registry (seconds), which `verispec --help` should not wait for."""
     parser = argparse.ArgumentParser(
         prog="verispec", description="Lossless speculative decoding for Hugging Face causal LMs.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
-        command.add_parser(commands)
+    for name, summary in COMMANDS.items():
+        if command is None or name == command:
+            importlib.import_module(f"verispec.cli.{name}").add_parser(commands)
+        else:
+            commands.add_parser(name, help=summary)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    named = next((arg for arg in argv if not arg.startswith("-")), "")  # no option comes before it
+    args = build_parser(named if named in COMMANDS else "").parse_args(argv)
     try:
         return args.func(args)
     except VerispecError as error:

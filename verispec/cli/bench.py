@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from verispec.bench.baselines import BASELINES
+from verispec.cli import COMMANDS
 from verispec.cli.options import add_draft_options, add_model_arguments, comma_list, draft_options, list_of
 from verispec.core.errors import VerispecError
 from verispec.decoding.beam import BeamSettings
@@ -16,7 +17,7 @@ from verispec.methods import BATCH_BENCH
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser(
-        "bench", help="measure every method against Hugging Face generate() (Spec-Bench style)",
+        "bench", help=COMMANDS["bench"],
         description="Runs Hugging Face generate() baselines and verispec methods interleaved on the "
         "same questions; writes results.json, report.md and PNG plots to --out.")
     add_model_arguments(bench)

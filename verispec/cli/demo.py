@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from verispec.cli import COMMANDS
 from verispec.cli.generate import use_colour
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
 from verispec.core.types import GenerationStats
@@ -29,7 +30,7 @@ DEMO_PROMPTS = [
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    demo = commands.add_parser("demo", help="plain vs speculative decoding on the built-in model",
+    demo = commands.add_parser("demo", help=COMMANDS["demo"],
                                description="A few built-in prompts, decoded plainly and with "
                                "speculation, side by side: coloured output, speedup and tau.")
     add_model_arguments(demo)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from verispec.cli import COMMANDS
 from verispec.cli.options import add_model_arguments
 from verispec.core.errors import VerispecError
 from verispec.drafters.eagle3 import Eagle3Drafter
@@ -13,7 +14,7 @@ from verispec.model.loading import load_model
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     export = commands.add_parser(
-        "export", help="write a trained EAGLE-3 drafter as vLLM or SGLang loads it",
+        "export", help=COMMANDS["export"],
         description="Writes config.json, model.safetensors and a README with the launch line to "
         "--out, in the layout the chosen engine loads (see docs/eagle3.md).")
     add_model_arguments(export)

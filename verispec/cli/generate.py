@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from verispec.cli import COMMANDS
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
 from verispec.core.errors import VerispecError
 from verispec.core.types import SamplingParams
@@ -59,7 +60,7 @@ def print_beams(results: BeamResult | list[BeamResult], as_json: bool) -> int:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    gen = commands.add_parser("generate", help="generate text with one method, coloured by token fate",
+    gen = commands.add_parser("generate", help=COMMANDS["generate"],
                               description="Generate text from a prompt. Output is exactly the "
                               "target's (greedy: same tokens; sampling: same distribution).")
     add_model_arguments(gen)

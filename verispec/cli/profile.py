@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from verispec.cli import COMMANDS
 from verispec.cli.options import add_model_arguments
 from verispec.methods import auto_profile
 from verispec.model.loading import load_model
@@ -13,7 +14,7 @@ from verispec.profile import cache_dir, plot_profile, profile_table
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     profile = commands.add_parser(
-        "profile", help="the target's forward cost by rows and each drafter's cost, on this machine",
+        "profile", help=COMMANDS["profile"],
         description="Measures (once; cached in $XDG_CACHE_HOME/verispec/profiles, keyed by the CPU, "
         "torch, the model and its kernel) what one target forward costs over 1..17 rows with 300 "
         "tokens cached, the prefill rate, and each drafter `auto` chooses among: seconds per "

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from verispec.cli import COMMANDS
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
 from verispec.methods import DEFAULT_METHOD, METHODS, PLAIN
 from verispec.model.loading import load_model
@@ -13,7 +14,7 @@ from verispec.model.loading import load_model
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
-        "serve", help="an OpenAI-compatible HTTP server with speculative decoding and a playground",
+        "serve", help=COMMANDS["serve"],
         description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics "
         "(Prometheus) and a playground page at /. Requests join and leave one running batch.")
     add_model_arguments(serve)

@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from verispec.cli import COMMANDS
 from verispec.core.errors import VerispecError
 from verispec.model.loading import DEFAULT_MODEL, PRECISIONS, load_model
 
@@ -20,7 +21,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
     bytes_ = ByteModelOptions()
     train = commands.add_parser(
-        "train", help="train a drafter for a target (self-distillation), or the byte model",
+        "train", help=COMMANDS["train"],
         description="Builds self-distillation data (the target's own answers to generated "
         "prompts, with its hidden states; resumable) and trains a drafter on it. Writes "
         "drafter.json + weights.safetensors to --out, plus run/ (checkpoint, loss.png). "
