@@ -306,13 +306,6 @@ MUTANTS = (
            ("tests/test_auto.py::test_lookups_in_order_of_preference_and_every_offer_judged_as_the_text_decides_it",),
            "auto scores a lookup's offer before the committed text has decided it (a kept tail "
            "counted as refused)"),
-    Mutant("auto-forgets-lookups-each-sequence", "verispec/drafters/auto.py",
-           "        self.acceptance = {name: Acceptance(self.priors[name]) for name in self.models}\n",
-           "        self.acceptance = {name: Acceptance(self.priors[name]) for name in self.models}\n"
-           "        self.survival = {name: Survival(self.priors[name], self.limits[name])\n"
-           "                         for name in self.lookups}\n",
-           ("tests/test_auto.py::test_a_lookups_record_is_kept_from_one_sequence_to_the_next",),
-           "each sequence starts its lookups' survival curves from the prior again"),
     Mutant("lean-refuses-bfloat16-without-onednn", "verispec/model/lean.py",
            "or on_gpu or rows_take_bfloat16(model)):", "or on_gpu):",
            ("tests/test_invariance.py::test_bfloat16_is_lean_on_the_row_kernels_where_onednn_cannot_pack_it",),

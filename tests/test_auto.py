@@ -201,21 +201,6 @@ def test_lookups_in_order_of_preference_and_every_offer_judged_as_the_text_decid
     assert survival.seen == pytest.approx([0.9 * k + 1 for k in seen[:2]] + seen[2:])
 
 
-def test_a_lookups_record_is_kept_from_one_sequence_to_the_next():
-    """Survival curves are the lookup's on this workload: a new sequence starts from what the last
-    one taught, not from the geometric prior (which declined every answer's first long offers)."""
-    lookup = Offers([[7, 8, 9, 10]] * 4)
-    auto = AutoDrafter(fake_profile(first=DrafterCost(0.0, 0.0)), {"first": lookup}, {}, {"first": 8}, PLAIN)
-    prior = auto.survival["first"].curve
-    auto.propose(DraftRequest(torch.tensor([5, 6]), 8, SamplingParams(), None))
-    auto.commit(4)
-    auto.propose(DraftRequest(torch.tensor([5, 6, 7, 8, 9, 10, 11]), 8, SamplingParams(), None))
-    learned = auto.survival["first"].curve
-    assert learned[3] > prior[3]
-    auto.reset()
-    assert auto.survival["first"].curve == learned and auto.pending == []
-
-
 # -- the profile: measured, cached, keyed ------------------------------------------------------
 
 def test_the_profile_is_cached_and_measured_again_when_its_key_changes(cache, monkeypatch):

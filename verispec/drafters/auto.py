@@ -232,16 +232,13 @@ class AutoDrafter(Drafter):
             measured = profile.drafters[name].acceptance
             if measured is not None:
                 self.priors[name] = measured
-        # Each lookup's record of how far its offers are kept, kept across sequences: it is this
-        # lookup's on this workload. Started anew each sequence, every answer's first long offers
-        # were judged by the geometric prior and declined (docs/tuning.md, "auto").
-        self.survival = {name: Survival(self.priors[name], self.limits[name]) for name in self.lookups}
         self.reset()
 
     def reset(self) -> None:
         for drafter in (*self.lookups.values(), *self.models.values()):
             drafter.reset()
         self.acceptance = {name: Acceptance(self.priors[name]) for name in self.models}
+        self.survival = {name: Survival(self.priors[name], self.limits[name]) for name in self.lookups}
         self.asked: dict[str, Drafter] = {}  # drafters that proposed this step (commit follows)
         self.chosen: str | None = None  # None: a plain step
         self.drafted = 0  # tokens the chosen drafter proposed this step
