@@ -1,8 +1,27 @@
 import json
+import os
+import shutil
+import tempfile
 
 import pytest
 
 from tests.tiny import TINY_RECIPE, save_tiny, tiny_llama
+
+
+def pytest_configure(config) -> None:
+    """Cost profiles measured during the suite (of its throwaway tiny models, and of the built-in
+    model under test code) go to a folder of the run's own, inherited by the CLI subprocesses, and
+    leave nothing in the user's cache."""
+    if "VERISPEC_PROFILE_DIR" not in os.environ:
+        config._verispec_profiles = tempfile.mkdtemp(prefix="verispec-profiles-")
+        os.environ["VERISPEC_PROFILE_DIR"] = config._verispec_profiles
+
+
+def pytest_unconfigure(config) -> None:
+    folder = getattr(config, "_verispec_profiles", None)
+    if folder:
+        os.environ.pop("VERISPEC_PROFILE_DIR", None)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The cost profile of a target on this machine: its forward over 1..17 rows with a fixed context
 cached, its prefill rate, and what each candidate drafter costs per proposal and per drafted
 token (with the acceptance it reached), all in seconds, measured in a few seconds (medians of
-few repeats) and cached as JSON under $XDG_CACHE_HOME/verispec/profiles/, keyed by the CPU (model
+few repeats) and cached as JSON under $VERISPEC_PROFILE_DIR if set, else
+$XDG_CACHE_HOME/verispec/profiles/ (default ~/.cache), keyed by the CPU (model
 name and flags, and the instruction sets torch and oneDNN are held to), torch's version, the
 target's fingerprint (name, weight format, a hash of its weights' shapes and leading values) and
 the kernel its products run on: any change measures again.
@@ -59,6 +60,10 @@ _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def cache_dir() -> Path:
+    """Where profiles are cached: $VERISPEC_PROFILE_DIR (the test suite points it at a temporary
+    folder, so its throwaway models leave nothing behind), else under the user's cache."""
+    if os.environ.get("VERISPEC_PROFILE_DIR"):
+        return Path(os.environ["VERISPEC_PROFILE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "verispec" / "profiles"
 

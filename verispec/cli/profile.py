@@ -15,10 +15,11 @@ from verispec.profile import cache_dir, plot_profile, profile_table
 def add_parser(commands: argparse._SubParsersAction) -> None:
     profile = commands.add_parser(
         "profile", help=COMMANDS["profile"],
-        description="Measures (once; cached in $XDG_CACHE_HOME/verispec/profiles, keyed by the CPU, "
-        "torch, the model and its kernel) what one target forward costs over 1..17 rows with 300 "
-        "tokens cached, the prefill rate, and each drafter `auto` chooses among: seconds per "
-        "proposal and per drafted token, and the acceptance it reached. Prints it as a table.")
+        description="Measures (once; cached in $VERISPEC_PROFILE_DIR or "
+        "$XDG_CACHE_HOME/verispec/profiles, keyed by the CPU, torch, the model and its kernel) what "
+        "one target forward costs over 1..17 rows with 300 tokens cached, the prefill rate, and "
+        "each drafter `auto` chooses among: seconds per proposal and per drafted token, and the "
+        "acceptance it reached. Prints it as a table.")
     add_model_arguments(profile)
     profile.add_argument("--plot", type=Path, metavar="FILE", help="also draw it (a PNG)")
     profile.add_argument("--refresh", action="store_true", help="measure again, ignoring the cache")

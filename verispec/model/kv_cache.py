@@ -42,28 +42,28 @@ class KVCache:
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """`append` without its result or its inference-mode context, for a caller already under
         inference mode (the lean forward, once a layer: entering the context costs ~2 us)."""
-        end = self.length + keys.shape[2]
-        self.make_room(keys.shape[2], keys.shape[0], keys.shape[1], keys.shape[3], keys)
-        self.keys[:, :, self.length: end] = keys
-        self.values[:, :, self.length: end] = values
-        self.length = end
+        start = self.claim(keys.shape[2], keys.shape[0], keys.shape[1], keys.shape[3], keys)
+        self.keys[:, :, start: self.length] = keys
+        self.values[:, :, start: self.length] = values
 
-    def make_room(self, n: int, batch: int, heads: int, head_dim: int, like: torch.Tensor) -> None:
-        """Buffers [batch, heads, capacity, head_dim] with room for n more entries (grown by doubling,
-        the cached entries kept), in the dtype and on the device of `like`; under inference mode,
-        as `write`."""
-        end = self.length + n
-        if self.keys is not None and end <= self.keys.shape[2]:
-            return
-        if self.fixed:
-            raise VerispecError(f"the sequence ({end} tokens) outgrows its fixed KV cache of "
-                                f"{self.keys.shape[2]} entries", field="max_new_tokens")
-        capacity = max(256, 2 * end)
-        grown = [like.new_empty(batch, heads, capacity, head_dim) for _ in range(2)]
-        if self.keys is not None:
-            grown[0][:, :, : self.length] = self.keys[:, :, : self.length]
-            grown[1][:, :, : self.length] = self.values[:, :, : self.length]
-        self.keys, self.values = grown
+    def claim(self, n: int, batch: int, heads: int, head_dim: int, like: torch.Tensor) -> int:
+        """The next n entries, counted as cached, for a caller that fills them itself
+        (`rows.heads_into_cache` writes rotated keys straight into the buffers): returns the first's
+        index. The buffers are [batch, heads, capacity, head_dim], grown by doubling (the cached
+        entries kept) in the dtype and on the device of `like`; under inference mode, as `write`."""
+        start, end = self.length, self.length + n
+        if self.keys is None or end > self.keys.shape[2]:
+            if self.fixed:
+                raise VerispecError(f"the sequence ({end} tokens) outgrows its fixed KV cache of "
+                                    f"{self.keys.shape[2]} entries", field="max_new_tokens")
+            capacity = max(256, 2 * end)
+            grown = [like.new_empty(batch, heads, capacity, head_dim) for _ in range(2)]
+            if self.keys is not None:
+                grown[0][:, :, :start] = self.keys[:, :, :start]
+                grown[1][:, :, :start] = self.values[:, :, :start]
+            self.keys, self.values = grown
+        self.length = end
+        return start
 
     def rewind(self, length: int) -> None:
         self.length = min(self.length, length)

@@ -544,9 +544,8 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
             cache = decoder.caches[index]
             if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:
                 if layer.q_norm is None and layer.k_norm is None and not fixed:  # one C++ call
-                    cache.make_room(n, 1, w.kv_heads, w.head_dim, qkv)
-                    q = rows.heads_into_cache(qkv, cos, sin, cache.keys, cache.values, cache.length, w.heads)
-                    cache.length += n
+                    start = cache.claim(n, 1, w.kv_heads, w.head_dim, qkv)
+                    q = rows.heads_into_cache(qkv, cos, sin, cache.keys, cache.values, start, w.heads)
                 else:
                     q, k, v = split_heads(w, layer, qkv, cos, sin, run)
                     cache.write(k, v)

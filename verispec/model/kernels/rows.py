@@ -340,9 +340,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 
 
 def heads_into_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, keys: torch.Tensor,
-                     values: torch.Tensor, length: int, heads: int) -> torch.Tensor:
+                     values: torch.Tensor, start: int, heads: int) -> torch.Tensor:
     """A block's qkv product [1, n, (heads + 2 kv_heads) * head_dim] -> its queries rotated
     [1, heads, n, head_dim]; its keys rotated and its values written into a cache's buffers
-    [1, kv_heads, capacity, head_dim] at slots length .. length + n - 1 (room made first:
-    KVCache.make_room). The bits of `rotate` and of the copies it replaces."""
-    return library().heads_into_cache(qkv, cos, signed_sin, keys, values, length, heads)
+    [1, kv_heads, capacity, head_dim] at slots start .. start + n - 1 (claimed first:
+    KVCache.claim). The bits of `rotate` and of the copies it replaces."""
+    return library().heads_into_cache(qkv, cos, signed_sin, keys, values, start, heads)
