@@ -382,8 +382,11 @@ def test_whatever_auto_chooses_the_tokens_are_ar_s(loaded, references, costs, ex
         assert all(step.num_drafted == 0 for r in results for step in r.steps)
 
 
-def test_in_a_batch_auto_decides_by_the_batch_and_stays_exact(loaded, references):
-    """Alone, a cheap self-drafter pays; in a batch of three, the wider verify does not."""
+def test_in_a_batch_auto_decides_by_the_batch_and_stays_exact(loaded, references, monkeypatch):
+    """Alone, a cheap self-drafter pays; in a batch of three, the wider verify does not. (The
+    drafter's measured slowdown is held at 1: its real steps cost far more than the fake profile
+    says, by an amount that depends on the machine's load, and learning that is tested apart.)"""
+    monkeypatch.setattr(auto_module, "COST_DECAY", 1.0)
     costs = fake_profile(2, pld=DrafterCost(0.1, 0.0), suffix=DrafterCost(0.1, 0.0),
                          **{"self-int8": DrafterCost(0.0, 0.0001, 0.9)})
     engine = auto_engine(loaded, costs)
