@@ -40,12 +40,15 @@ from verispec.model.packed import linear_fingerprint
 CONTEXT = 300  # tokens cached while the forward is timed
 MAX_ROWS = 17  # the widest forward timed: a 16-token draft and the token before it
 REPEATS = 3  # timings per row count after a warm-up round (the median is kept)
-DRAFT_TOKENS = 24  # new tokens each drafter's timing run generates
+# New tokens each drafter's timing run generates. Its acceptance there chooses auto's one self
+# format: over 24 tokens two refusals decided it, and Gemma 3 held to AVX2 got the slower format
+# (self-int4 0.895 over 24 tokens, 0.922 over 64, 0.962 over 128; ~0.95 in use; docs/tuning.md).
+DRAFT_TOKENS = 128
 # Drafters are timed continuing this text (their acceptance on it is the profile's prior).
 TEXT = ("Write a short guide for a new gardener. Explain when to plant tomatoes, how often to "
         "water them, which soil they like, and how to keep pests away without chemicals. Then "
         "list three common mistakes beginners make and how to avoid each of them.")
-VERSION = 3  # of the file's layout and the way it is measured: a new one measures again
+VERSION = 4  # of the file's layout and the way it is measured: a new one measures again
 # A profile whose forward timings disagree between repeats by more than this (CostProfile.noise)
 # was measured on a busy machine: measured again, up to ATTEMPTS times, and never cached (a test
 # run beside a training run once cached T(8) = 14.8 T(1), and `auto` chose by it for good).
