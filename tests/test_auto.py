@@ -446,3 +446,12 @@ def test_a_copy_in_the_targets_own_format_is_no_candidate():
     assert "self-int4" not in builders and "suffix" in builders
     builders, _ = _auto_candidates(LoadedModel(tiny_llama(hidden=64), None, "tiny"), DraftOptions())
     assert "self-int4" in builders
+
+
+def test_profiles_go_where_verispec_profile_dir_says(monkeypatch, tmp_path):
+    """The suite's own profiles (conftest sets the variable) and a user's choice of folder."""
+    monkeypatch.setenv("VERISPEC_PROFILE_DIR", str(tmp_path / "mine"))
+    assert profile.cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("VERISPEC_PROFILE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert profile.cache_dir() == tmp_path / "xdg" / "verispec" / "profiles"
