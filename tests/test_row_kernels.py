@@ -21,7 +21,7 @@ from tests.tiny import tiny_llama
 from verispec.model.cached_model import CachedModel
 from verispec.model.gguf_blocks import RowsBlocksKernel
 from verispec.model.kernels import rows
-from verispec.model.lean import LeanWeights, rotate
+from verispec.model.lean import LeanDecoder, LeanWeights, rotate
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.model.lowbit import Int4Groups, Int8Groups, RowsInt4Kernel, RowsInt8Kernel, int4_target
 
@@ -245,6 +245,44 @@ def test_the_lean_targets_run_on_the_row_kernels(dtype):
     chosen = rows.choice()
     assert rows.name() in kernel and "attention verispec rows" in kernel
     assert f"row kernels {chosen.name}: {chosen.why}" in kernel  # which class, and why
+
+
+@pytest.mark.parametrize("dtype", ["int4", "gguf"])
+def test_the_layer_loop_in_cpp_gives_the_python_loops_bits(dtype):
+    """The 4-bit and as-stored targets run their decoder layers in one C++ call (rows.cpp's
+    Stack, lean.native_layers): the bits of lean.forward_rows' Python loop, for one-token steps,
+    blocks of 2..17 rows, a tree, and the states after given layers (EAGLE's features)."""
+    model = load_model(DEFAULT_MODEL, dtype).model
+    weights = LeanWeights.of(model)
+    stack = weights.native
+    assert stack is not None
+    native, python = LeanDecoder(weights, model.device), LeanDecoder(weights, model.device)
+
+    def both(tokens, positions=None, mask=None, layers=()):
+        try:
+            out = native.forward(tokens, positions, mask, layers)
+            weights.native = None
+            return out, python.forward(tokens, positions, mask, layers)
+        finally:
+            weights.native = stack
+
+    generator = torch.Generator().manual_seed(0)
+    both(torch.randint(0, 49152, (30,), generator=generator))  # the prompt: one causal block either way
+    for n in (1, 2, 5, 1, 17, 1):
+        a, b = both(torch.randint(0, 49152, (n,), generator=generator), layers=(3, 17))
+        assert a.shape == (n, 3 * 576) and torch.equal(a, b), n
+    past = native.length
+    parents = [-1, 0, 0, 1, 2]  # a tree: a root, two children, a grandchild under each
+    mask = torch.zeros(5, past + 5, dtype=torch.bool)
+    mask[:, :past] = True
+    depth = []
+    for i, parent in enumerate(parents):
+        mask[i, past + i] = True
+        if parent >= 0:
+            mask[i, past:] |= mask[parent, past:]
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    a, b = both(torch.randint(0, 49152, (5,), generator=generator), past + torch.tensor(depth), mask)
+    assert torch.equal(a, b)
 
 
 def test_turned_off_the_previous_kernels_run():

@@ -30,10 +30,11 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
+from verispec.model.gguf_blocks import RowsBlocksKernel
 from verispec.model.graphs import STATIC_KEYS, StaticPasses, graphs_enabled
 from verispec.model.kernels import rows
 from verispec.model.kv_cache import KVCache
-from verispec.model.lowbit import DenseKernel, Int4Groups, QuantLinear, RowsInt4Kernel
+from verispec.model.lowbit import DenseKernel, Int4Groups, QuantLinear, RowKernel, RowsInt4Kernel
 from verispec.model.packed import can_pack, cpu_packs, pack_weight, packed_linear, per_model
 
 
@@ -338,6 +339,8 @@ class LeanWeights:
         if (linear == Linear.fuse and four_bit and cpu_packs(torch.bfloat16)
                 and not isinstance(down.kernel, RowsInt4Kernel)):
             self.prompt_layers = stack(bfloat16_copy)
+        # The layer loop in one C++ call where the layers allow it (a 4-bit or GGUF target).
+        self.native = native_layers(self)
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> LeanWeights:
@@ -387,29 +390,64 @@ def with_bias(product: Product, layers: Sequence[nn.Module]) -> Product:
     return biased
 
 
-def fused_rms_norm(module: nn.Module, offset: float = 0.0) -> Product:
+class FusedNorm:
     """An RMSNorm as one op instead of the module's seven: the row kernels' (one C++ call, about
-    a fifth of torch's on a one-token step) on a CPU where they run, else torch's rms_norm (about
-    twice as fast as the module for one row). It scales by offset + weight (Gemma: 1 + weight).
-    Rounding may differ from the module's, so only drafters and the 4-bit and GGUF targets
-    (verispec's own arithmetic) use it; which op is fixed when the norm is made, so a model's
-    arithmetic does not change in its life. A module that is no RMSNorm (a trained early exit's
-    adapter in the final norm's place) runs as it is."""
-    if not hasattr(module, "weight"):
-        return module
-    weight = module.weight.detach() + offset
-    eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
-    cast = {weight.dtype: weight.contiguous()}  # the weight in each activation dtype met, cast once
-    own = weight.device.type == "cpu" and rows.available()
+    a fifth of torch's on a one-token step) on a CPU where they run (`own`), else torch's rms_norm
+    (about twice as fast as the module for one row). It scales by offset + weight (Gemma: 1 +
+    weight). Rounding may differ from the module's, so only drafters and the 4-bit and GGUF
+    targets (verispec's own arithmetic) use it; which op is fixed when the norm is made, so a
+    model's arithmetic does not change in its life."""
 
-    def norm(x: torch.Tensor) -> torch.Tensor:
-        scale = cast.get(x.dtype)
+    def __init__(self, module: nn.Module, offset: float = 0.0) -> None:
+        weight = module.weight.detach() + offset
+        self.shape = weight.shape
+        self.eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+        self.own = weight.device.type == "cpu" and rows.available()
+        self.cast = {weight.dtype: weight.contiguous()}  # the weight in each activation dtype met, cast once
+
+    def weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The scale [hidden] in `dtype`."""
+        scale = self.cast.get(dtype)
         if scale is None:
-            scale = cast[x.dtype] = weight.to(x.dtype).contiguous()
-        if own and x.dtype in (torch.float32, torch.bfloat16):
-            return rows.rms_norm(x, scale, eps)
-        return nn.functional.rms_norm(x, weight.shape, scale, eps)
-    return norm
+            scale = self.cast[dtype] = self.cast[next(iter(self.cast))].to(dtype).contiguous()
+        return scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight(x.dtype)
+        if self.own and x.dtype in (torch.float32, torch.bfloat16):
+            return rows.rms_norm(x, scale, self.eps)
+        return nn.functional.rms_norm(x, self.shape, scale, self.eps)
+
+
+def fused_rms_norm(module: nn.Module, offset: float = 0.0) -> Product:
+    """A FusedNorm of `module`; a module that is no RMSNorm (a trained early exit's adapter in the
+    final norm's place) runs as it is."""
+    return FusedNorm(module, offset) if hasattr(module, "weight") else module
+
+
+def native_layers(w: LeanWeights) -> object | None:
+    """The layer loop as one C++ call (rows.cpp's Stack) over `w`'s layers, where every layer is
+    of the kind it runs: no window, q/k norm or sandwich norm, a SiLU-gated MLP, float32
+    activations, row-kernel norms and products (a 4-bit or GGUF target). None elsewhere: the
+    Python loop of forward_rows runs."""
+    first = w.layers[0].attn_norm
+    if (w.row_kernel is None or w.paired or w.activation is not nn.functional.silu
+            or w.embed.weight.dtype != torch.float32 or len({layer.kind for layer in w.layers}) != 1
+            or not isinstance(first, FusedNorm)):
+        return None
+    layers = []
+    for layer in w.layers:
+        norms = (layer.attn_norm, layer.mlp_norm)
+        products = [rows.native_parts([f.product] if isinstance(f, RowKernel) else f.products)
+                    if isinstance(f, (RowKernel, RowsBlocksKernel)) else None
+                    for f in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+        extras = (layer.q_norm, layer.k_norm, layer.attn_post_norm, layer.mlp_post_norm)
+        if (layer.window is not None or any(f is not None for f in extras)
+                or not all(isinstance(n, FusedNorm) and n.own and n.eps == first.eps for n in norms)
+                or None in products):
+            return None
+        layers.append(rows.native_layer(*(n.weight(torch.float32) for n in norms), *products))
+    return rows.native_stack(layers, first.eps, w.scaling, w.heads, w.row_kernel)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, swap: torch.Tensor) -> torch.Tensor:
@@ -532,42 +570,52 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
             return at_fixed_rows(f, h)
         return f(torch.cat([h, h], dim=1))[:, :1] if widen and role in w.paired else f(h)
 
-    captured = []
-    for index, layer in enumerate(stack):
-        if index in layers:
-            captured.append(x[0])
-        attended = []
-        qkv_all = run(layer.qkv, run(layer.attn_norm, x), "qkv")
-        for decoder, qkv, n, (cos, sin), seen in zip(
-                decoders, [qkv_all] if len(blocks) == 1 else qkv_all.split(sizes, dim=1),
-                sizes, rotary[layer.kind], sights[layer.window]):
-            cache = decoder.caches[index]
-            if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:
-                if layer.q_norm is None and layer.k_norm is None and not fixed:  # one C++ call
-                    start = cache.claim(n, 1, w.kv_heads, w.head_dim, qkv)
-                    q = rows.heads_into_cache(qkv, cos, sin, cache.keys, cache.values, start, w.heads)
-                else:
-                    q, k, v = split_heads(w, layer, qkv, cos, sin, run)
-                    cache.write(k, v)
-                attended.append(rows.attention(q, cache.keys, cache.values, cache.length, seen.rows,
-                                               w.scaling, w.row_kernel))
-                continue
-            q, k, v = split_heads(w, layer, qkv, cos, sin, run)
-            cache.write(k, v)
-            keys, values = cache.filled()
-            if n == 1 and seen.mask is None and layer.window is not None:  # one row: the last keys
-                keys, values = keys[:, :, -layer.window:], values[:, :, -layer.window:]
-            if invariant and n > 1 and not seen.whole:  # a chain slices its keys; a tree gathers them
-                attended.append(row_attention(q, keys, values, seen.rows, w.scaling,
-                                              w.kv_heads != w.heads, layer.window))
-                continue
-            attended.append(nn.functional.scaled_dot_product_attention(
-                q, keys, values, attn_mask=seen.mask, is_causal=seen.causal, scale=w.scaling,
-                enable_gqa=w.kv_heads != w.heads).transpose(1, 2).reshape(1, n, q_size))
-        x = x + run(layer.attn_post_norm, run(layer.out, attended[0] if len(attended) == 1
-                                                  else torch.cat(attended, dim=1), "out"))
-        gate, up = run(layer.gate_up, run(layer.mlp_norm, x), "gate_up").chunk(2, dim=-1)
-        x = x + run(layer.mlp_post_norm, run(layer.down, w.activation(gate) * up, "down"))
+    one = sights[stack[0].window][0]  # one block: what its rows see
+    # The loop below in one C++ call: the same bits where rows are invariant; a drafter's rows
+    # (not invariant) attend through the row kernel there, as an invariant decoder's do.
+    if w.native is not None and stack is w.layers and len(blocks) == 1 and not fixed and not one.whole:
+        caches = decoders[0].caches
+        start = [cache.claim(sizes[0], 1, w.kv_heads, w.head_dim, x) for cache in caches][0]
+        cos, sin = rotary[stack[0].kind][0]
+        x, captured = w.native.run(x, [cache.keys for cache in caches], [cache.values for cache in caches],
+                                   cos, sin, start, one.rows, list(layers))
+    else:
+        captured = []
+        for index, layer in enumerate(stack):
+            if index in layers:
+                captured.append(x[0])
+            attended = []
+            qkv_all = run(layer.qkv, run(layer.attn_norm, x), "qkv")
+            for decoder, qkv, n, (cos, sin), seen in zip(
+                    decoders, [qkv_all] if len(blocks) == 1 else qkv_all.split(sizes, dim=1),
+                    sizes, rotary[layer.kind], sights[layer.window]):
+                cache = decoder.caches[index]
+                if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:
+                    if layer.q_norm is None and layer.k_norm is None and not fixed:  # one C++ call
+                        start = cache.claim(n, 1, w.kv_heads, w.head_dim, qkv)
+                        q = rows.heads_into_cache(qkv, cos, sin, cache.keys, cache.values, start, w.heads)
+                    else:
+                        q, k, v = split_heads(w, layer, qkv, cos, sin, run)
+                        cache.write(k, v)
+                    attended.append(rows.attention(q, cache.keys, cache.values, cache.length, seen.rows,
+                                                   w.scaling, w.row_kernel))
+                    continue
+                q, k, v = split_heads(w, layer, qkv, cos, sin, run)
+                cache.write(k, v)
+                keys, values = cache.filled()
+                if n == 1 and seen.mask is None and layer.window is not None:  # one row: the last keys
+                    keys, values = keys[:, :, -layer.window:], values[:, :, -layer.window:]
+                if invariant and n > 1 and not seen.whole:  # a chain slices its keys; a tree gathers them
+                    attended.append(row_attention(q, keys, values, seen.rows, w.scaling,
+                                                  w.kv_heads != w.heads, layer.window))
+                    continue
+                attended.append(nn.functional.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=seen.mask, is_causal=seen.causal, scale=w.scaling,
+                    enable_gqa=w.kv_heads != w.heads).transpose(1, 2).reshape(1, n, q_size))
+            x = x + run(layer.attn_post_norm, run(layer.out, attended[0] if len(attended) == 1
+                                                      else torch.cat(attended, dim=1), "out"))
+            gate, up = run(layer.gate_up, run(layer.mlp_norm, x), "gate_up").chunk(2, dim=-1)
+            x = x + run(layer.mlp_post_norm, run(layer.down, w.activation(gate) * up, "down"))
     normed = run(w.norm, x)[0]
     return torch.cat([normed, *captured], dim=-1) if captured else normed
 

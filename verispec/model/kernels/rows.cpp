@@ -1270,6 +1270,71 @@ at::Tensor heads_into_cache(const at::Tensor& qkv, const at::Tensor& cos, const 
   return q;
 }
 
+// A part of a product in the layer loop below: group codes as linear_codes takes them, or
+// (dense) a packed bfloat16 weight as linear_dense does.
+struct Part {
+  at::Tensor weight, scales;
+  c10::optional<at::Tensor> mins;
+  int64_t group, N, isa;
+  bool nibbles, dense;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    return dense ? linear_dense(x, weight, N, x.scalar_type() == at::kBFloat16, isa)
+                 : linear_codes(x, weight, scales, mins, group, nibbles, N, isa);
+  }
+};
+
+// A product: its parts' outputs concatenated (a GGUF tensor fused from parts of several forms).
+at::Tensor multiply(const std::vector<Part>& parts, const at::Tensor& x) {
+  if (parts.size() == 1) return parts[0](x);
+  std::vector<at::Tensor> outs;
+  for (const Part& part : parts) outs.push_back(part(x));
+  return at::cat(outs, -1);
+}
+
+// A decoder layer as the layer loop runs it: RMSNorm weights (in the activations' dtype) and the
+// fused products (q/k/v, o, gate/up, down).
+struct Layer {
+  at::Tensor attn_norm, mlp_norm;
+  std::vector<Part> qkv, out, gate_up, down;
+};
+
+// The decoder layers of a lean forward over one block, in one call (lean.NativeLayers): the ops
+// lean.forward_rows makes for a layer, in its order and on the same tensors (so the same bits),
+// without a return to Python between them (~15 a layer, the glue of a one-token step). For
+// layers without windows, q/k norms or sandwich norms, whose products and norms all run here, a
+// SiLU-gated MLP.
+struct Stack {
+  std::vector<Layer> layers;
+  double eps, scale;
+  int64_t heads, isa;
+
+  // x [1, n, H] -> (x after every layer, x before each layer in `capture`); each layer's keys and
+  // values written into its cache buffers keys[i], values[i] [1, kv_heads, capacity, D] at slots
+  // start .. start + n - 1 (claimed: KVCache.claim); cos, signed_sin [n, 1, D]; mask [n, start + n]
+  // bool or None (causal), as `attention` takes it.
+  std::tuple<at::Tensor, std::vector<at::Tensor>> run(
+      at::Tensor x, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+      const at::Tensor& cos, const at::Tensor& signed_sin, int64_t start, const c10::optional<at::Tensor>& mask,
+      const std::vector<int64_t>& capture) const {
+    check(keys.size() == layers.size() && values.size() == layers.size(), "one cache per layer");
+    const int64_t length = start + x.size(1);
+    std::vector<at::Tensor> captured;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& layer = layers[i];
+      if (std::find(capture.begin(), capture.end(), static_cast<int64_t>(i)) != capture.end())
+        captured.push_back(x[0]);
+      at::Tensor k = keys[i], v = values[i];
+      const at::Tensor q = heads_into_cache(multiply(layer.qkv, rms_norm(x, layer.attn_norm, eps)), cos, signed_sin,
+                                            k, v, start, heads);
+      x = x + multiply(layer.out, attention(q, k, v, mask, length, scale, isa));
+      const std::vector<at::Tensor> gate_up = multiply(layer.gate_up, rms_norm(x, layer.mlp_norm, eps)).chunk(2, -1);
+      x = x + multiply(layer.down, at::silu(gate_up[0]) * gate_up[1]);
+    }
+    return {x, captured};
+  }
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("features", &features, "instruction sets this CPU offers the kernels");
   module.def("linear_codes", &linear_codes, "x @ w.T for group-coded weights");
@@ -1278,4 +1343,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rms_norm", &rms_norm, "RMS norm of each row");
   module.def("rotate", &rotate, "rotary embedding of each row's heads");
   module.def("heads_into_cache", &heads_into_cache, "a qkv product's rotated queries, and its keys and values cached");
+  pybind11::class_<Part>(module, "Part")
+      .def(pybind11::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t, int64_t, bool, bool>());
+  using Parts = std::vector<Part>;
+  pybind11::class_<Layer>(module, "Layer")
+      .def(pybind11::init<at::Tensor, at::Tensor, Parts, Parts, Parts, Parts>());
+  pybind11::class_<Stack>(module, "Stack")
+      .def(pybind11::init<std::vector<Layer>, double, double, int64_t, int64_t>())
+      .def("run", &Stack::run, "the decoder layers over one block");
 }

@@ -346,3 +346,29 @@ def heads_into_cache(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Ten
     [1, kv_heads, capacity, head_dim] at slots start .. start + n - 1 (claimed first:
     KVCache.claim). The bits of `rotate` and of the copies it replaces."""
     return library().heads_into_cache(qkv, cos, signed_sin, keys, values, start, heads)
+
+
+def native_parts(products: list[CodesProduct | DenseProduct]) -> list[object] | None:
+    """A product (its parts' outputs concatenated) as rows.cpp's layer loop takes it; None where
+    a part is of the oneDNN class, which the loop does not run."""
+    if any(product.kernel == ONEDNN for product in products):
+        return None
+    return [library().Part(product.codes, product.scales, product.mins, product.group, product.out_features,
+                           product.isa, product.nibbles, False) if isinstance(product, CodesProduct)
+            else library().Part(product.packed, product.packed.new_empty(0), None, 0, product.out_features,
+                                product.isa, False, True)
+            for product in products]
+
+
+def native_layer(attn_norm: torch.Tensor, mlp_norm: torch.Tensor, qkv: object, out: object,
+                 gate_up: object, down: object) -> object:
+    """A decoder layer for rows.cpp's layer loop: its RMSNorm scales [hidden] (the activations'
+    dtype) and its products (native_parts)."""
+    return library().Layer(attn_norm, mlp_norm, qkv, out, gate_up, down)
+
+
+def native_stack(layers: list[object], eps: float, scale: float, heads: int, kernel: str) -> object:
+    """rows.cpp's layer loop over `layers` (native_layer): `run(x, keys, values, cos, signed_sin,
+    start, mask, capture)` is lean.forward_rows' layer loop for one block in one call, the same
+    bits (its attention in `kernel`'s class)."""
+    return library().Stack(layers, eps, scale, heads, isa(kernel))
