@@ -143,8 +143,8 @@ def test_switched_off_blocks_differ(weights, tokens):
     """Without the invariance, some block lengths round differently (tiny model: float32 all 16,
     bfloat16 6..17): the test above would catch the switch being ignored. The tiny 4-bit model
     has nothing to switch (its blocks already round as single rows), nor has a target whose layers
-    run in one C++ call (lean.native_layers: the 4-bit and as-stored built-in model, whose rows
-    attend one by one either way). On CUDA (an H100, torch 2.11) the tiny model's half-precision
+    run in one C++ call (lean.native_layers: the 4-bit, as-stored and bfloat16 built-in model,
+    whose rows attend one by one either way). On CUDA (an H100, torch 2.11) the tiny model's half-precision
     blocks also round as single rows without it; its float32 and the built-in model's bfloat16
     and float16 blocks do not."""
     if weights.layers[0].qkv.__class__.__name__.endswith("Int4Kernel") and weights.heads < 8:

@@ -425,29 +425,45 @@ def fused_rms_norm(module: nn.Module, offset: float = 0.0) -> Product:
     return FusedNorm(module, offset) if hasattr(module, "weight") else module
 
 
+# The RMSNorm modules whose forward rows.cpp's layer loop spells in ATen (Stack::norm), the same ops.
+MODULE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+
+
+def native_norm(norm: Product, dtype: torch.dtype) -> tuple[bool, float, torch.Tensor] | None:
+    """(a module's norm, its eps, its scale in `dtype`) as the layer loop takes a norm, or None."""
+    if isinstance(norm, FusedNorm) and norm.own:
+        return False, norm.eps, norm.weight(dtype)
+    if type(norm).__name__ in MODULE_NORMS and norm.weight.dtype == dtype:
+        return True, float(norm.variance_epsilon), norm.weight.detach()
+    return None
+
+
 def native_layers(w: LeanWeights) -> object | None:
     """The layer loop as one C++ call (rows.cpp's Stack) over `w`'s layers, where every layer is
-    of the kind it runs: no window, q/k norm or sandwich norm, a SiLU-gated MLP, float32
-    activations, row-kernel norms and products (a 4-bit or GGUF target). None elsewhere: the
-    Python loop of forward_rows runs."""
-    first = w.layers[0].attn_norm
+    of the kind it runs: no window, q/k norm or sandwich norm, a SiLU-gated MLP, float32 or
+    bfloat16 activations, row-kernel products, norms of one kind (the 4-bit, GGUF and bfloat16
+    targets; self-drafters of float32 targets). None elsewhere: the Python loop of forward_rows
+    runs."""
+    dtype = w.embed.weight.dtype
     if (w.row_kernel is None or w.paired or w.activation is not nn.functional.silu
-            or w.embed.weight.dtype != torch.float32 or len({layer.kind for layer in w.layers}) != 1
-            or not isinstance(first, FusedNorm)):
+            or dtype not in (torch.float32, torch.bfloat16) or len({layer.kind for layer in w.layers}) != 1):
         return None
-    layers = []
+    layers, norms = [], set()
     for layer in w.layers:
-        norms = (layer.attn_norm, layer.mlp_norm)
-        products = [rows.native_parts([f.product] if isinstance(f, RowKernel) else f.products)
-                    if isinstance(f, (RowKernel, RowsBlocksKernel)) else None
+        pair = [native_norm(norm, dtype) for norm in (layer.attn_norm, layer.mlp_norm)]
+        products = [rows.native_parts([f.product] if isinstance(f, RowKernel)
+                                      else [f] if isinstance(f, rows.DenseProduct) else f.products)
+                    if isinstance(f, (RowKernel, RowsBlocksKernel, rows.DenseProduct)) else None
                     for f in (layer.qkv, layer.out, layer.gate_up, layer.down)]
         extras = (layer.q_norm, layer.k_norm, layer.attn_post_norm, layer.mlp_post_norm)
-        if (layer.window is not None or any(f is not None for f in extras)
-                or not all(isinstance(n, FusedNorm) and n.own and n.eps == first.eps for n in norms)
-                or None in products):
+        if layer.window is not None or any(f is not None for f in extras) or None in pair or None in products:
             return None
-        layers.append(rows.native_layer(*(n.weight(torch.float32) for n in norms), *products))
-    return rows.native_stack(layers, first.eps, w.scaling, w.heads, w.row_kernel)
+        norms.update((module, eps) for module, eps, _ in pair)
+        layers.append(rows.native_layer(*(scale for _, _, scale in pair), *products))
+    if len(norms) != 1:  # one kind and one eps for every norm
+        return None
+    (module_norms, eps), = norms
+    return rows.native_stack(layers, eps, w.scaling, w.heads, w.row_kernel, module_norms)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, swap: torch.Tensor) -> torch.Tensor:

@@ -1284,12 +1284,18 @@ struct Part {
   }
 };
 
-// A product: its parts' outputs concatenated (a GGUF tensor fused from parts of several forms).
+// A product: its parts' outputs concatenated (a GGUF tensor fused from parts of several forms),
+// in x's dtype (as lowbit.Kernel returns it).
 at::Tensor multiply(const std::vector<Part>& parts, const at::Tensor& x) {
-  if (parts.size() == 1) return parts[0](x);
-  std::vector<at::Tensor> outs;
-  for (const Part& part : parts) outs.push_back(part(x));
-  return at::cat(outs, -1);
+  at::Tensor out;
+  if (parts.size() == 1) {
+    out = parts[0](x);
+  } else {
+    std::vector<at::Tensor> outs;
+    for (const Part& part : parts) outs.push_back(part(x));
+    out = at::cat(outs, -1);
+  }
+  return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
 }
 
 // A decoder layer as the layer loop runs it: RMSNorm weights (in the activations' dtype) and the
@@ -1302,12 +1308,21 @@ struct Layer {
 // The decoder layers of a lean forward over one block, in one call (lean.NativeLayers): the ops
 // lean.forward_rows makes for a layer, in its order and on the same tensors (so the same bits),
 // without a return to Python between them (~15 a layer, the glue of a one-token step). For
-// layers without windows, q/k norms or sandwich norms, whose products and norms all run here, a
-// SiLU-gated MLP.
+// layers without windows, q/k norms or sandwich norms, whose products all run here, a SiLU-gated
+// MLP.
 struct Stack {
   std::vector<Layer> layers;
   double eps, scale;
   int64_t heads, isa;
+  bool module_norms;  // the norms are Hugging Face's RMSNorm modules (a float target's), not rms_norm
+
+  // A layer's RMSNorm: rms_norm, or the module's own ops in ATen (x in float32, the mean of its
+  // squares, times rsqrt(mean + eps), back in x's dtype, times the weight): the module's bits.
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const {
+    if (!module_norms) return rms_norm(x, weight, eps);
+    const at::Tensor h = x.to(at::kFloat);
+    return weight * (h * at::rsqrt(h.pow(2).mean(-1, true) + eps)).to(x.scalar_type());
+  }
 
   // x [1, n, H] -> (x after every layer, x before each layer in `capture`); each layer's keys and
   // values written into its cache buffers keys[i], values[i] [1, kv_heads, capacity, D] at slots
@@ -1325,10 +1340,10 @@ struct Stack {
       if (std::find(capture.begin(), capture.end(), static_cast<int64_t>(i)) != capture.end())
         captured.push_back(x[0]);
       at::Tensor k = keys[i], v = values[i];
-      const at::Tensor q = heads_into_cache(multiply(layer.qkv, rms_norm(x, layer.attn_norm, eps)), cos, signed_sin,
+      const at::Tensor q = heads_into_cache(multiply(layer.qkv, norm(x, layer.attn_norm)), cos, signed_sin,
                                             k, v, start, heads);
       x = x + multiply(layer.out, attention(q, k, v, mask, length, scale, isa));
-      const std::vector<at::Tensor> gate_up = multiply(layer.gate_up, rms_norm(x, layer.mlp_norm, eps)).chunk(2, -1);
+      const std::vector<at::Tensor> gate_up = multiply(layer.gate_up, norm(x, layer.mlp_norm)).chunk(2, -1);
       x = x + multiply(layer.down, at::silu(gate_up[0]) * gate_up[1]);
     }
     return {x, captured};
@@ -1349,6 +1364,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<Layer>(module, "Layer")
       .def(pybind11::init<at::Tensor, at::Tensor, Parts, Parts, Parts, Parts>());
   pybind11::class_<Stack>(module, "Stack")
-      .def(pybind11::init<std::vector<Layer>, double, double, int64_t, int64_t>())
+      .def(pybind11::init<std::vector<Layer>, double, double, int64_t, int64_t, bool>())
       .def("run", &Stack::run, "the decoder layers over one block");
 }

@@ -367,8 +367,10 @@ def native_layer(attn_norm: torch.Tensor, mlp_norm: torch.Tensor, qkv: object, o
     return library().Layer(attn_norm, mlp_norm, qkv, out, gate_up, down)
 
 
-def native_stack(layers: list[object], eps: float, scale: float, heads: int, kernel: str) -> object:
+def native_stack(layers: list[object], eps: float, scale: float, heads: int, kernel: str,
+                 module_norms: bool) -> object:
     """rows.cpp's layer loop over `layers` (native_layer): `run(x, keys, values, cos, signed_sin,
     start, mask, capture)` is lean.forward_rows' layer loop for one block in one call, the same
-    bits (its attention in `kernel`'s class)."""
-    return library().Stack(layers, eps, scale, heads, isa(kernel))
+    bits (its attention in `kernel`'s class; its norms `rms_norm`, or with `module_norms` Hugging
+    Face's RMSNorm module's ops)."""
+    return library().Stack(layers, eps, scale, heads, isa(kernel), module_norms)
