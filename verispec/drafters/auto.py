@@ -243,6 +243,10 @@ class AutoDrafter(Drafter):
         self.chosen: str | None = None  # None: a plain step
         self.drafted = 0  # tokens the chosen drafter proposed this step
         self.spent = 0.0  # seconds its proposal took
+        # name -> the context's length when the model drafter last drafted (None: not yet in this
+        # sequence), and whether this step's proposal caught up on a stretch it sat out
+        self.fed: dict[str, int | None] = {name: None for name in self.models}
+        self.caught_up = False
         # lookups' offers not wholly judged yet: (name, where the draft starts in the context,
         # draft, how many of its positions are counted already)
         self.pending: list[tuple[str, int, list[int], int]] = []
@@ -291,6 +295,12 @@ class AutoDrafter(Drafter):
         elif choice.method in self.models:
             model = self.models[choice.method]
             self.asked[choice.method] = model
+            fed = self.fed[choice.method]
+            if fed is None:  # its cache starts with the prompt's (adopted) or empty
+                fed = context if model.adopts_prefill else 0
+            # a step leaves a drafter at most its k accepted and the bonus token behind
+            self.caught_up = context - fed > self.limits[choice.method] + 1
+            self.fed[choice.method] = context
             started = time.perf_counter()
             proposal = model.propose(replace(request, k=choice.k))
             self.spent = time.perf_counter() - started
@@ -305,7 +315,9 @@ class AutoDrafter(Drafter):
             drafter.commit(num_accepted if name == self.chosen else 0)
         if self.chosen in self.models:
             self.acceptance[self.chosen].observe(self.drafted, num_accepted)
-        if self.chosen in self.models and self.drafted:
+        # A step that caught up on a stretch the drafter sat out is no measure of its pace: counted,
+        # it would price the drafter out, and the stretches it sits out would grow.
+        if self.chosen in self.models and self.drafted and not self.caught_up:
             taken = self.spent + time.perf_counter() - started
             predicted = self.profile.drafters[self.chosen].seconds(self.drafted)
             self.slowdown[self.chosen] = (COST_DECAY * self.slowdown[self.chosen]
