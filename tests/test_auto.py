@@ -438,6 +438,60 @@ def test_a_drafter_slower_than_its_profile_says_loses_its_place():
     assert best_choice(costs, {"self-int8": 0.9}, {"self-int8": 3}, 1, {"self-int8": 10.0}).method is None
 
 
+class CatchingUp(Drafter):
+    """A model drafter that drafts ones at once, but takes 10 ms a token to catch up on the
+    context it did not see (beyond what a step leaves it behind: k accepted and the bonus)."""
+
+    adopts_prefill = True
+
+    def __init__(self) -> None:
+        self.seen, self.slept = None, []
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        context = request.tokens.shape[0]
+        behind = 0 if self.seen is None else max(0, context - self.seen - request.k - 1)
+        time.sleep(0.01 * behind)
+        self.seen = context
+        self.slept.append(behind > 0)
+        return Proposal(torch.ones(request.k, dtype=torch.int64))
+
+
+def test_catching_up_after_sitting_out_is_not_taken_for_the_drafters_pace():
+    """A self-drafter's step after a stretch it sat out feeds that stretch first: auto does not
+    count that step's time into its slowdown (it would price the drafter out, and the stretches
+    grow); a step in the flow of drafting does count."""
+    drafter = CatchingUp()
+    costs = fake_profile(4, model=DrafterCost(0.0, 0.001, 0.9))
+    auto = AutoDrafter(costs, {}, {"model": drafter}, {"model": 3}, PLAIN)
+
+    def step(context: int) -> float:
+        request = DraftRequest(torch.zeros(context, dtype=torch.int64), 3, SamplingParams(), None)
+        assert auto.propose(request).choice == ("model", 3)
+        auto.commit(3)
+        return auto.slowdown["model"]
+
+    paced = step(10)  # its first step, on the prompt it adopted
+    assert step(14) != paced  # in the flow: measured
+    measured = auto.slowdown["model"]
+    assert step(60) == measured and drafter.slept == [False, False, True]  # 0.42 s of catching up
+    assert step(64) != measured
+
+
+def test_a_drafter_priced_out_by_a_stretch_of_load_comes_back():
+    """A slowdown learnt while the machine was busy fades at each step the drafter sits out
+    (RECOVERY), so auto tries it again instead of decoding plainly for the rest of the process."""
+    costs = fake_profile(4, model=DrafterCost(0.0, 0.001, 0.9))
+    auto = AutoDrafter(costs, {}, {"model": CatchingUp()}, {"model": 3}, PLAIN)
+    auto.slowdown["model"] = 100.0  # as after steps taken under a passing load
+    request = DraftRequest(torch.zeros(10, dtype=torch.int64), 3, SamplingParams(), None)
+    plain = 0
+    while auto.propose(request).choice == (PLAIN, 0):
+        auto.commit(0)
+        plain += 1
+        assert plain < 200, auto.slowdown
+    assert plain > 10 and auto.slowdown["model"] < 100
+
+
 def test_a_copy_in_the_targets_own_format_is_no_candidate():
     """On a 4-bit target, self-int4 would draft at a target forward a token: not a candidate."""
     tiny = tiny_llama(hidden=64)

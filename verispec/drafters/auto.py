@@ -43,6 +43,9 @@ from verispec.drafters.base import Drafter, DraftRequest
 
 DECAY = 0.9  # weight of the acceptance seen one step earlier (a memory of about ten steps)
 COST_DECAY = 0.5  # weight of a model drafter's slowdown seen one step earlier (a few steps)
+# share of a model drafter's slowdown beyond 1 kept at each step it sits out (halved in about 14
+# steps): a stretch of load on the machine does not price it out for good
+RECOVERY = 0.95
 PRIOR_WEIGHT = 1.0  # the prior counts as this many refusals (and the accepted tokens they imply)
 MOST_PRIOR = 0.97  # a prior above this is taken as this: a few refusals then tell
 LOOKUP_PRIOR = 0.5  # acceptance assumed for a lookup's drafts before any were judged
@@ -225,8 +228,8 @@ class AutoDrafter(Drafter):
         self.adopts_prefill = any(drafter.adopts_prefill for drafter in candidates.values())
         self.priors = {name: LOOKUP_PRIOR if name in lookups else MODEL_PRIOR for name in candidates}
         # name -> drafting seconds as taken / as the profile predicts them, weighted to the latest
-        # steps (a drafter that sits out stretches catches up when chosen again, which a profile
-        # of steady drafting does not see); kept across sequences: it is this machine's.
+        # steps in the flow of drafting (not those that catch up on a stretch the drafter sat out,
+        # one block of rows: see commit); kept across sequences: it is this machine's.
         self.slowdown = {name: 1.0 for name in models}
         for name in candidates:
             measured = profile.drafters[name].acceptance
@@ -322,6 +325,9 @@ class AutoDrafter(Drafter):
             predicted = self.profile.drafters[self.chosen].seconds(self.drafted)
             self.slowdown[self.chosen] = (COST_DECAY * self.slowdown[self.chosen]
                                           + (1 - COST_DECAY) * taken / max(predicted, 1e-6))
+        for name in self.models:  # the others drift back to the profile's figure
+            if name != self.chosen:
+                self.slowdown[name] = 1 + (self.slowdown[name] - 1) * RECOVERY
 
     def describe(self) -> str:
         names = ", ".join([*self.lookups, *self.models])
