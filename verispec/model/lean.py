@@ -339,7 +339,7 @@ class LeanWeights:
         if (linear == Linear.fuse and four_bit and cpu_packs(torch.bfloat16)
                 and not isinstance(down.kernel, RowsInt4Kernel)):
             self.prompt_layers = stack(bfloat16_copy)
-        # The layer loop in one C++ call where the layers allow it (a 4-bit or GGUF target).
+        # The layer loop in one C++ call where the layers allow it (4-bit, GGUF, bfloat16 targets).
         self.native = native_layers(self)
 
     @classmethod
@@ -442,7 +442,7 @@ def native_layers(w: LeanWeights) -> object | None:
     """The layer loop as one C++ call (rows.cpp's Stack) over `w`'s layers, where every layer is
     of the kind it runs: no window, q/k norm or sandwich norm, a SiLU-gated MLP, float32 or
     bfloat16 activations, row-kernel products, norms of one kind (the 4-bit, GGUF and bfloat16
-    targets; self-drafters of float32 targets). None elsewhere: the Python loop of forward_rows
+    targets; self-drafters of float32 and bfloat16 targets). None elsewhere: the Python loop of forward_rows
     runs."""
     dtype = w.embed.weight.dtype
     if (w.row_kernel is None or w.paired or w.activation is not nn.functional.silu
