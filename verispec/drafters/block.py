@@ -33,6 +33,7 @@ from verispec.drafters.base import DraftRequest
 from verispec.drafters.learned import ReducedHead
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.nn import RMSNorm, rotary
+from verispec.model.graphs import sdpa
 from verispec.model.kv_cache import KVCache
 from verispec.model.packed import packed_view
 
@@ -81,7 +82,7 @@ class BlockLayer(nn.Module):
         """x: [batch, T, hidden] (the layer's input); queries [batch, heads, T, head_dim]; keys,
         values [batch, heads, K, head_dim] (the context's, then the rows'); mask [T, K] or
         [batch, 1, T, K] bool (True: attend) -> the layer's output [batch, T, hidden]."""
-        attended = nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
+        attended = sdpa(queries, keys, values, attn_mask=mask)
         x = x + self.out(attended.transpose(1, 2).reshape(x.shape))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(nn.functional.silu(gate) * up)

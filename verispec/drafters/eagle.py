@@ -20,6 +20,7 @@ from verispec.core.sampling import sample, warp_probs
 from verispec.core.tree import TreeSettings, grow_tree
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
+from verispec.drafters.graphed import GraphedNet
 from verispec.drafters.learned import ReducedHead, load_net
 from verispec.drafters.nn import DecoderLayer, KVCache, RMSNorm
 from verispec.model.packed import packed_view
@@ -83,10 +84,14 @@ class EagleDrafter(Drafter):
         self.head = head
         self.confidence_threshold = confidence_threshold
         self.tree = tree
-        self.cache = KVCache()
         self.real = 0  # positions in the cache built from the target's own hidden states
         # The target hands over its state after these layers too (see EagleNet's mid_layer).
         self.hidden_layers = () if getattr(net, "mid_layer", None) is None else (net.mid_layer,)
+        # On a GPU the network runs as fixed-shape passes over its own fixed cache, as CUDA graphs.
+        self.graphed = (GraphedNet(self.net, self.embed, target.device, target.dtype,
+                                   ("mid",) if self.hidden_layers else ())
+                        if target.device.type == "cuda" else None)
+        self.cache = KVCache() if self.graphed is None else self.graphed.cache
 
     @classmethod
     def load(cls, path: str | Path, target: PreTrainedModel,
@@ -97,7 +102,10 @@ class EagleDrafter(Drafter):
         return cls(target, net, head, confidence_threshold, tree)
 
     def reset(self) -> None:
-        self.cache = KVCache()
+        if self.graphed is None:
+            self.cache = KVCache()  # a finished sequence's cache holds no memory
+        else:
+            self.cache.rewind(0)  # fixed buffers, which the captured passes read
         self.real = 0
 
     @torch.inference_mode()
@@ -128,8 +136,8 @@ class EagleDrafter(Drafter):
                     and float(logits.softmax(-1).max()) < self.confidence_threshold):
                 break
             if i < request.k - 1:
-                feature = self.net(self.embed(token.view(1, 1)), feature.view(1, 1, -1),
-                                   torch.tensor([n + i], device=device), self.cache)[0, -1]
+                feature = self._net(token.view(1), feature.view(1, -1),
+                                    torch.arange(n + i, n + i + 1, device=device))[-1]  # no host copy
         return Proposal(torch.stack(drafted), torch.stack(probs) if probs else None)
 
     def _extend(self, tokens: torch.Tensor, states: torch.Tensor, n: int) -> torch.Tensor:
@@ -142,15 +150,23 @@ class EagleDrafter(Drafter):
                                 f"state after layers {list(self.hidden_layers)}: {width} values a "
                                 f"position, got {states.shape[1]}")
         positions = torch.arange(self.real, n, device=tokens.device)
-        embedded = self.embed(tokens[self.real + 1: n + 1])[None]  # [1, new, hidden]
-        return self._run(embedded, states[self.real: n][None], positions)[0, -1]
+        return self._run(tokens[self.real + 1: n + 1], states[self.real: n], positions)[-1]
 
-    def _run(self, embedded: torch.Tensor, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The network over new real positions: embedded [1, new, hidden], the target's states
-        there [1, new, width], positions [new] -> predicted features [1, new, hidden]."""
+    def _run(self, ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The network over new real positions: the tokens after them [new], the target's states
+        there [new, width], positions [new] -> predicted features [new, hidden]."""
         size = self.embed.embedding_dim
-        mid = states[..., size:] if self.hidden_layers else None
-        return self.net(embedded, states[..., :size], positions, self.cache, mid=mid)
+        extra = {"mid": states[:, size:]} if self.hidden_layers else {}
+        return self._net(ids, states[:, :size], positions, **extra)
+
+    def _net(self, ids: torch.Tensor, inputs: torch.Tensor, positions: torch.Tensor,
+             mask: torch.Tensor | None = None, **extra: torch.Tensor) -> torch.Tensor:
+        """The network on tokens ids [n] and input states [n, hidden] (each extra [n, hidden]) at
+        positions [n], after the cache (mask [n, cached + n] bool, or causal) -> [n, hidden]."""
+        if self.graphed is not None:
+            return self.graphed(ids, inputs, positions, mask, **extra)
+        return self.net(self.embed(ids)[None], inputs[None], positions, self.cache, mask,
+                        **{name: value[None] for name, value in extra.items()})[0]
 
     def _propose_tree(self, feature: torch.Tensor, n: int, depth: int) -> Proposal:
         """A dynamic tree grown from the root's predicted feature [hidden] (position n)."""
@@ -173,9 +189,8 @@ class EagleDrafter(Drafter):
                     ancestor, level = parents[ancestor], level + 1
                 positions.append(n + level)
                 slots[node] = past + row
-            inputs = torch.stack([features[parents[node]] for node in nodes])[None]  # [1, m, hidden]
-            out = self.net(self.embed(self.head.vocab_ids[tokens])[None], inputs,
-                           torch.tensor(positions, device=device), self.cache, mask)[0]
+            inputs = torch.stack([features[parents[node]] for node in nodes])  # [m, hidden]
+            out = self._net(self.head.vocab_ids[tokens], inputs, torch.tensor(positions, device=device), mask)
             features.update(zip(nodes, out))
             return self.head.logits(out).float().log_softmax(-1)  # [m, reduced]
 

@@ -35,6 +35,7 @@ from verispec.core.tree import TreeSettings
 from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.learned import load_net
 from verispec.drafters.nn import KVCache, RMSNorm, rotary
+from verispec.model.graphs import sdpa
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -95,8 +96,7 @@ class Eagle3Attention(nn.Module):
         if mask is None and length > 1:
             mask = torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(past)
         # grouped-query attention: each key/value head serves heads // kv_heads query heads
-        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                         enable_gqa=self.kv_heads != self.heads)
+        out = sdpa(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -196,7 +196,6 @@ class Eagle3Drafter(EagleDrafter):
         net, _, weights = load_net(path, target, cls.kind, Eagle3Net)
         return cls(target, net, weights["vocab_ids"].long(), confidence_threshold, tree)
 
-    def _run(self, embedded: torch.Tensor, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """EAGLE-3 reads the aux layers' states only, fused by `fc` (the final state is unused)."""
-        feature = self.net.fc(states[..., self.embed.embedding_dim:])  # [1, new, hidden]
-        return self.net(embedded, feature, positions, self.cache)
+        return self._net(ids, self.net.fc(states[:, self.embed.embedding_dim:]), positions)  # [new, hidden]

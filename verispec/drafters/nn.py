@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from verispec.model.graphs import sdpa
 from verispec.model.kv_cache import KVCache
 
 
@@ -95,11 +96,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
     k, v: [batch, heads, past + T, head_dim] -> [batch, heads, T, head_dim]."""
     length = q.shape[2]
     if mask is not None:
-        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return sdpa(q, k, v, attn_mask=mask)
     if past == 0:
-        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=length > 1)
+        return sdpa(q, k, v, is_causal=length > 1)
     if length == 1:
-        return nn.functional.scaled_dot_product_attention(q, k, v)
+        return sdpa(q, k, v)
     # query i sees the cache and new tokens 0..i
     mask = torch.ones(length, past + length, dtype=torch.bool, device=q.device).tril(past)
-    return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return sdpa(q, k, v, attn_mask=mask)

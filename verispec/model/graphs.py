@@ -19,12 +19,46 @@ import os
 from collections.abc import Callable
 
 import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from verispec.core.errors import VerispecError
 
 # The most keys a decoder on a GPU caches (its buffer's fixed capacity, a scratch slot aside):
 # every pass attends over all of them, masked, so the capacity is part of each row's arithmetic.
 STATIC_KEYS = 4096
+
+
+# Attention kernels a GPU may use for SDPA outside fixed-shape passes: cuDNN's is left out, since it
+# builds an execution plan for every new shape (milliseconds each), and a growing cache is a new
+# shape at every step (a drafter's layer drafted ~4x slower than the target decoded through it on
+# an H200: docs/invariance.md, CUDA).
+GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
+    """nn.functional.scaled_dot_product_attention, on a GPU without cuDNN's kernel (GPU_BACKENDS)."""
+    if q.device.type != "cuda":
+        return nn.functional.scaled_dot_product_attention(q, k, v, **options)
+    with sdpa_kernel(GPU_BACKENDS):
+        return nn.functional.scaled_dot_product_attention(q, k, v, **options)
+
+
+def pass_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Attention of a fixed-shape pass's rows over a whole key buffer, as three plain products: the
+    scores in float32, the additive mask, a softmax, the weighted sum. Every shape is fixed, so a
+    row meets the same kernels whatever came with it; on an H200 SDPA's masked kernel (cuDNN) took
+    ~68 us a layer for SmolLM2's 32 rows over 4160 keys. q: [1, heads, rows, head_dim]; keys,
+    values: [1, kv_heads, capacity, head_dim]; bias: [rows, capacity] (0 or -inf) -> [1, heads,
+    rows, head_dim]."""
+    _, heads, rows, dim = q.shape
+    kv = keys.shape[1]
+    group = heads // kv  # query heads per key head, in Hugging Face's order (head h reads h // group)
+    scores = torch.matmul(q.reshape(1, kv, group * rows, dim).float(), keys.float().transpose(-1, -2))
+    scores = scores.view(1, kv, group, rows, -1).mul_(scale).add_(bias)  # [1, kv, group, rows, capacity]
+    weights = scores.softmax(-1).to(values.dtype).view(1, kv, group * rows, -1)
+    return torch.matmul(weights, values).view(1, heads, rows, dim)
 
 
 def graphs_enabled(device: torch.device) -> bool:
@@ -34,7 +68,7 @@ def graphs_enabled(device: torch.device) -> bool:
 
 class StaticPasses:
     """One decoder's fixed-shape pass inputs (static buffers the captured graphs read) and its
-    graphs, one per set of captured hidden layers.
+    graphs, one per key (a target's set of captured hidden layers, say).
 
     The key buffer has `capacity` slots; the last is scratch: padding rows write their keys there
     and attend only to it, and no real row ever sees it."""
@@ -54,7 +88,7 @@ class StaticPasses:
         self.biases = {window: torch.zeros(rows, capacity, dtype=dtype, device=device)
                        for window in self.masks}
         self.slot_positions = torch.arange(capacity, device=device)  # [capacity]
-        self.captured: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.captured: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failure: str | None = None  # why capturing failed, where it did (passes then run eagerly)
 
     @property
@@ -92,13 +126,13 @@ class StaticPasses:
         for window, mask in self.masks.items():
             self.biases[window].zero_().masked_fill_(~mask, float("-inf"))
 
-    def run(self, layers: tuple[int, ...], forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def run(self, key: tuple, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         """forward() over the loaded buffers: [rows, width], replayed from a CUDA graph captured at
-        the first call with these `layers` where graphs are on. The result is the graph's output
-        buffer: copy what must outlive the next pass."""
+        the first call with this `key` (the target's captured layers, say) where graphs are on.
+        The result is the graph's output buffer: copy what must outlive the next pass."""
         if not self.graphs:
             return forward()
-        if layers not in self.captured:
+        if key not in self.captured:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -112,7 +146,7 @@ class StaticPasses:
                 self.graphs = False
                 self.failure = f"capture failed: {str(error).splitlines()[0][:160]}"
                 return forward()
-            self.captured[layers] = (graph, output)
-        graph, output = self.captured[layers]
+            self.captured[key] = (graph, output)
+        graph, output = self.captured[key]
         graph.replay()
         return output

@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.model.gguf_blocks import RowsBlocksKernel
-from verispec.model.graphs import STATIC_KEYS, StaticPasses, graphs_enabled
+from verispec.model.graphs import STATIC_KEYS, StaticPasses, graphs_enabled, pass_attention, sdpa
 from verispec.model.kernels import rows
 from verispec.model.kv_cache import KVCache
 from verispec.model.lowbit import DenseKernel, Int4Groups, QuantLinear, RowKernel, RowsInt4Kernel
@@ -625,7 +625,7 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
                     attended.append(row_attention(q, keys, values, seen.rows, w.scaling,
                                                   w.kv_heads != w.heads, layer.window))
                     continue
-                attended.append(nn.functional.scaled_dot_product_attention(
+                attended.append(sdpa(
                     q, keys, values, attn_mask=seen.mask, is_causal=seen.causal, scale=w.scaling,
                     enable_gqa=w.kv_heads != w.heads).transpose(1, 2).reshape(1, n, q_size))
             x = x + run(layer.attn_post_norm, run(layer.out, attended[0] if len(attended) == 1
@@ -716,9 +716,7 @@ def static_forward(w: LeanWeights, caches: list[KVCache], passes: StaticPasses,
         cache = caches[index]
         cache.keys.index_copy_(2, passes.slots, k)
         cache.values.index_copy_(2, passes.slots, v)
-        attended = nn.functional.scaled_dot_product_attention(
-            q, cache.keys, cache.values,
-            attn_mask=passes.biases[layer.window], scale=w.scaling, enable_gqa=w.kv_heads != w.heads)
+        attended = pass_attention(q, cache.keys, cache.values, passes.biases[layer.window], w.scaling)
         x = x + run(layer.attn_post_norm, run(layer.out, attended.transpose(1, 2).reshape(1, count, q_size)))
         gate, up = run(layer.gate_up, run(layer.mlp_norm, x)).chunk(2, dim=-1)
         x = x + run(layer.mlp_post_norm, run(layer.down, w.activation(gate) * up))
