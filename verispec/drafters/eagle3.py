@@ -35,7 +35,7 @@ from verispec.core.tree import TreeSettings
 from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.learned import load_net
 from verispec.drafters.nn import KVCache, RMSNorm, rotary
-from verispec.model.graphs import pass_attention, sdpa
+from verispec.model.graphs import sdpa
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -96,10 +96,7 @@ class Eagle3Attention(nn.Module):
         if mask is None and length > 1:
             mask = torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(past)
         # grouped-query attention: each key/value head serves heads // kv_heads query heads
-        if mask is not None and mask.is_floating_point():  # a fixed-shape pass (drafters.graphed)
-            out = pass_attention(q, k, v, mask, self.head_dim ** -0.5)
-        else:
-            out = sdpa(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        out = sdpa(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 

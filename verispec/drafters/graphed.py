@@ -33,7 +33,6 @@ class PassCache(KVCache):
     def __init__(self, passes: StaticPasses) -> None:
         super().__init__()
         self.passes = passes
-        self.fixed = True
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values: [1, heads, ROWS, head_dim] -> the buffers [1, heads, capacity, head_dim]."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verispec.model.graphs import pass_attention, sdpa
+from verispec.model.graphs import sdpa
 from verispec.model.kv_cache import KVCache
 
 
@@ -93,11 +93,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
               mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of T new positions over `past` cached ones and themselves, causal unless mask
     [T, past + T] bool (True = attend) says otherwise, or a fixed-shape pass's additive float mask
-    over its whole key buffer (verispec.drafters.graphed). q: [batch, heads, T, head_dim];
+    over its whole key buffer (verispec.drafters.graphed; see graphs.sdpa). q: [batch, heads, T, head_dim];
     k, v: [batch, heads, past + T, head_dim] -> [batch, heads, T, head_dim]."""
     length = q.shape[2]
-    if mask is not None and mask.is_floating_point():  # plain products: SDPA's masked kernels are slow
-        return pass_attention(q, k, v, mask, q.shape[-1] ** -0.5)
     if mask is not None:
         return sdpa(q, k, v, attn_mask=mask)
     if past == 0:

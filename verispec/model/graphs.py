@@ -37,7 +37,12 @@ GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPB
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
-    """nn.functional.scaled_dot_product_attention, on a GPU without cuDNN's kernel (GPU_BACKENDS)."""
+    """nn.functional.scaled_dot_product_attention, on a GPU without cuDNN's kernel (GPU_BACKENDS).
+    An additive float mask is a fixed-shape pass's over its whole key buffer (verispec.drafters
+    .graphed; every other caller masks with bools): that goes through `pass_attention`."""
+    mask = options.get("attn_mask")
+    if mask is not None and mask.is_floating_point():
+        return pass_attention(q, k, v, mask, options.get("scale") or q.shape[-1] ** -0.5)
     if q.device.type != "cuda":
         return nn.functional.scaled_dot_product_attention(q, k, v, **options)
     with sdpa_kernel(GPU_BACKENDS):
