@@ -21,7 +21,7 @@ from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
-from verispec.drafters.graphed import ROWS, GraphedNet
+from verispec.drafters.graphed import ROWS
 from verispec.drafters.hybrid import LookupThenModel
 from verispec.drafters.learned import ReducedHead
 from verispec.drafters.ngram import PromptLookupDrafter
@@ -50,13 +50,10 @@ def drafter(model, kind: str, passes: bool, tree: TreeSettings | None = None) ->
         net = EagleNet(**eagle_settings(model), mid_layer=1 if kind == "mid-eagle" else None)
     for p in net.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    made = (Eagle3Drafter(model, net, vocab_ids, tree=tree) if kind == "eagle3"
-            else EagleDrafter(model, net, ReducedHead(model, vocab_ids), tree=tree))
-    assert (made.graphed is None) == (model.device.type == "cpu")  # a GPU's runs as passes
-    if passes and made.graphed is None:
-        made.graphed = GraphedNet(made.net, made.embed, model.device, model.dtype,
-                                  ("mid",) if made.hidden_layers else ())
-        made.cache = made.graphed.cache
+    forced = True if passes else None  # None: the device decides (a GPU's run as passes)
+    made = (Eagle3Drafter(model, net, vocab_ids, tree=tree, passes=forced) if kind == "eagle3"
+            else EagleDrafter(model, net, ReducedHead(model, vocab_ids), tree=tree, passes=forced))
+    assert (made.graphed is None) == (not passes and model.device.type == "cpu")
     return made
 
 

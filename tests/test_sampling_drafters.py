@@ -97,6 +97,9 @@ def drafter_factory(kind: str, target: torch.nn.Module):
             return lambda: LookupThenModel(PromptLookupDrafter(3, 1),
                                            EagleDrafter(target, net, ReducedHead(target, REDUCED)), 2)
         return lambda: EagleDrafter(target, net, ReducedHead(target, REDUCED), tree=tree)
+    if kind == "eagle-passes":  # EAGLE's network as a GPU runs it: fixed-shape passes (eager here)
+        net = _randomised(EagleNet(**eagle_settings(target)))
+        return lambda: EagleDrafter(target, net, ReducedHead(target, REDUCED), tree=tree, passes=True)
     if kind == "medusa":
         net = _randomised(MedusaNet(**medusa_settings(target, 3)))
         return lambda: MedusaDrafter(target, net, ReducedHead(target, REDUCED), tree, MEDUSA_RANKS)
@@ -138,7 +141,7 @@ def run(target, exact, kind: str, sampling: SamplingParams, skew: float, k: int 
     return sample_runs(engine, prompt, NEW, sampling, runs_for(exact(sampling, prompt), skew))
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "hydra", "mtp", "block"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle-passes", "eagle3", "medusa", "hydra", "mtp", "block"])
 @pytest.mark.parametrize("skew", POWER)
 def test_learned_drafters_sample_the_targets_distribution(target, exact, skew, kind):
     """Drafts drawn from each head's (block: each slot's) warped q, over a reduced vocabulary
@@ -150,7 +153,7 @@ def test_learned_drafters_sample_the_targets_distribution(target, exact, skew, k
     assert_follows(sampled, exact(SAMPLING), kind, skew)
 
 
-@pytest.mark.parametrize("kind", ["eagle-tree", "medusa-tree", "pld-tree"])
+@pytest.mark.parametrize("kind", ["eagle-tree", "eagle-passes-tree", "medusa-tree", "pld-tree"])
 @pytest.mark.parametrize("skew", POWER)
 def test_token_trees_sample_the_targets_distribution(target, exact, skew, kind):
     """Trees of sampled siblings (EAGLE: drawn without replacement) and deterministic ones (a

@@ -78,7 +78,10 @@ class EagleDrafter(Drafter):
     kind = "eagle"  # the trained drafter kind `load` reads
 
     def __init__(self, target: PreTrainedModel, net: nn.Module, head: ReducedHead | None,
-                 confidence_threshold: float | None = None, tree: TreeSettings | None = None) -> None:
+                 confidence_threshold: float | None = None, tree: TreeSettings | None = None,
+                 passes: bool | None = None) -> None:
+        """passes: run the network as fixed-shape passes (CUDA graphs on a GPU: drafters.graphed);
+        default: on a GPU only (the CPU tests force them to check them everywhere)."""
         self.net = packed_view(net.to(device=target.device, dtype=target.dtype).eval())
         self.embed = target.get_input_embeddings()
         self.head = head
@@ -87,10 +90,10 @@ class EagleDrafter(Drafter):
         self.real = 0  # positions in the cache built from the target's own hidden states
         # The target hands over its state after these layers too (see EagleNet's mid_layer).
         self.hidden_layers = () if getattr(net, "mid_layer", None) is None else (net.mid_layer,)
-        # On a GPU the network runs as fixed-shape passes over its own fixed cache, as CUDA graphs.
+        if passes is None:
+            passes = target.device.type == "cuda"
         self.graphed = (GraphedNet(self.net, self.embed, target.device, target.dtype,
-                                   ("mid",) if self.hidden_layers else ())
-                        if target.device.type == "cuda" else None)
+                                   ("mid",) if self.hidden_layers else ()) if passes else None)
         self.cache = KVCache() if self.graphed is None else self.graphed.cache
 
     @classmethod

@@ -180,9 +180,10 @@ class Eagle3Drafter(EagleDrafter):
     kind = "eagle3"
 
     def __init__(self, target: PreTrainedModel, net: Eagle3Net, vocab_ids: torch.Tensor,
-                 confidence_threshold: float | None = None, tree: TreeSettings | None = None) -> None:
+                 confidence_threshold: float | None = None, tree: TreeSettings | None = None,
+                 passes: bool | None = None) -> None:
         vocab_size = target.get_input_embeddings().num_embeddings
-        super().__init__(target, net, None, confidence_threshold, tree)
+        super().__init__(target, net, None, confidence_threshold, tree, passes)
         if len(vocab_ids) != net.lm_head.out_features or int(vocab_ids.max()) >= vocab_size:
             raise VerispecError(f"draft vocabulary of {len(vocab_ids)} ids does not fit a head of "
                                 f"{net.lm_head.out_features} rows and {vocab_size} target tokens")
