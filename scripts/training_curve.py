@@ -7,7 +7,9 @@ data's held-out split (DATA/held-out: prompts the training shards never saw; nev
 --max-new-tokens each, and records tau (tokens per target forward) and acceptance by draft
 position. Writes OUT/curve.json and OUT/curve.png (both against training tokens, log scale), and
 one drafter directory per size (OUT/SIZE). Resumable: a size already in curve.json is skipped.
---init starts every size from a trained drafter (a warm start: does new data add to old?).
+--init starts every size from a trained drafter (a warm start: does new data add to old?). The
+drafter of KIND shipped for the target, where one ships, is measured on the same prompts once
+(OUT/shipped.json) and drawn as a dashed line: the bar a retrained drafter must clear.
 
     python scripts/training_curve.py eagle3 --data runs/sharegpt-self --out runs/curve-eagle3 \\
         --sizes 30000 100000 300000 1000000 3000000 10000000
@@ -23,6 +25,7 @@ from pathlib import Path
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationStats
 from verispec.decoding.sequence import SequenceSpec
+from verispec.drafters.learned import shipped_drafter
 from verispec.methods import METHODS, build_engine
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.options import DraftOptions
@@ -44,7 +47,7 @@ def held_out_acceptance(target, method: str, drafter: Path, prompts: list[list[i
                                                          stats.reached_by_position)]}
 
 
-def plot(points: list[dict], kind: str, path: Path) -> None:
+def plot(points: list[dict], shipped: dict | None, kind: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -57,7 +60,12 @@ def plot(points: list[dict], kind: str, path: Path) -> None:
     for position in range(max(len(p["acceptance"]) for p in points)):
         right.plot(tokens, [p["acceptance"][position] if position < len(p["acceptance"]) else None
                             for p in points], marker="o", label=f"position {position + 1}")
-    right.set_ylabel("held-out acceptance")
+    if shipped is not None:
+        left.axhline(shipped["tau"], linestyle="--", color="grey", label="shipped")
+        left.legend()
+        for position, rate in enumerate(shipped["acceptance"][:3]):
+            right.axhline(rate, linestyle="--", color=f"C{position}", alpha=0.6)
+    right.set_ylabel("held-out acceptance (dashed: the shipped drafter)")
     right.set_ylim(0, 1)
     right.legend()
     for axis in (left, right):
@@ -87,12 +95,24 @@ def main() -> None:
     args = parser.parse_args()
     data, out = Path(args.data), Path(args.out)
     target = load_model(args.target)
-    method = next(m.name for m in METHODS.values() if m.trained_kind == args.kind)
+    # the method that runs the kind's drafter alone (eagle-pld also runs EAGLE's, behind lookup)
+    method = args.kind if args.kind in METHODS else next(
+        m.name for m in METHODS.values() if m.trained_kind == args.kind)
     _, sequences = load_dataset(data)
     _, held = load_dataset(data / HELD_OUT)
     prompts = [s.tokens[: s.prompt_len].tolist() for s in held[: args.count]]
     record = out / "curve.json"
     points = json.loads(record.read_text()) if record.is_file() else []
+    shipped, shipped_record = shipped_drafter(target.model, args.kind), out / "shipped.json"
+    reference = None
+    if shipped is not None:
+        if shipped_record.is_file():
+            reference = json.loads(shipped_record.read_text())
+        else:
+            reference = held_out_acceptance(target, method, shipped, prompts, args.max_new_tokens)
+            print(json.dumps({"shipped": reference}), flush=True)
+            out.mkdir(parents=True, exist_ok=True)
+            shipped_record.write_text(json.dumps(reference, indent=1))
     for size in sorted(args.sizes):
         if any(p["tokens"] == size for p in points):
             continue
@@ -107,7 +127,7 @@ def main() -> None:
         points = sorted(points + [point], key=lambda p: p["tokens"])
         out.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps(points, indent=1))
-        plot(points, args.kind, out / "curve.png")
+        plot(points, reference, args.kind, out / "curve.png")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters import auto as auto_module
 from verispec.drafters.auto import (
+    MARGIN,
     Acceptance,
     AutoDrafter,
     CostProfile,
@@ -88,6 +89,22 @@ def test_plain_decoding_when_nothing_pays():
     assert best_choice(costly, {"model": 0.99}, {"model": 8}).method is None
     useless = fake_profile(model=DrafterCost(0.0, 0.0))  # free, but never right
     assert best_choice(useless, {"model": 0.0}, {"model": 8}) == best_choice(useless, {}, {})
+
+
+def test_a_candidate_must_beat_plain_decoding_by_the_margin():
+    """A lookup modelled a hair faster than plain decoding is declined (the profile's noise is
+    larger than the gain); one modelled clear of the margin is taken."""
+    costs = fake_profile(lookup=DrafterCost(0.0, 0.0))  # T(2) = T(1): a kept token is all gain
+    plain = 1 / costs.forward_seconds(1)
+
+    def survival(gain: float) -> tuple[float, ...]:  # one token kept this often: (1 + gain) plain
+        return (gain,)
+
+    hair = best_choice(costs, {"lookup": survival(MARGIN / 2)}, {"lookup": 1})
+    assert hair.method is None and hair.tokens_per_second == pytest.approx(plain)
+    clear = best_choice(costs, {"lookup": survival(2 * MARGIN)}, {"lookup": 1})
+    assert (clear.method, clear.k) == ("lookup", 1)
+    assert clear.tokens_per_second == pytest.approx((1 + 2 * MARGIN) * plain)
 
 
 def test_the_best_drafter_and_k_by_rate():

@@ -50,6 +50,11 @@ PRIOR_WEIGHT = 1.0  # the prior counts as this many refusals (and the accepted t
 MOST_PRIOR = 0.97  # a prior above this is taken as this: a few refusals then tell
 LOOKUP_PRIOR = 0.5  # acceptance assumed for a lookup's drafts before any were judged
 MODEL_PRIOR = 0.7  # ... for a model drafter's, where the profile measured none
+# How much more a candidate's modelled rate must be than plain decoding's for auto to speculate:
+# the profile's T(rows) move by a few percent between runs of one machine (docs/tuning.md), so a
+# step modelled a hair above plain decoding is as likely a loss; declining it costs at most this
+# share of such steps, and keeps auto from decoding slower than `ar` on text where nothing pays.
+MARGIN = 0.03
 
 
 @dataclass(frozen=True)
@@ -132,7 +137,8 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
     `whole`) with the most expected tokens per second for each of `batch` sequences sharing the
     target pass; plain decoding when none beats it. acceptance: name -> a per-token rate or a
     survival curve (expected_by_length). slowdown: name -> how much longer its drafting has taken
-    than the profile says (default 1).
+    than the profile says (default 1). A candidate displaces plain decoding only where its rate
+    beats plain decoding's by MARGIN.
 
     >>> profile = CostProfile((0.010, 0.011, 0.012, 0.013), 300, 1e4, {
     ...     "lookup": DrafterCost(0.0, 0.0), "model": DrafterCost(0.0, 0.008)})
@@ -142,7 +148,8 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
     >>> best_choice(profile, {"model": 0.5}, {"model": 3}).method is None
     True
     """
-    best = Choice(None, 0, batch / profile.forward_seconds(batch))
+    plain = Choice(None, 0, batch / profile.forward_seconds(batch))
+    best = replace(plain, tokens_per_second=plain.tokens_per_second * (1 + MARGIN))
     for name, limit in limits.items():
         cost = profile.drafters[name]
         for k in (limit,) if name in whole else range(1, limit + 1):
@@ -151,7 +158,7 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
             rate = expected_by_length(acceptance[name], k) / seconds
             if rate > best.tokens_per_second:
                 best = Choice(name, k, rate)
-    return best
+    return plain if best.method is None else best
 
 
 class Acceptance:
