@@ -253,13 +253,23 @@ MUTANTS = (
            ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each",
             "tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps"),
            "a block's rows attend with a scale one ulp off a one-token step's"),
-    Mutant("row-kernel-avx2-lone-row-unfused", "verispec/model/kernels/rows.cpp",
-           "          __m256 a0 = _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), ",
-           "          __m256 a0 = rows == 1 ? _mm256_add_ps(_mm256_mul_ps(lo, s0), _mm256_load_ps(a))"
+    Mutant("row-kernel-avx2-first-row-unfused", "verispec/model/kernels/rows.cpp",
+           "  __m256 a0 = _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), ",
+           "  __m256 a0 = at == 0 ? _mm256_add_ps(_mm256_mul_ps(lo, s0), _mm256_load_ps(a))"
            " : _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), ",
            ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits",
             f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx2]"),
-           "the AVX2 class rounds a lone row's scaled sum apart from its add (a block's: one FMA)"),
+           "the AVX2 class rounds a block's first row's scaled sum apart from its add (the rest: one FMA)"),
+    Mutant("row-kernel-avx2-four-rows-even-first", "verispec/model/kernels/rows.cpp",
+           "        a[r][0] = _mm256_fmadd_ps(w2, x1, a[r][0]);\n"
+           "        a[r][1] = _mm256_fmadd_ps(w3, x1, a[r][1]);\n"
+           "        a[r][0] = _mm256_fmadd_ps(w0, x0, a[r][0]);\n",
+           "        a[r][0] = _mm256_fmadd_ps(w0, x0, a[r][0]);\n"
+           "        a[r][1] = _mm256_fmadd_ps(w3, x1, a[r][1]);\n"
+           "        a[r][0] = _mm256_fmadd_ps(w2, x1, a[r][0]);\n",
+           ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits",
+            f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx2]"),
+           "the AVX2 class's four-row blocks add a pair's even product first (a lone row: odd first)"),
     Mutant("row-attention-avx2-block-scale", "verispec/model/kernels/rows.cpp",
            "                              static_cast<float>(scale), scores.data(), os[b]);",
            "                              n > 1 ? std::nextafter(static_cast<float>(scale), 1.0f)"

@@ -304,7 +304,9 @@ AVX512_BF16 void dense_tiles(const uint16_t* xb, int64_t M, int64_t K, const uin
 // trees of _mm512_reduce_add_ps and lane_sums. (vdpbf16ps also reads subnormal inputs as zero and
 // flushes subnormal sums: the conversion to bfloat16 here does the first; the second, sums under
 // 1e-38, is not reproduced.) A 16-output tile is two 8-lane halves; weights are unpacked to float32
-// once per tile and group into a buffer in L1, then applied to every row.
+// once per tile and group into a buffer in L1, then applied to every row, four rows at a time
+// (dot_block_avx2: each row's instructions in a lone row's order, so its bits do not depend on
+// whether it came in a block of four).
 
 // x [M, K] (float32 or bfloat16) -> its values rounded to bfloat16 (nearest even, subnormals to
 // zero: _mm512_cvtneps_pbh's rounding), as float32.
@@ -395,6 +397,58 @@ AVX2 inline void dot_rows_avx2(const float* wf, const float* x, __m256& lo, __m2
   hi = _mm256_add_ps(_mm256_add_ps(c[0][1], c[1][1]), _mm256_add_ps(c[2][1], c[3][1]));
 }
 
+// dot_rows_avx2 for R rows at once, each row's sums the same instructions in the same order (so
+// the same bits): one chain at a time, its weights loaded once for the R rows. One row at a time
+// loads six values (four weight vectors, two inputs) per four FMAs, which bounds it by loads;
+// four rows load twelve per sixteen. (For fewer rows the chains interleave: dot_rows_avx2.)
+template <int P, int R>
+AVX2 inline void dot_block_avx2(const float* wf, const float* const* xs, __m256* lo, __m256* hi) {
+  __m256 c[4][R][2];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    __m256 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int i = k; i < P; i += 4) {
+      const float* w = wf + i * 32;
+      const __m256 w0 = _mm256_load_ps(w), w1 = _mm256_load_ps(w + 8);
+      const __m256 w2 = _mm256_load_ps(w + 16), w3 = _mm256_load_ps(w + 24);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 x1 = _mm256_broadcast_ss(xs[r] + 2 * i + 1), x0 = _mm256_broadcast_ss(xs[r] + 2 * i);
+        a[r][0] = _mm256_fmadd_ps(w2, x1, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(w3, x1, a[r][1]);
+        a[r][0] = _mm256_fmadd_ps(w0, x0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(w1, x0, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) c[k][r][0] = a[r][0], c[k][r][1] = a[r][1];
+  }
+  for (int r = 0; r < R; ++r) {
+    lo[r] = _mm256_add_ps(_mm256_add_ps(c[0][r][0], c[1][r][0]), _mm256_add_ps(c[2][r][0], c[3][r][0]));
+    hi[r] = _mm256_add_ps(_mm256_add_ps(c[0][r][1], c[1][r][1]), _mm256_add_ps(c[2][r][1], c[3][r][1]));
+  }
+}
+
+constexpr int64_t AVX2_BLOCK = 4;  // rows dot_block_avx2 takes at once
+
+// A row's tile-group sums into its accumulators a [16]: a += sum * scale (+ sum(x) * min).
+template <bool MINS>
+AVX2 inline void scale_into_avx2(float* a, __m256 lo, __m256 hi, __m256 s0, __m256 s1, __m256 m0,
+                                 __m256 m1, const float* row_sums, int64_t at) {
+  __m256 a0 = _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), a1 = _mm256_fmadd_ps(hi, s1, _mm256_load_ps(a + 8));
+  if constexpr (MINS) {
+    const __m256 sum = _mm256_set1_ps(row_sums[at]);
+    a0 = _mm256_fmadd_ps(sum, m0, a0), a1 = _mm256_fmadd_ps(sum, m1, a1);
+  }
+  _mm256_store_ps(a, a0), _mm256_store_ps(a + 8, a1);
+}
+
+AVX2 inline void add_into_avx2(float* a, __m256 lo, __m256 hi) {
+  _mm256_store_ps(a, _mm256_add_ps(_mm256_load_ps(a), lo));
+  _mm256_store_ps(a + 8, _mm256_add_ps(_mm256_load_ps(a + 8), hi));
+}
+
 // Sixteen codes of one pair register (bytes 2j + e of `bytes`, j = 0..7 per 16 bytes) -> wf's
 // [2][16] float32 for that pair; NIBBLES: the low nibbles for `pair` and the high for `pair + 1`.
 template <bool NIBBLES>
@@ -451,16 +505,20 @@ AVX2 void codes_tiles_avx2(const float* xf, const float* xsum, int64_t M, int64_
         const __m256 s0 = load_scales_avx2<HALF>(scales, tg * TILE), s1 = load_scales_avx2<HALF>(scales, tg * TILE + 8);
         __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
         if constexpr (MINS) m0 = load_scales_avx2<HALF>(mins, tg * TILE), m1 = load_scales_avx2<HALF>(mins, tg * TILE + 8);
-        for (int64_t r = 0; r < rows; ++r) {
+        const float* row_sums = MINS ? xsum + r0 * groups + g : nullptr;  // row r's: [r * groups]
+        int64_t r = 0;
+        for (; r + AVX2_BLOCK <= rows; r += AVX2_BLOCK) {
+          const float* xs[AVX2_BLOCK];
+          for (int64_t b = 0; b < AVX2_BLOCK; ++b) xs[b] = xf + (r0 + r + b) * K + g * G;
+          __m256 lo[AVX2_BLOCK], hi[AVX2_BLOCK];
+          dot_block_avx2<P, AVX2_BLOCK>(wf, xs, lo, hi);
+          for (int64_t b = 0; b < AVX2_BLOCK; ++b)
+            scale_into_avx2<MINS>(acc + (r + b) * TILE, lo[b], hi[b], s0, s1, m0, m1, row_sums, (r + b) * groups);
+        }
+        for (; r < rows; ++r) {
           __m256 lo, hi;
           dot_rows_avx2<P>(wf, xf + (r0 + r) * K + g * G, lo, hi);
-          float* a = acc + r * TILE;
-          __m256 a0 = _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), a1 = _mm256_fmadd_ps(hi, s1, _mm256_load_ps(a + 8));
-          if constexpr (MINS) {
-            const __m256 sum = _mm256_set1_ps(xsum[(r0 + r) * groups + g]);
-            a0 = _mm256_fmadd_ps(sum, m0, a0), a1 = _mm256_fmadd_ps(sum, m1, a1);
-          }
-          _mm256_store_ps(a, a0), _mm256_store_ps(a + 8, a1);
+          scale_into_avx2<MINS>(acc + r * TILE, lo, hi, s0, s1, m0, m1, row_sums, r * groups);
         }
       }
       for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (r0 + r) * N + t * TILE, acc + r * TILE, TILE * 4);
@@ -510,12 +568,18 @@ AVX2 void dense_tiles_avx2(const float* xf, int64_t M, int64_t K, const uint16_t
             _mm256_store_ps(wf + 32 * p + 16 + 8 * half, _mm256_castsi256_ps(_mm256_and_si256(v, top)));
           }
         }
-        for (int64_t r = 0; r < rows; ++r) {
+        int64_t r = 0;
+        for (; r + AVX2_BLOCK <= rows; r += AVX2_BLOCK) {
+          const float* xs[AVX2_BLOCK];
+          for (int64_t b = 0; b < AVX2_BLOCK; ++b) xs[b] = xf + (r0 + r + b) * K + c * 32;
+          __m256 lo[AVX2_BLOCK], hi[AVX2_BLOCK];
+          dot_block_avx2<P, AVX2_BLOCK>(wf, xs, lo, hi);
+          for (int64_t b = 0; b < AVX2_BLOCK; ++b) add_into_avx2(acc + (r + b) * TILE, lo[b], hi[b]);
+        }
+        for (; r < rows; ++r) {
           __m256 lo, hi;
           dot_rows_avx2<P>(wf, xf + (r0 + r) * K + c * 32, lo, hi);
-          float* a = acc + r * TILE;
-          _mm256_store_ps(a, _mm256_add_ps(_mm256_load_ps(a), lo));
-          _mm256_store_ps(a + 8, _mm256_add_ps(_mm256_load_ps(a + 8), hi));
+          add_into_avx2(acc + r * TILE, lo, hi);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
