@@ -8,6 +8,7 @@ running this in a clone of the parent and in the working tree, alternately (docs
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 from functools import partial
@@ -33,6 +34,9 @@ def least_seconds(call: Callable[[], object], calls: int, rounds: int = 9) -> fl
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9, help="rounds per figure; the least is kept")
+    args = parser.parse_args()
     torch.manual_seed(0)
     print(f"class: {choice().name}")
     for out_features, in_features in SHAPES:
@@ -43,7 +47,8 @@ def main() -> None:
         calls = 10 if out_features > 10_000 else 100
         for rows in ROWS:
             x = torch.randn(rows, in_features)
-            times = [least_seconds(partial(product, x), calls) * 1e6 for product in (codes, dense)]
+            times = [least_seconds(partial(product, x), calls, args.rounds) * 1e6
+                     for product in (codes, dense)]
             print(f"{out_features}x{in_features} rows {rows:2d}: 4-bit {times[0]:7.0f} us  "
                   f"bfloat16 {times[1]:7.0f} us", flush=True)
 
