@@ -65,7 +65,7 @@ def plot(points: list[dict], shipped: dict | None, kind: str, path: Path) -> Non
         left.legend()
         for position, rate in enumerate(shipped["acceptance"][:3]):
             right.axhline(rate, linestyle="--", color=f"C{position}", alpha=0.6)
-    right.set_ylabel("held-out acceptance (dashed: the shipped drafter)")
+    right.set_ylabel("held-out acceptance (dashed: shipped)")
     right.set_ylim(0, 1)
     right.legend()
     for axis in (left, right):
