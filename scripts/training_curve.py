@@ -22,6 +22,7 @@ import json
 import math
 from pathlib import Path
 
+from verispec.core.files import write_json
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationStats
 from verispec.decoding.sequence import SequenceSpec
@@ -112,7 +113,7 @@ def main() -> None:
             reference = held_out_acceptance(target, method, shipped, prompts, args.max_new_tokens)
             print(json.dumps({"shipped": reference}), flush=True)
             out.mkdir(parents=True, exist_ok=True)
-            shipped_record.write_text(json.dumps(reference, indent=1))
+            write_json(shipped_record, reference)
     for size in sorted(args.sizes):
         if any(p["tokens"] == size for p in points):
             continue
@@ -126,7 +127,7 @@ def main() -> None:
         print(json.dumps(point), flush=True)
         points = sorted(points + [point], key=lambda p: p["tokens"])
         out.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps(points, indent=1))
+        write_json(record, points)
         plot(points, reference, args.kind, out / "curve.png")
 
 
