@@ -341,6 +341,12 @@ MUTANTS = (
            "best = plain",
            ("tests/test_auto.py::test_a_candidate_must_beat_plain_decoding_by_the_margin",),
            "auto speculates wherever its model puts a candidate a hair above plain decoding"),
+    Mutant("auto-prices-a-seeded-sequence-by-the-load", "verispec/drafters/auto.py",
+           "slowdown = None if request.seeded else self.slowdown", "slowdown = self.slowdown",
+           ("tests/test_auto.py::test_a_seeded_sequence_is_priced_by_the_profile_alone",
+            "tests/test_auto.py::test_a_seed_pins_autos_sampled_output_whatever_the_load"),
+           "a seeded sequence's choices follow the slowdown learnt from wall time: the seed no "
+           "longer pins the sampled output"),
     Mutant("graphed-drafter-pass-drops-values", "verispec/drafters/graphed.py",
            "        self.values.index_copy_(2, self.passes.slots, values)\n", "",
            ("tests/test_graphed_drafters.py::test_passes_compute_what_the_network_computes",),

@@ -509,6 +509,47 @@ def test_a_drafter_priced_out_by_a_stretch_of_load_comes_back():
     assert plain > 10 and auto.slowdown["model"] < 100
 
 
+class Slow(Drafter):
+    """A model drafter that drafts ones, 5 ms a proposal: far above a profile's 1 ms a token."""
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        time.sleep(0.005)
+        return Proposal(torch.ones(request.k, dtype=torch.int64))
+
+
+def test_a_seeded_sequence_is_priced_by_the_profile_alone():
+    """A seeded sequence's choices do not follow wall time: a slowdown learnt under load is not
+    applied to it, and its own steps, however slow, teach none; an unseeded one's do both."""
+    costs = fake_profile(4, model=DrafterCost(0.0, 0.001, 0.9))
+    auto = AutoDrafter(costs, {}, {"model": Slow()}, {"model": 3}, PLAIN)
+    seeded, unseeded = (DraftRequest(torch.zeros(10, dtype=torch.int64), 3, SamplingParams(), None,
+                                     seeded=flag) for flag in (True, False))
+    for _ in range(3):
+        assert auto.propose(seeded).choice == ("model", 3)
+        auto.commit(3)
+    assert auto.slowdown["model"] == 1.0
+    assert auto.propose(unseeded).choice == ("model", 3)
+    auto.commit(3)
+    assert auto.slowdown["model"] > 1.2  # 5 ms taken where 3 were predicted, weighed in by half
+    auto.slowdown["model"] = 100.0
+    assert auto.propose(unseeded).choice == (PLAIN, 0)
+    auto.commit(0)
+    assert auto.propose(seeded).choice == ("model", 3)
+
+
+def test_a_seed_pins_autos_sampled_output_whatever_the_load(loaded):
+    """Two seeded sampling runs, one after auto learnt that the self-drafter runs a hundred times
+    slower than profiled (as under a passing load), choose alike and sample the same tokens."""
+    costs = fake_profile(4, pld=DrafterCost(0.1, 0.0), suffix=DrafterCost(0.1, 0.0),
+                         **{"self-int8": DrafterCost(0.0, 0.0001, 0.9)})
+    spec = SequenceSpec(PROMPTS[1], StoppingRules.build(NEW), SamplingParams(True, 0.9), seed=7)
+    calm, loaded_down = auto_engine(loaded, costs), auto_engine(loaded, costs)
+    loaded_down.drafter.slowdown["self-int8"] = 100.0
+    first, second = calm.generate(spec), loaded_down.generate(spec)
+    assert methods_chosen([first]) == {"self-int8"}
+    assert first.token_ids == second.token_ids and first.stats.choices == second.stats.choices
+
+
 def test_a_copy_in_the_targets_own_format_is_no_candidate():
     """On a 4-bit target, self-int4 would draft at a target forward a token: not a candidate."""
     tiny = tiny_llama(hidden=64)

@@ -43,7 +43,6 @@ import verispec.methods as registry
 from tests.serving import LiveServer
 from verispec.cli import main
 from verispec.core.errors import VerispecError
-from verispec.drafters import auto as auto_module
 from verispec.drafters.auto import CostProfile, DrafterCost
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import METHODS, PLAIN, Needs
@@ -70,17 +69,12 @@ def test_the_matrix_covers_every_method_target_decoding_and_door():
 
 @pytest.fixture(scope="module", autouse=True)
 def paying_costs():
-    """auto's profile: a forward that costs the same at any width, cheap good drafters; and its
-    learnt slowdown held at 1. auto prices a self-drafter by the wall time its drafting takes
-    against the profile's, so on a busy machine two seeded runs may choose differently and sample
-    differently (2026-11-27: the server's seeded `auto` run once differed from the API's on the
-    int4 target); this matrix checks that every door gives one seed's output, so it holds the
-    timing still."""
+    """auto's profile: a forward that costs the same at any width, cheap good drafters (a seeded
+    run is priced by the profile alone, so every door gives one seed's output)."""
     def costs(target, drafters, limits, refresh=False):
         return CostProfile((0.01,) * 17, 300, 1e4, {name: DrafterCost(0.0, 0.0001, 0.9) for name in drafters})
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(registry, "cost_profile", costs)
-        patch.setattr(auto_module, "COST_DECAY", 1.0)  # slowdown = 1.0 * slowdown: stays 1
         yield
 
 

@@ -102,6 +102,7 @@ class Row:
         self.policy = copy.deepcopy(speculation.policy)
         self.sampling, self.logprobs = spec.sampling, spec.logprobs
         self.generator = torch.Generator(device=device)
+        self.seeded = spec.seed is not None
         if spec.seed is None:
             self.generator.seed()
         else:  # as torch reads seeds < 0; seed + i may pass 2**64
@@ -158,7 +159,7 @@ class Row:
             return None
         hidden = None if self.hidden is None else self.hidden[: self.length - 1]
         return DraftRequest(self.buffer[: self.length], k, self.sampling, self.generator, hidden, room,
-                            batch)
+                            batch, self.seeded)
 
     def take(self, proposal: Proposal | None, seconds: float, vocab_size: int) -> None:
         """This step's draft (None: the drafter was not asked) and the seconds it took."""

@@ -257,6 +257,7 @@ class AutoDrafter(Drafter):
         # sequence), and whether this step's proposal caught up on a stretch it sat out
         self.fed: dict[str, int | None] = {name: None for name in self.models}
         self.caught_up = False
+        self.timed = True  # whether this step's drafting time counts (not in a seeded sequence)
         # lookups' offers not wholly judged yet: (name, where the draft starts in the context,
         # draft, how many of its positions are counted already)
         self.pending: list[tuple[str, int, list[int], int]] = []
@@ -296,7 +297,10 @@ class AutoDrafter(Drafter):
         limits |= {name: min(request.k, self.limits[name]) for name in self.models}
         rates: dict[str, float | tuple[float, ...]] = {name: self.survival[name].curve for name in drafts}
         rates |= {name: self.acceptance[name].rate for name in self.models}
-        choice = best_choice(self.profile, rates, limits, request.batch, self.slowdown, drafts)
+        # a seeded sequence is priced by the profile alone: its output must not follow the load
+        slowdown = None if request.seeded else self.slowdown
+        choice = best_choice(self.profile, rates, limits, request.batch, slowdown, drafts)
+        self.timed = not request.seeded
         self.chosen = choice.method
         context = request.tokens.shape[0]
         self.pending += [(name, context, proposal.tokens.tolist(), 0) for name, proposal in drafts.items()]
@@ -327,7 +331,7 @@ class AutoDrafter(Drafter):
             self.acceptance[self.chosen].observe(self.drafted, num_accepted)
         # A step that caught up on a stretch the drafter sat out is no measure of its pace: counted,
         # it would price the drafter out, and the stretches it sits out would grow.
-        if self.chosen in self.models and self.drafted and not self.caught_up:
+        if self.chosen in self.models and self.drafted and not self.caught_up and self.timed:
             taken = self.spent + time.perf_counter() - started
             predicted = self.profile.drafters[self.chosen].seconds(self.drafted)
             self.slowdown[self.chosen] = (COST_DECAY * self.slowdown[self.chosen]

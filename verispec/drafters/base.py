@@ -50,6 +50,9 @@ class DraftRequest:
     # Only drafters that declare `uses_room` (a prediction, a grammar's forced tokens) go past k.
     room: int | None = None
     batch: int = 1  # sequences sharing this step's target pass (the verify cost grows with them)
+    # The sequence has a seed: a drafter decides by the tokens alone, never by wall time, so the
+    # seed pins a sampled output (a choice that followed the machine's load would move it).
+    seeded: bool = False
 
     @property
     def limit(self) -> int:
