@@ -347,6 +347,11 @@ MUTANTS = (
             "tests/test_auto.py::test_a_seed_pins_autos_sampled_output_whatever_the_load"),
            "a seeded sequence's choices follow the slowdown learnt from wall time: the seed no "
            "longer pins the sampled output"),
+    Mutant("data-engine-windows-shortest-first", "verispec/training/data_engine.py",
+           "        rng.shuffle(batches)\n", "        pass\n",
+           ("tests/test_data_engine.py::test_training_batches_are_cut_from_length_sorted_windows",),
+           "a sorted window's batches come shortest first: a prefix of the shards (a smaller "
+           "--tokens, a training curve's first point) holds only short exchanges"),
     Mutant("graphed-drafter-pass-drops-values", "verispec/drafters/graphed.py",
            "        self.values.index_copy_(2, self.passes.slots, values)\n", "",
            ("tests/test_graphed_drafters.py::test_passes_compute_what_the_network_computes",),

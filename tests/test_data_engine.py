@@ -115,6 +115,30 @@ def test_a_killed_build_resumes_where_it_stopped(loaded, corpus, tmp_path, monke
     assert built and reply_tokens(out) >= 400 and not set(built) & before
 
 
+def test_training_batches_are_cut_from_length_sorted_windows(loaded, corpus):
+    """Each window's exchanges, sorted by length, make its batches (less padding), in a seeded
+    order; the same exchanges as the seeded order's, none lost or doubled."""
+    exchanges = read_jsonl(corpus)
+    plain = list(engine_module._batches(loaded, exchanges, "teacher", 4, 12, 512))
+    windowed = list(engine_module._batches(loaded, exchanges, "teacher", 4, 12, 512, window=3, seed=5))
+    assert sorted(map(sorted, plain)) != sorted(map(sorted, windowed))  # other batches...
+    assert sorted(p for b in plain for p in b) == sorted(p for b in windowed for p in b)  # ...same pairs
+
+    def width(batch):
+        return max(len(p) + len(r) for p, r in batch)
+
+    assert sum(map(width, windowed)) < sum(map(width, plain))
+    for start in range(0, len(windowed), 3):  # a window's batches hold disjoint length ranges
+        spans = sorted((min(len(p) + len(r) for p, r in b), width(b)) for b in windowed[start: start + 3])
+        assert all(low[1] <= high[0] for low, high in zip(spans, spans[1:]))
+    orders = [[width(b) for b in windowed[:3]],
+              [width(b) for b in engine_module._batches(loaded, exchanges, "teacher", 4, 12, 512,
+                                                         window=3, seed=6)][:3]]
+    assert orders[0] != sorted(orders[0]) or orders[1] != sorted(orders[1])  # not shortest first
+    assert windowed == list(engine_module._batches(loaded, exchanges, "teacher", 4, 12, 512,
+                                                   window=3, seed=5))  # resumable: seeded
+
+
 def test_teacher_forcing_needs_replies_and_other_settings_need_another_directory(loaded, corpus, tmp_path):
     with pytest.raises(VerispecError, match="teacher forcing reads the source's replies"):
         build_data(loaded, tmp_path / "t", "templates", "teacher", 10, exit_layer=1)

@@ -10,7 +10,10 @@ OUT holds the training shards (the layout of verispec.training.data: they stream
 memory maps, so data larger than memory trains) and OUT/held-out the held-out split, drawn from
 prompts the training shards never see. A shard is one batch of a fixed, seeded order of the
 source's exchanges: a killed build resumes at the first missing shard, and a larger --tokens
-adds shards to a finished one.
+adds shards to a finished one. The training split's batches are cut from windows of SORT_WINDOW
+batches sorted by length (a right-padded forward pays for its longest row: ShareGPT's lengths
+padded 37% away in seeded order), in a seeded order within each window, so any prefix of the
+shards still mixes long and short exchanges; the held-out split keeps the seeded order.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from verispec.training.sources import Exchange, read_source, source_id
 
 MODES = ("self", "teacher")
 HELD_OUT = "held-out"  # the held-out split's directory inside the data directory
+SORT_WINDOW = 16  # batches whose exchanges are sorted by length together (the training split)
 
 
 def build_data(target: LoadedModel, out_dir: str | Path, source: str, mode: str = "self",
@@ -51,7 +55,7 @@ def build_data(target: LoadedModel, out_dir: str | Path, source: str, mode: str 
     budgets = {HELD_OUT: max(1, int(tokens * held_out)), "train": tokens}
     settings = {"source": source_id(source), "mode": mode, "held_out": held_out,
                 "batch_size": batch_size, "max_new_tokens": max_new_tokens,
-                "max_prompt_tokens": max_prompt_tokens, "seed": seed}
+                "max_prompt_tokens": max_prompt_tokens, "seed": seed, "sort_window": SORT_WINDOW}
     out = Path(out_dir)
     if (out / "meta.json").is_file():  # data with other settings is refused before any work
         start_directory(target, out, exit_layer, settings, aux_layers)
@@ -65,7 +69,9 @@ def build_data(target: LoadedModel, out_dir: str | Path, source: str, mode: str 
     start_directory(target, out / HELD_OUT, exit_layer, settings, aux_layers)
     splits = dict(zip((HELD_OUT, "train"), split_exchanges(exchanges, held_out, seed)))
     for split, directory in ((HELD_OUT, out / HELD_OUT), ("train", out)):
-        batches = _batches(target, splits[split], mode, batch_size, max_new_tokens, max_prompt_tokens)
+        window = SORT_WINDOW if split == "train" else 1
+        batches = _batches(target, splits[split], mode, batch_size, max_new_tokens,
+                           max_prompt_tokens, window, seed)
         _fill(target, directory, batches, budgets[split], mode, max_new_tokens, exit_layer,
               aux_layers, f"{mode} data ({split})")
     return out
@@ -85,22 +91,38 @@ def split_exchanges(exchanges: list[Exchange], held_out: float,
 
 
 def _batches(target: LoadedModel, exchanges: list[Exchange], mode: str, batch_size: int,
-             max_new_tokens: int, max_prompt_tokens: int) -> Iterator[list[tuple[list[int], list[int]]]]:
-    """Batches of (prompt ids, reply ids) in the exchanges' order (reply ids [] in self mode);
-    prompts over max_prompt_tokens are left out."""
-    batch: list[tuple[list[int], list[int]]] = []
+             max_new_tokens: int, max_prompt_tokens: int, window: int = 1,
+             seed: int = 0) -> Iterator[list[tuple[list[int], list[int]]]]:
+    """Batches of (prompt ids, reply ids) (reply ids [] in self mode): each `window` batches'
+    worth of the exchanges, in their order, sorted by length and cut into batches, which come in
+    a seeded order (window 1: the exchanges' own order). Prompts over max_prompt_tokens are left
+    out."""
+    rng = random.Random(seed)
+    pending: list[tuple[list[int], list[int]]] = []
     for x in exchanges:
         prompt = encode_prompt(target, x.prompt, chat=None)
         reply = [] if mode == "self" else target.tokenizer(
             x.reply, add_special_tokens=False)["input_ids"][:max_new_tokens]
         if len(prompt) > max_prompt_tokens or (mode == "teacher" and not reply):
             continue
-        batch.append((prompt, reply))
-        if len(batch) == batch_size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+        pending.append((prompt, reply))
+        if len(pending) == window * batch_size:
+            yield from _cut(pending, batch_size, window, rng)
+            pending = []
+    if pending:
+        yield from _cut(pending, batch_size, window, rng)
+
+
+def _cut(pairs: list[tuple[list[int], list[int]]], batch_size: int, window: int,
+         rng: random.Random) -> list[list[tuple[list[int], list[int]]]]:
+    """One window's pairs as batches: sorted by length (a stable sort: ties keep their order),
+    then the batches shuffled by rng (window 1: as they came)."""
+    if window > 1:
+        pairs = sorted(pairs, key=lambda pair: len(pair[0]) + len(pair[1]))
+    batches = [pairs[i: i + batch_size] for i in range(0, len(pairs), batch_size)]
+    if window > 1:
+        rng.shuffle(batches)
+    return batches
 
 
 def _fill(target: LoadedModel, directory: Path, batches: Iterator, budget: int, mode: str,
