@@ -348,7 +348,7 @@ MUTANTS = (
            "a seeded sequence's choices follow the slowdown learnt from wall time: the seed no "
            "longer pins the sampled output"),
     Mutant("data-engine-windows-shortest-first", "verispec/training/data_engine.py",
-           "        rng.shuffle(batches)\n", "        pass\n",
+           "    rng.shuffle(batches)\n", "",
            ("tests/test_data_engine.py::test_training_batches_are_cut_from_length_sorted_windows",),
            "a sorted window's batches come shortest first: a prefix of the shards (a smaller "
            "--tokens, a training curve's first point) holds only short exchanges"),

@@ -116,12 +116,12 @@ def _batches(target: LoadedModel, exchanges: list[Exchange], mode: str, batch_si
 def _cut(pairs: list[tuple[list[int], list[int]]], batch_size: int, window: int,
          rng: random.Random) -> list[list[tuple[list[int], list[int]]]]:
     """One window's pairs as batches: sorted by length (a stable sort: ties keep their order),
-    then the batches shuffled by rng (window 1: as they came)."""
-    if window > 1:
-        pairs = sorted(pairs, key=lambda pair: len(pair[0]) + len(pair[1]))
-    batches = [pairs[i: i + batch_size] for i in range(0, len(pairs), batch_size)]
-    if window > 1:
-        rng.shuffle(batches)
+    then the batches shuffled by rng (window 1: the one batch as it came)."""
+    if window == 1:
+        return [pairs]
+    ordered = sorted(pairs, key=lambda pair: len(pair[0]) + len(pair[1]))
+    batches = [ordered[i: i + batch_size] for i in range(0, len(ordered), batch_size)]
+    rng.shuffle(batches)
     return batches
 
 
