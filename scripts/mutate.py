@@ -327,8 +327,8 @@ MUTANTS = (
            "auto scores a lookup's offer before the committed text has decided it (a kept tail "
            "counted as refused)"),
     Mutant("auto-prices-a-catch-up-as-pace", "verispec/drafters/auto.py",
-           "if self.chosen in self.models and self.drafted and not self.caught_up:",
-           "if self.chosen in self.models and self.drafted:",
+           "if self.chosen in self.models and self.drafted and not self.caught_up and self.timed:",
+           "if self.chosen in self.models and self.drafted and self.timed:",
            ("tests/test_auto.py::test_catching_up_after_sitting_out_is_not_taken_for_the_drafters_pace",),
            "auto counts a self-drafter's catching up on a stretch it sat out as its pace"),
     Mutant("auto-never-forgives-a-slow-stretch", "verispec/drafters/auto.py",
@@ -381,7 +381,8 @@ MUTANTS = (
 
 
 def check_searches(mutants: tuple[Mutant, ...], root: Path) -> None:
-    """Exit with a list of every mutant whose search text is not exactly once in its file."""
+    """Exit with a list of every mutant whose search text is not exactly once in its file, or whose
+    guarding test is gone (a renamed test would make the mutant survive for the wrong reason)."""
     problems = []
     for m in mutants:
         path = root / m.path
@@ -392,6 +393,13 @@ def check_searches(mutants: tuple[Mutant, ...], root: Path) -> None:
         if count != 1:
             problems.append(f"{m.name}: search text found {count} times in {m.path} (must be once): "
                             f"{m.search!r}")
+        for test in m.tests:
+            file, _, name = test.partition("::")
+            test_path = root / file
+            missing = not test_path.is_file() or (
+                name and f"def {name.split('[')[0]}(" not in test_path.read_text())
+            if missing:
+                problems.append(f"{m.name}: guarding test {test} does not exist")
     if problems:
         sys.exit("mutants out of date with the code (update MUTANTS in scripts/mutate.py):\n  "
                  + "\n  ".join(problems))
@@ -454,6 +462,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", action="append", metavar="NAME", help="run only these mutants")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that each mutant's code and guarding tests still exist")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up the copy, stop pytest
@@ -468,6 +478,9 @@ def main() -> int:
             print(f"{m.name}: {m.bug}\n    {m.path}\n    guarded by {', '.join(m.tests)}")
         return 0
     check_searches(mutants, ROOT)
+    if args.check:
+        print(f"{len(mutants)} mutants: each search text found once, each guarding test exists")
+        return 0
     with tempfile.TemporaryDirectory(prefix="verispec-mutate-") as tmp:
         copy = Path(tmp)
         copy_tree(ROOT, copy)
