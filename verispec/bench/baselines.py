@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import transformers
 
 from verispec.bench.contender import BenchConfig, Contender, Outcome, exit_layer
 from verispec.bench.llamacpp import LOOKUP_TOKENS, llamacpp_decoder, llamacpp_generator
@@ -116,6 +115,8 @@ def start_hf(name: str, config: BenchConfig, sampling: SamplingParams, with_draf
         settings |= {"temperature": sampling.temperature, "top_k": sampling.top_k,
                      "top_p": sampling.top_p}
     # Hugging Face's early-exit mode warns about its own internal arguments on every call.
+    import transformers  # seconds to import: not for `verispec bench --help`
+
     transformers.utils.logging.set_verbosity_error()
 
     def generate(prompt_ids: list[int]) -> Outcome:

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import transformers
 from tqdm import tqdm
 
 from verispec.bench.machine import machine_info
@@ -167,6 +166,8 @@ def run_batched_bench(config: BatchBenchConfig, progress: bool = True) -> dict:
     contenders: dict[str, Decode] = {HF: hf_batched(target, config)}
     for label, (method, options) in contender_options(config, draft).items():
         contenders[label] = verispec_batched(target, method, options, config)
+    import transformers  # seconds to import: not for `verispec bench --help`
+
     transformers.utils.logging.set_verbosity_error()
     config.out.mkdir(parents=True, exist_ok=True)
     results = {"config": {**{key: str(v) if isinstance(v, Path) else v for key, v in asdict(config).items()},

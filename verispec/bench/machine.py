@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
 
 from verispec.bench.records import ForwardTimings
 from verispec.model.cached_model import CachedModel
@@ -94,6 +93,8 @@ class PeakResident:
 
 
 def machine_info(device: str) -> dict:
+    import transformers  # seconds to import: not for `verispec bench --help`
+
     info = {"platform": platform.platform(), "processor": cpu_description(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,

@@ -17,7 +17,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-import transformers
 from tqdm import tqdm
 
 from verispec import methods as registry
@@ -391,6 +390,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
     if left_out:
         print(f"verispec bench leaves out {', '.join(left_out)} (reasons in report.md)", file=sys.stderr)
     # Hugging Face's early-exit mode warns about its own internal arguments on every call.
+    import transformers  # seconds to import: not for `verispec bench --help`
+
     transformers.utils.logging.set_verbosity_error()
     config.out.mkdir(parents=True, exist_ok=True)
     crashed: dict[str, str] = {}  # label -> how and where its child process died

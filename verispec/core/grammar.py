@@ -26,7 +26,6 @@ import weakref
 from dataclasses import dataclass, replace
 
 import llguidance
-import llguidance.hf
 import torch
 
 from verispec.core.errors import VerispecError
@@ -100,6 +99,8 @@ def _ll_tokenizer(tokenizer, vocab_size: int, eos_ids: set[int]) -> llguidance.L
     key = (vocab_size, tuple(sorted(eos_ids)))
     if key not in built:
         eos = [t for t in sorted(eos_ids) if t < vocab_size] or None
+        import llguidance.hf  # imports transformers (seconds): only when a grammar is used
+
         try:
             built[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         except Exception as error:  # a slow (Python) tokenizer, or one llguidance cannot read

@@ -28,9 +28,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
@@ -38,6 +38,9 @@ from verispec.core.types import SamplingParams
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.model.cached_model import CachedModel, forward_rows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 NEG = -1.0e9  # Hugging Face's "impossible" score offset
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.core.policies import ConstantK, DraftLengthPolicy, LoadCap
@@ -32,6 +32,9 @@ from verispec.core.types import GenerationResult, Step
 from verispec.decoding.sequence import Row, SequenceSpec, Speculation, sequence_seed
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.model.cached_model import CachedModel, forward_rows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,10 @@ accuracies (measured by `verispec train block`) shape the tree.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
@@ -36,6 +37,9 @@ from verispec.drafters.nn import RMSNorm, rotary
 from verispec.model.graphs import sdpa
 from verispec.model.kv_cache import KVCache
 from verispec.model.packed import packed_view
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class BlockLayer(nn.Module):

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.core.sampling import sample, warp_probs
@@ -31,6 +31,9 @@ from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.vocab import Bridge, valid_prefix
 from verispec.model.cached_model import CachedModel, forward_tails
 from verispec.model.loading import context_length
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SAMPLED = ("tli", "string")  # how drafts are made under sampling
 WINDOW = 8  # committed target tokens re-tokenized with the draft's text (the boundary can merge)
@@ -83,6 +86,8 @@ class CrossDrafter(Drafter):
         self.confidence_threshold = confidence_threshold
         # Token-level intersection needs tokens in common; without any, string match samples too.
         self.sampled = sampled if bridge.shared_draft.numel() else "string"
+        from transformers import PreTrainedModel  # not at the top: transformers takes seconds to import
+
         self.context = context_length(self.lm.model) if isinstance(self.lm.model, PreTrainedModel) else None
         device = self.lm.device
         self.shared_draft = bridge.shared_draft.to(device)

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from verispec.core.tree import TreeSettings
 from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import load_drafter
 from verispec.drafters.model import ModelDrafter
 from verispec.model.lowbit import QuantLinear
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class DraftStudent(nn.Module):

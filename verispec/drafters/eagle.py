@@ -10,10 +10,10 @@ built from the target's real hidden states: the engine hands those over at the n
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.core.sampling import sample, warp_probs
@@ -24,6 +24,9 @@ from verispec.drafters.graphed import GraphedNet
 from verispec.drafters.learned import ReducedHead, load_net
 from verispec.drafters.nn import DecoderLayer, KVCache, RMSNorm
 from verispec.model.packed import packed_view
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class EagleNet(nn.Module):

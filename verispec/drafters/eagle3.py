@@ -25,10 +25,10 @@ target's states enter, and how a feature becomes logits, differ.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
@@ -36,6 +36,9 @@ from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.learned import load_net
 from verispec.drafters.nn import KVCache, RMSNorm, rotary
 from verispec.model.graphs import sdpa
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:

@@ -7,13 +7,16 @@ final norm and LM head: no weights are copied and the target's config is never m
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
 from verispec.drafters.model import ModelDrafter
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:

@@ -16,10 +16,10 @@ the next head reading that node's own path. Stateless between steps: nothing to 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.core.sampling import sample, warp_probs
@@ -29,6 +29,9 @@ from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.learned import ReducedHead, load_net
 from verispec.drafters.nn import ResBlock
 from verispec.model.packed import packed_view
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class HydraNet(nn.Module):

@@ -14,14 +14,17 @@ import json
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save
 from torch import nn
-from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.model.packed import can_pack, pack_weight, packed_linear
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CONFIG_FILE = "drafter.json"
 WEIGHTS_FILE = "weights.safetensors"

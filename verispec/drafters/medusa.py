@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import heapq
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.core.sampling import sample, warp_probs
@@ -24,6 +24,9 @@ from verispec.core.tree import TreeSettings
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.learned import ReducedHead, load_net
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class MedusaNet(nn.Module):

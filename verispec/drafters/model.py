@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.core.sampling import sample, warp_probs
@@ -13,6 +13,9 @@ from verispec.core.tree import TreeSettings
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.model.cached_model import CachedModel, forward_tails
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def same_vocabulary(target_tokenizer, draft_tokenizer) -> bool:

@@ -23,10 +23,10 @@ states, so they draft as one layer whose batch is the heads (StackedHeads).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
@@ -35,6 +35,9 @@ from verispec.drafters.learned import ReducedHead
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.nn import DecoderLayer, RMSNorm, attention, rms_norm, rotary
 from verispec.model.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class MTPNet(nn.Module):

@@ -9,16 +9,19 @@ full model's next-token distribution.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from verispec.core.tree import TreeSettings
 from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import load_drafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.nn import ResBlock, RMSNorm
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class ExitAdapter(nn.Module):

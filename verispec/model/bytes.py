@@ -14,9 +14,12 @@ target); `byte_config` is its shape.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import LlamaConfig, PreTrainedTokenizerFast
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 BYTES = 256
 PAD, BOS, EOS, USER, ASSISTANT = range(BYTES, BYTES + 5)  # the special tokens' ids
@@ -41,6 +44,9 @@ def byte_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedToken
     >>> byte_tokenizer()("é")["input_ids"]
     [257, 195, 169]
     """
+    from transformers import PreTrainedTokenizerFast  # seconds: not for `verispec train --help`
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     chars = bytes_to_unicode()  # byte -> the printable character byte-level BPE names it by
     backend = Tokenizer(models.BPE({chars[b]: b for b in range(BYTES)}, [], ignore_merges=True))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -59,6 +65,8 @@ def byte_config(hidden: int = 256, layers: int = 6, attention_heads: int = 4,
                 intermediate: int | None = None, context: int = 1024) -> LlamaConfig:
     """A Llama-shaped byte model: vocabulary VOCAB_SIZE, `context` positions, SwiGLU MLP of
     `intermediate` (default 3 * hidden), untied input and output embeddings."""
+    from transformers import LlamaConfig
+
     return LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=hidden, num_hidden_layers=layers,
                        num_attention_heads=attention_heads, num_key_value_heads=attention_heads,
                        intermediate_size=intermediate or 3 * hidden,

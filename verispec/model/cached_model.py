@@ -7,9 +7,9 @@ The engine holds one per sequence for the target; model-based drafters hold thei
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
 
 from verispec.core.tree import attention_mask, chain_parents, is_chain, position_ids, side_block
 from verispec.core.types import GenerationStats, SideBranch
@@ -19,9 +19,20 @@ from verispec.model.lean import forward_rows as lean_forward_rows
 from verispec.model.lowbit import QuantLinear, weight_format
 from verispec.model.packed import packed_view
 
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
+
 # Classes whose logits are exactly lm_head(last hidden state): no soft-capping or logit scaling.
 PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                 "Qwen3ForCausalLM"})
+
+
+def _hf_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty Hugging Face cache for a model that runs through its own forward (imported here:
+    transformers takes seconds to import, and a lean model never needs it)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
 
 
 class CachedModel:
@@ -48,7 +59,7 @@ class CachedModel:
             lean = LeanDecoder.of(model)
         self.lean = lean
         # Hugging Face's cache, for the models that run through their own forward.
-        self.cache = DynamicCache(config=model.config) if self.lean is None else None
+        self.cache = _hf_cache(model) if self.lean is None else None
         if pad_to_multiple is None:
             pad_to_multiple = 4 if model.device.type == "cpu" and self.lean is None else 1
         self.pad_to_multiple = pad_to_multiple
@@ -134,7 +145,7 @@ class CachedModel:
         if self.lean is not None:
             self.lean.reset()
         else:
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = _hf_cache(self.model)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,10 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.model.gguf_blocks import RowsBlocksKernel
@@ -36,6 +36,9 @@ from verispec.model.kernels import rows
 from verispec.model.kv_cache import KVCache
 from verispec.model.lowbit import DenseKernel, Int4Groups, QuantLinear, RowKernel, RowsInt4Kernel
 from verispec.model.packed import can_pack, cpu_packs, pack_weight, packed_linear, per_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)

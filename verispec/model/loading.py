@@ -19,14 +19,16 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from verispec.core.errors import VerispecError
 from verispec.model.gguf_blocks import gguf_target
 from verispec.model.lowbit import int4_target
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,8 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize a GGUF causal LM into a plain Hugging Face directory (written atomically)."""
     print(f"verispec: converting {gguf.name} to safetensors once (cached in {out_dir})",
           file=sys.stderr)
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # seconds: only when loading
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quantized = AutoModelForCausalLM.from_pretrained(
@@ -224,6 +228,9 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu") -> Loaded
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise VerispecError(f"device {device!r} asked for, but no CUDA GPU is available")
     directory = resolve(spec)
+    import transformers  # seconds to import: only when a model is loaded
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     transformers.utils.logging.disable_progress_bar()  # loading a cached copy takes seconds
     try:
         config = AutoConfig.from_pretrained(directory)

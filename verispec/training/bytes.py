@@ -26,10 +26,10 @@ import sys
 import sysconfig
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
-from transformers import GenerationConfig, LlamaForCausalLM
 
 from verispec.core.errors import VerispecError
 from verispec.core.files import write_text
@@ -42,6 +42,9 @@ from verispec.training.data import answer, claim_directory
 from verispec.training.losses import multi_head_backward
 from verispec.training.prompts import PASSAGE_MODULES, SNIPPET_MODULES, make_prompts
 from verispec.training.trainer import TrainConfig, train
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 BYTES_KIND = "bytes"  # `verispec train bytes`
 MODEL_DIR = "model"  # where in the output directory the model goes
@@ -271,6 +274,8 @@ def new_byte_model(options: ByteModelOptions) -> ByteLM:
     """A randomly initialised byte model with its extra heads (none where options.heads is 0)."""
     config = byte_config(options.hidden, options.layers, options.attention_heads,
                          context=options.context)
+    from transformers import LlamaForCausalLM  # seconds to import: not for `verispec train --help`
+
     model = LlamaForCausalLM(config)
     heads = None
     if options.heads:
@@ -344,6 +349,8 @@ def export_byte_model(module: ByteLM, out: Path, training: dict, eval_items: lis
     training.json with the held-out bits per token of the exported weights; out/mtp: the extra
     heads as an MTP drafter, with their rank accuracies against the exported model (for static
     trees)."""
+    from transformers import GenerationConfig
+
     model = module.model
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
     model.to(torch.bfloat16).save_pretrained(out / MODEL_DIR)
