@@ -298,22 +298,30 @@ def test_a_stale_or_broken_file_is_measured_again(cache):
 
 
 def test_a_profile_measured_on_a_busy_machine_is_measured_again_and_not_cached(cache, monkeypatch, capsys):
-    """Forward timings whose repeats disagree by more than NOISY are a busy machine's: measured
-    again, and if every attempt is noisy, used for this process but not cached (with a warning);
-    a steady attempt is cached. The noise itself is measured: repeats of a forward that takes
-    alternately 1x and 3x its time read as noisy."""
+    """Forward timings whose repeats disagree by more than NOISY are a busy machine's: timed
+    again (the drafters' runs are not), and if every attempt is noisy, used for this process but
+    not cached (with a warning); a steady attempt is cached. The noise itself is measured:
+    repeats of a forward that takes alternately 1x and 3x its time read as noisy."""
     loaded = tiny_loaded()
-    noisy = CostProfile(flat_then_linear(), 300, 1e4, {}, noise=0.9)
-    attempts = []
-    monkeypatch.setattr(profile, "measure", lambda *args: attempts.append(args) or noisy)
-    assert auto_profile(loaded) == noisy and len(attempts) == profile.ATTEMPTS
+    noisy = profile.ForwardCost(flat_then_linear(), 300, 1e4, noise=0.9)
+    attempts, drafted = [], []
+    real_cost = profile.drafter_cost
+    monkeypatch.setattr(profile, "time_forward", lambda *args: attempts.append(args) or noisy)
+    monkeypatch.setattr(profile, "drafter_cost", lambda *args: drafted.append(args) or real_cost(*args))
+    measured = auto_profile(loaded)
+    assert measured.forward == noisy.forward and measured.noise == noisy.noise
+    assert len(attempts) == profile.ATTEMPTS
+    # the drafters' runs (most of the time) are not repeated: one each
+    assert len(drafted) == len(measured.drafters) >= 2
     assert not cache.exists() or not list(cache.glob("*.json"))
     assert "not cached" in capsys.readouterr().err
-    steady = CostProfile(flat_then_linear(), 300, 1e4, {}, noise=0.05)
+    steady = profile.ForwardCost(flat_then_linear(), 300, 1e4, noise=0.05)
     results = iter([noisy, steady])
-    monkeypatch.setattr(profile, "measure", lambda *args: next(results))
+    attempts.clear()
+    monkeypatch.setattr(profile, "time_forward", lambda *args: attempts.append(args) or next(results))
     profile._MEMO.clear()
-    assert auto_profile(loaded) == steady and len(list(cache.glob("*.json"))) == 1
+    assert auto_profile(loaded).noise == steady.noise and len(attempts) == 2
+    assert len(list(cache.glob("*.json"))) == 1
 
     monkeypatch.undo()
     monkeypatch.setattr(profile, "REPEATS", 2)

@@ -1,7 +1,8 @@
 """The cost profile of a target on this machine: its forward over 1..17 rows with a fixed context
 cached, its prefill rate, and what each candidate drafter costs per proposal and per drafted
-token (with the acceptance it reached), all in seconds, measured in a few seconds (medians of
-few repeats) and cached as JSON under $VERISPEC_PROFILE_DIR if set, else
+token (with the acceptance it reached), all in seconds, measured once (medians of few repeats;
+about 20 seconds for the built-in model in float32 on 2 cores, most of it the drafters' runs) and
+cached as JSON under $VERISPEC_PROFILE_DIR if set, else
 $XDG_CACHE_HOME/verispec/profiles/ (default ~/.cache), keyed by the CPU (model
 name and flags, and the instruction sets torch and oneDNN are held to), torch's version, the
 target's fingerprint (name, weight format, a hash of its weights' shapes and leading values) and
@@ -21,7 +22,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -50,8 +51,10 @@ TEXT = ("Write a short guide for a new gardener. Explain when to plant tomatoes,
         "list three common mistakes beginners make and how to avoid each of them.")
 VERSION = 4  # of the file's layout and the way it is measured: a new one measures again
 # A profile whose forward timings disagree between repeats by more than this (CostProfile.noise)
-# was measured on a busy machine: measured again, up to ATTEMPTS times, and never cached (a test
-# run beside a training run once cached T(8) = 14.8 T(1), and `auto` chose by it for good).
+# was measured on a busy machine: its forward is timed again, up to ATTEMPTS times, and if it never
+# agrees the profile is not cached (a test run beside a training run once cached T(8) = 14.8 T(1),
+# and `auto` chose by it for good). Only the forward is timed again: the drafters' runs are most
+# of a profile's time (16 s of 20 for the built-in model in float32 on 2 cores).
 NOISY = 0.25
 # The package's folders whose source runs a forward or a draft (profile_key's "code").
 CODE = ("model", "drafters")
@@ -140,11 +143,9 @@ def cost_profile(target: LoadedModel, drafters: dict[str, Callable[[], Drafter]]
     path = cache_dir() / f"{_digest(key)}.json"
     profile = None if refresh else read_profile(path, key)
     if profile is None:
-        for _ in range(ATTEMPTS):
-            profile = measure(target, lm, drafters, limits)
-            if steady(profile):
-                write_profile(path, key, profile)
-                break
+        profile = measure(target, lm, drafters, limits)
+        if steady(profile):
+            write_profile(path, key, profile)
         else:
             print(f"verispec: the cost profile's timings varied by {100 * profile.noise:.0f}% between "
                   "repeats (a busy machine?): used for this process, not cached; `verispec profile "
@@ -153,11 +154,11 @@ def cost_profile(target: LoadedModel, drafters: dict[str, Callable[[], Drafter]]
     return profile
 
 
-def steady(profile: CostProfile) -> bool:
-    """Whether the profile's forward timings agreed well enough between repeats to be this
-    machine's (a tiny model's sub-millisecond forwards are not judged: their jitter is large and
-    nothing but tests runs them)."""
-    return profile.noise <= NOISY or profile.forward[0] < STEADY_FLOOR
+def steady(timed: CostProfile | ForwardCost) -> bool:
+    """Whether the forward timings agreed well enough between repeats to be this machine's (a
+    tiny model's sub-millisecond forwards are not judged: their jitter is large and nothing but
+    tests runs them)."""
+    return timed.noise <= NOISY or timed.forward[0] < STEADY_FLOOR
 
 
 def read_profile(path: Path, key: dict) -> CostProfile | None:
@@ -181,11 +182,33 @@ def write_profile(path: Path, key: dict, profile: CostProfile) -> None:
     write_json(path, {"key": key, "profile": asdict(profile)})
 
 
+@dataclass(frozen=True)
+class ForwardCost:
+    """The target's part of a profile: seconds of a forward over 1..MAX_ROWS rows with `context`
+    tokens cached, the prefill rate, and how much the repeats varied."""
+
+    forward: tuple[float, ...]
+    context: int
+    prefill_rate: float
+    noise: float
+
+
 def measure(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[], Drafter]],
             limits: dict[str, int]) -> CostProfile:
-    """Time the target's forward by rows and prefill, then each drafter in a short generation."""
-    generator = torch.Generator().manual_seed(0)
-    prompt = _prompt(target, generator)
+    """Time the target's forward by rows and prefill (again while the repeats disagree, up to
+    ATTEMPTS times: a second or two each), then each drafter once in a short generation (most of
+    the time: a busy machine shows in the forward's repeats, and is not cached)."""
+    prompt = _prompt(target, torch.Generator().manual_seed(0))
+    for _ in range(ATTEMPTS):
+        timed = time_forward(target, lm, prompt)
+        if steady(timed):
+            break
+    costs = {name: drafter_cost(target, build(), limits[name], prompt) for name, build in drafters.items()}
+    return CostProfile(timed.forward, timed.context, timed.prefill_rate, costs, timed.noise)
+
+
+def time_forward(target: LoadedModel, lm: CachedModel, prompt: list[int]) -> ForwardCost:
+    """The target's forward over 1..MAX_ROWS rows (medians of REPEATS) and its prefill rate."""
     cached = max(1, min(CONTEXT, target.context_length - MAX_ROWS))  # a short-context model's most
     # Text going on, through the engine's own pass, after a warm-up round: timed on random tokens
     # through CachedModel.forward without one, the figures read 20-45% above the engine's own
@@ -210,8 +233,7 @@ def measure(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[
     lm.reset()
     forward = tuple(statistics.median(times[rows]) for rows in times)
     noise = statistics.median((max(t) - min(t)) / statistics.median(t) for t in times.values())
-    costs = {name: drafter_cost(target, build(), limits[name], prompt) for name, build in drafters.items()}
-    return CostProfile(forward, cached, prefill_rate, costs, noise)
+    return ForwardCost(forward, cached, prefill_rate, noise)
 
 
 def _prompt(target: LoadedModel, generator: torch.Generator) -> list[int]:
