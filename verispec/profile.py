@@ -1,7 +1,7 @@
 """The cost profile of a target on this machine: its forward over 1..17 rows with a fixed context
 cached, its prefill rate, and what each candidate drafter costs per proposal and per drafted
 token (with the acceptance it reached), all in seconds, measured once (medians of few repeats;
-about 20 seconds for the built-in model in float32 on 2 cores, most of it the drafters' runs) and
+about 16 seconds for the built-in model in float32 on 2 cores, most of it the drafters' runs) and
 cached as JSON under $VERISPEC_PROFILE_DIR if set, else
 $XDG_CACHE_HOME/verispec/profiles/ (default ~/.cache), keyed by the CPU (model
 name and flags, and the instruction sets torch and oneDNN are held to), torch's version, the
@@ -54,7 +54,7 @@ VERSION = 4  # of the file's layout and the way it is measured: a new one measur
 # was measured on a busy machine: its forward is timed again, up to ATTEMPTS times, and if it never
 # agrees the profile is not cached (a test run beside a training run once cached T(8) = 14.8 T(1),
 # and `auto` chose by it for good). Only the forward is timed again: the drafters' runs are most
-# of a profile's time (16 s of 20 for the built-in model in float32 on 2 cores).
+# of a profile's time (the built-in model in float32 on 2 cores, under cProfile: 14.7 s of 20.3).
 NOISY = 0.25
 # The package's folders whose source runs a forward or a draft (profile_key's "code").
 CODE = ("model", "drafters")
