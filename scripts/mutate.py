@@ -365,7 +365,8 @@ MUTANTS = (
            ("tests/test_invariance.py::test_bfloat16_is_lean_on_the_row_kernels_where_onednn_cannot_pack_it",),
            "a bfloat16 target where oneDNN cannot pack it (AVX2) runs its own forward, not invariant"),
     Mutant("profile-caches-a-busy-machines-profile", "verispec/profile.py",
-           "        if steady(profile):\n            write_profile", "        if True:\n            write_profile",
+           "        if steady(profile):\n            write_profile",
+           "        if True:\n            write_profile",
            ("tests/test_auto.py::test_a_profile_measured_on_a_busy_machine_is_measured_again_and_not_cached",),
            "a profile whose repeats disagree (a busy machine's) is cached and read for good"),
     Mutant("bench-repeats-draft-from-their-own-answer", "verispec/bench/runner.py",
@@ -378,10 +379,10 @@ MUTANTS = (
            ("tests/test_self_spec.py::test_the_kernel_choice_is_measured_once_per_machine",),
            "the self-drafters' kernel choice is read from the cache but never used"),
     Mutant("profile-reruns-the-drafters-while-busy", "verispec/profile.py",
-           "        timed = time_forward(target, lm, prompt)\n        if steady(timed):",
-           "        timed = time_forward(target, lm, prompt)\n"
-           "        costs = {name: drafter_cost(target, build(), limits[name], prompt)\n"
-           "                 for name, build in drafters.items()}\n        if steady(timed):",
+           "            timed = time_forward(target, lm, prompt)\n            if steady(timed):",
+           "            timed = time_forward(target, lm, prompt)\n"
+           "            costs = {name: drafter_cost(target, build(), limits[name], prompt)\n"
+           "                     for name, build in drafters.items()}\n            if steady(timed):",
            ("tests/test_auto.py::test_a_profile_measured_on_a_busy_machine_is_measured_again_and_not_cached",),
            "a busy machine's profile runs every drafter again with each timing of the forward"),
 )

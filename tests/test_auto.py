@@ -5,6 +5,7 @@ in a batch) and exact sampling."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -575,3 +576,22 @@ def test_profiles_go_where_verispec_profile_dir_says(monkeypatch, tmp_path):
     monkeypatch.delenv("VERISPEC_PROFILE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert profile.cache_dir() == tmp_path / "xdg" / "verispec" / "profiles"
+
+
+def test_measuring_a_profile_shows_a_bar_at_a_terminal_and_nothing_in_a_log(monkeypatch):
+    """A first command waits on the profile (about 16 s for the built-in model on 2 cores): at a
+    terminal a bar names the target and the part being timed; piped to a log, stderr stays quiet."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    loaded = tiny_loaded()
+    for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        profile._MEMO.clear()
+        auto_profile(loaded, refresh=True)
+        text = stream.getvalue()
+        assert (f"measuring {loaded.name}'s cost profile" in text and "self-int8" in text) == shown, text
+        assert shown or text == ""

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from verispec.core.files import write_json
 from verispec.core.stopping import StoppingRules
@@ -199,11 +200,19 @@ def measure(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[
     ATTEMPTS times: a second or two each), then each drafter once in a short generation (most of
     the time: a busy machine shows in the forward's repeats, and is not cached)."""
     prompt = _prompt(target, torch.Generator().manual_seed(0))
-    for _ in range(ATTEMPTS):
-        timed = time_forward(target, lm, prompt)
-        if steady(timed):
-            break
-    costs = {name: drafter_cost(target, build(), limits[name], prompt) for name, build in drafters.items()}
+    # At a terminal, a bar: a first command waits on this (about 16 s for the built-in model).
+    with tqdm(total=1 + len(drafters), desc=f"verispec: measuring {target.name}'s cost profile once",
+              unit="part", file=sys.stderr, disable=None, leave=False) as bar:
+        for _ in range(ATTEMPTS):
+            timed = time_forward(target, lm, prompt)
+            if steady(timed):
+                break
+        bar.update()
+        costs = {}
+        for name, build in drafters.items():
+            bar.set_postfix_str(name)
+            costs[name] = drafter_cost(target, build(), limits[name], prompt)
+            bar.update()
     return CostProfile(timed.forward, timed.context, timed.prefill_rate, costs, timed.noise)
 
 
