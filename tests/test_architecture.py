@@ -326,7 +326,6 @@ def test_the_readme_is_short_and_its_quickstart_is_two_commands():
     assert len([line for line in quickstart.splitlines() if line.strip()]) == 2
 
 
-
 def test_every_planted_bug_still_finds_its_code_and_its_guard() -> None:
     """`make mutate` (CI) refuses to run when a mutant's search text or guarding test has moved;
     checking that here fails the suite at the change that moved it, not an hour later in CI."""
