@@ -34,8 +34,9 @@ demo: install
 lint:
 	$(PYTHON) -m ruff check verispec tests scripts
 
+# One worker per core, a file to a worker (tests/conftest.py gives each its share of the threads).
 test: install-dev lint
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n auto --dist loadfile
 
 # Plants known bugs one at a time in a temporary copy and checks the tests kill each (docs/testing.md).
 mutate:

@@ -4,6 +4,7 @@ import shutil
 import tempfile
 
 import pytest
+import torch
 
 from tests.tiny import TINY_RECIPE, save_tiny, tiny_llama
 
@@ -15,6 +16,15 @@ def pytest_configure(config) -> None:
     if "VERISPEC_PROFILE_DIR" not in os.environ:
         config._verispec_profiles = tempfile.mkdtemp(prefix="verispec-profiles-")
         os.environ["VERISPEC_PROFILE_DIR"] = config._verispec_profiles
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        # `make test` runs one pytest-xdist worker per core: each on its share of the cores (one
+        # thread on two cores), as are the CLI commands it starts, or the workers' threads contend
+        # and the suite runs several times slower. The tiny models gain nothing from a second
+        # thread; that a forward's bits do not depend on the thread count is a test of its own.
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 def pytest_unconfigure(config) -> None:

@@ -286,6 +286,30 @@ def test_the_layer_loop_in_cpp_gives_the_python_loops_bits(dtype):
     assert torch.equal(a, b)
 
 
+
+@pytest.mark.parametrize("dtype", ["int4", "gguf", "bfloat16"])
+def test_a_forward_gives_the_same_bits_on_one_thread_and_on_two(dtype):
+    """The kernels split a product by output tiles and attention by heads, never a sum, so a
+    position's bits do not depend on the thread count: `make test` runs its workers on one thread
+    each, users run on all their cores. A prompt block, one-token steps and a block of 5, the
+    built-in model's shapes, through the head."""
+    model = load_model(DEFAULT_MODEL, dtype).model
+    weights = LeanWeights.of(model)
+    generator = torch.Generator().manual_seed(3)
+    steps = [torch.randint(0, 49152, (n,), generator=generator) for n in (40, 1, 5, 1)]
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            decoder = LeanDecoder(weights, model.device)
+            outputs.append([decoder.logits(decoder.forward(tokens)) for tokens in steps])
+    finally:
+        torch.set_num_threads(threads)
+    assert outputs[0][1].shape == (1, 49152)
+    for one, two in zip(*outputs):
+        assert torch.equal(one, two)
+
 def test_turned_off_the_previous_kernels_run():
     """VERISPEC_KERNELS=off: torch's int4 kernel, oneDNN and row-by-row SDPA, named as such."""
     code = ("from tests.tiny import tiny_llama; from verispec.model.lowbit import int4_target;"
