@@ -22,7 +22,8 @@ def pytest_configure(config) -> None:
         # thread on two cores), as are the CLI commands it starts, or the workers' threads contend
         # and the suite runs several times slower. The tiny models gain nothing from a second
         # thread; that a forward's bits do not depend on the thread count is a test of its own.
-        threads = max(1, (os.cpu_count() or 1) // workers)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
 
