@@ -286,7 +286,6 @@ def test_the_layer_loop_in_cpp_gives_the_python_loops_bits(dtype):
     assert torch.equal(a, b)
 
 
-
 @pytest.mark.parametrize("dtype", ["int4", "gguf", "bfloat16"])
 def test_a_forward_gives_the_same_bits_on_one_thread_and_on_two(dtype):
     """The kernels split a product by output tiles and attention by heads, never a sum, so a
@@ -309,6 +308,7 @@ def test_a_forward_gives_the_same_bits_on_one_thread_and_on_two(dtype):
     assert outputs[0][1].shape == (1, 49152)
     for one, two in zip(*outputs):
         assert torch.equal(one, two)
+
 
 def test_turned_off_the_previous_kernels_run():
     """VERISPEC_KERNELS=off: torch's int4 kernel, oneDNN and row-by-row SDPA, named as such."""
