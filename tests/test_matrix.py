@@ -36,6 +36,7 @@ import pytest
 import torch
 
 import verispec
+import verispec.bench.baselines as baselines
 import verispec.bench.runner as bench_runner
 import verispec.cli.generate as cli_generate
 import verispec.cli.serve as cli_serve
@@ -271,11 +272,13 @@ def test_server(targets, references, tiny_trained, dtype):
 
 
 def test_a_trained_method_without_its_drafter_is_refused_by_name_before_any_work(
-        targets, tiny_dir, loads, questions, tmp_path, capsys):
+        targets, tiny_dir, loads, questions, tmp_path, capsys, monkeypatch):
     """The tiny model has no shipped drafters: each door refuses the methods that need one,
-    naming the drafter it needs, before the target runs a single forward."""
+    naming the drafter it needs, before the target runs a single forward (and before the bench
+    starts a peer's process, which loads the target again)."""
     target = targets["float32"]
-    forwards = []
+    forwards, peers = [], []
+    monkeypatch.setattr(baselines, "PeerProcess", lambda *args: peers.append(args))
     hook = target.model.register_forward_hook(lambda *_: forwards.append(1))
     model = ["--model", str(tiny_dir)]
     try:
@@ -292,4 +295,4 @@ def test_a_trained_method_without_its_drafter_is_refused_by_name_before_any_work
                 assert err.startswith("verispec: error: ") and needed in err, (method, argv[0], err)
     finally:
         hook.remove()
-    assert not forwards
+    assert not forwards and not peers

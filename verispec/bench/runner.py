@@ -174,13 +174,14 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
             raise VerispecError(f"{method} cannot run {target.name} with draft {draft.name}: {why}")
         unfit[method] = why
         methods.append(baseline.instead)
+    peers: dict[int, str] = {}  # a peer's place among the contenders: started once all are checked
     for method in dict.fromkeys(methods):
         if method in BASELINES:
             baseline = BASELINES[method]
             if config.beams is not None and baseline.beam_refusal is not None:
                 refused[method] = baseline.beam_refusal
             else:
-                contenders.append(baseline.build(method, target, draft, config, sampling))
+                peers[len(contenders) + len(peers)] = method
             continue
         spec = registry.METHODS[method]
         ks = [None] if method == AR else (config.ks or [spec.default_k])
@@ -207,6 +208,9 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
         raise VerispecError(f"--num-beams {config.beams.num_beams}: cannot run beam search: "
                             + "; ".join(f"{name} ({why})" for name, why in refused.items())
                             + ". Leave them out of --methods")
+    # a peer's child process loads the target (seconds): only once every method is known to run
+    for place, method in peers.items():
+        contenders.insert(place, BASELINES[method].build(method, target, draft, config, sampling))
     return contenders, unfit | {name: f"cannot run beam search: {why}" for name, why in refused.items()}
 
 
