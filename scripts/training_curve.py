@@ -7,7 +7,8 @@ data's held-out split (DATA/held-out: prompts the training shards never saw; nev
 --max-new-tokens each, and records tau (tokens per target forward) and acceptance by draft
 position. Writes OUT/curve.json and OUT/curve.png (both against training tokens, log scale), and
 one drafter directory per size (OUT/SIZE). Resumable: a size already in curve.json is skipped.
---init starts every size from a trained drafter (a warm start: does new data add to old?). The
+--init starts every size from a trained drafter (a warm start: does new data add to old?);
+--mix adds whole data directories to every size (the family a warm start should not forget). The
 drafter of KIND shipped for the target, where one ships, is measured on the same prompts once
 (OUT/shipped.json) and drawn as a dashed line: the bar a retrained drafter must clear.
 
@@ -91,6 +92,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
     parser.add_argument("--init", help="start every size from this trained drafter (same kind)")
+    parser.add_argument("--mix", nargs="+", default=[], metavar="DIR",
+                        help="data directories trained on in full beside each size of --data")
     parser.add_argument("--count", type=int, default=40, help="held-out prompts to draft on")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
@@ -100,6 +103,8 @@ def main() -> None:
     method = args.kind if args.kind in METHODS else next(
         m.name for m in METHODS.values() if m.trained_kind == args.kind)
     _, sequences = load_dataset(data)
+    mix = [Path(d) for d in args.mix]
+    mixed = sum(len(load_dataset(d)[1]) for d in mix)  # sequences added to every size
     _, held = load_dataset(data / HELD_OUT)
     prompts = [s.tokens[: s.prompt_len].tolist() for s in held[: args.count]]
     record = out / "curve.json"
@@ -117,12 +122,12 @@ def main() -> None:
     for size in sorted(args.sizes):
         if any(p["tokens"] == size for p in points):
             continue
-        count = len(first_tokens(sequences, size))
+        count = len(first_tokens(sequences, size)) + mixed
         steps = max(args.min_steps, math.ceil(args.epochs * count / args.batch_size))
         config = TrainConfig(steps=steps, lr=args.lr, batch_size=args.batch_size)
-        drafter = train_drafter(args.kind, target, [data], out / str(size), config,
+        drafter = train_drafter(args.kind, target, [data, *mix], out / str(size), config,
                                 RecipeOptions(init=args.init), max_tokens=size)
-        point = {"tokens": size, "sequences": count, "steps": steps,
+        point = {"tokens": size, "sequences": count, "steps": steps, **({"mix": args.mix} if mix else {}),
                  **held_out_acceptance(target, method, drafter, prompts, args.max_new_tokens)}
         print(json.dumps(point), flush=True)
         points = sorted(points + [point], key=lambda p: p["tokens"])

@@ -206,6 +206,22 @@ def test_training_on_engine_data_evaluates_on_its_held_out_split(loaded, corpus,
     assert "eval_top1_step1" in drafter["training"]["final_eval"]
 
 
+def test_a_training_size_cuts_the_first_directory_and_keeps_the_mixed_ones_whole(loaded, corpus, tmp_path):
+    """max_tokens (a training curve's size) takes the leading sequences of the first directory
+    holding that many reply tokens; the directories mixed in beside it train in full."""
+    data = build(loaded, tmp_path / "d", corpus, "teacher", tokens=120)
+    mixed = build(loaded, tmp_path / "m", corpus, "self", tokens=40)
+    first, whole = load_dataset(data)[1], load_dataset(mixed)[1]
+    config = TrainConfig(steps=1, warmup=1, batch_size=4, eval_every=1, checkpoint_every=1)
+    saved = train_drafter("eagle", loaded, [data, mixed], tmp_path / "e", config, max_tokens=30)
+    kept = json.loads((saved / "drafter.json").read_text())["training"]["sequences"]
+    leading = next(n for n in range(1, len(first) + 1)
+                   if sum(len(s.tokens) - s.prompt_len for s in first[:n]) >= 30)
+    assert leading < len(first) and kept == leading + len(whole)
+    with pytest.raises(VerispecError, match="held-out split"):
+        train_drafter("eagle", loaded, [mixed / HELD_OUT], tmp_path / "x", config, max_tokens=30)
+
+
 def test_train_data_command_and_its_errors(tiny_dir, corpus, tmp_path, capsys):
     out = tmp_path / "cmd"
     assert main(["train", "data", "--target", str(tiny_dir), "--out", str(out), "--source",

@@ -66,9 +66,12 @@ def calibrate_medusa(drafter_dir: Path, target: LoadedModel, data_dir: Path,
     return config["rank_accuracy"]
 
 
-def load_datasets(data_dirs: list[Path], target: LoadedModel) -> tuple[dict, list[Sequence]]:
+def load_datasets(data_dirs: list[Path], target: LoadedModel,
+                  max_tokens: int | None = None) -> tuple[dict, list[Sequence]]:
     """The sequences of every data directory, checked to be the target's states at one exit
-    layer. The metadata returned is the first directory's, with a "sources" list of them all."""
+    layer; max_tokens: of the first directory only its leading sequences holding that many reply
+    tokens (the others in full: data mixed in beside a training curve's sizes). The metadata
+    returned is the first directory's, with a "sources" list of them all."""
     metas, sequences = [], []
     for data_dir in data_dirs:
         meta, found = load_dataset(data_dir)
@@ -77,6 +80,8 @@ def load_datasets(data_dirs: list[Path], target: LoadedModel) -> tuple[dict, lis
         if metas and meta["exit_layer"] != metas[0]["exit_layer"]:
             raise VerispecError(f"the data in {data_dir} holds layer {meta['exit_layer']} states, "
                                 f"the data in {data_dirs[0]} layer {metas[0]['exit_layer']}")
+        if max_tokens is not None and not metas:
+            found = first_tokens(found, max_tokens)
         metas.append(meta)
         sequences += found
     return ({**metas[0], "sources": metas} if len(metas) > 1 else metas[0]), sequences
@@ -99,18 +104,21 @@ def train_drafter(kind: str, target: LoadedModel, data_dirs: list[Path], out_dir
     """Train a drafter of `kind` on the data in data_dirs (self-distillation and corpus data
     mixed); write it (and its run files) to out_dir. Where the first directory holds a held-out
     split (the data engine's), it is the evaluation set; otherwise a seeded eval_fraction of the
-    sequences is. max_tokens: train on the leading sequences holding this many reply tokens (the
-    training curve's sizes)."""
+    sequences is. max_tokens: train on the first directory's leading sequences holding this many
+    reply tokens, and the other directories' in full (the training curve's sizes; its reduced
+    vocabulary too is chosen on these alone)."""
     if config.bf16 is None:  # recorded as decided
         config = replace(config, bf16=bf16_is_fast(target.model.device.type))
-    meta, sequences = load_datasets(data_dirs, target)
     held = Path(data_dirs[0]) / HELD_OUT
-    if (held / "meta.json").is_file():
+    has_held_out = (held / "meta.json").is_file()
+    if max_tokens is not None and not has_held_out:
+        raise VerispecError(f"a training size (max_tokens) needs the data engine's held-out split "
+                            f"in {data_dirs[0]}")
+    meta, sequences = load_datasets(data_dirs, target, max_tokens)
+    if has_held_out:
         train_items, eval_items = sequences, load_dataset(held)[1]
     else:
         train_items, eval_items = split(sequences, config.seed, eval_fraction)
-    if max_tokens is not None:  # its reduced vocabulary too is chosen on these alone
-        sequences = train_items = first_tokens(train_items, max_tokens)
     torch.manual_seed(config.seed)
     recipe = recipe_for(kind, target, meta, sequences, options)
     history = train(recipe.module, lambda batch: recipe.loss(batch, config.max_len), train_items,
