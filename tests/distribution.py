@@ -28,6 +28,7 @@ made at every position checked and that some were accepted and some rejected.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -157,10 +158,12 @@ class Sampled:
 
 def sample_runs(engine: SpeculativeEngine, prompt: list[int], n: int, sampling: SamplingParams,
                 runs: int, per_batch: int = 500, seed: int = 0, constraint: Constraint | None = None,
-                prediction: list[int] | None = None) -> Sampled:
+                prediction: list[int] | None = None, before_batch: Callable[[], None] | None = None
+                ) -> Sampled:
     """`runs` samples of n tokens of `prompt` through `engine` (batches of per_batch samples of
     one prompt; sample i seeded with seed + i), each under its own copy of `constraint` if given,
-    with `prediction` (a predicted output) if given.
+    with `prediction` (a predicted output) if given; `before_batch` is called before each batch
+    (suffix: empty the outputs the last batch left, or later batches draft from their counts).
 
     On one thread: the tiny models gain nothing from a second, and on a machine shared with
     other jobs two threads contending for the cores made the same run up to 20 times slower."""
@@ -172,12 +175,14 @@ def sample_runs(engine: SpeculativeEngine, prompt: list[int], n: int, sampling: 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        results = [result for start in range(0, runs, per_batch)
-                   for result in engine.generate_batch(
-                       [SequenceSpec(prompt, StoppingRules.build(n), sampling, seed + start,
-                                     prediction=prediction,
-                                     constraint=None if constraint is None else constraint.copy())],
-                       sequences=min(per_batch, runs - start))]
+        results = []
+        for start in range(0, runs, per_batch):
+            if before_batch is not None:
+                before_batch()
+            results += engine.generate_batch(
+                [SequenceSpec(prompt, StoppingRules.build(n), sampling, seed + start, prediction=prediction,
+                              constraint=None if constraint is None else constraint.copy())],
+                sequences=min(per_batch, runs - start))
     finally:
         torch.set_num_threads(threads)
     for result in results:

@@ -272,8 +272,10 @@ def _drafters(loaded, trained):
     }
 
 
-# k = 5 and 12 (between the others) run under slow, to keep the default suite under 10 minutes.
-@pytest.mark.parametrize("k", [1, 2, 3, pytest.param(5, marks=pytest.mark.slow), 8,
+# k = 2, 5 and 12 (between the others) run under slow (.ci/run runs them), to keep the default
+# suite short.
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.slow), 3,
+                               pytest.param(5, marks=pytest.mark.slow), 8,
                                pytest.param(12, marks=pytest.mark.slow), 16])
 def test_learned_drafters_match_plain_decoding(loaded, trained, k):
     for prompt in PROMPTS:
