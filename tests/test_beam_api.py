@@ -44,7 +44,7 @@ def hf_beams(target, prompt_ids: list[int], beams: int, penalty: float,
 # early-stopping mode against Hugging Face on tiny models.
 @pytest.mark.parametrize(("beams", "penalty", "early"),
                          [pytest.param(2, 1.0, False, marks=pytest.mark.slow), (4, 0.5, True),
-                          (4, 2.0, "never")])
+                          pytest.param(4, 2.0, "never", marks=pytest.mark.slow)])
 def test_generate_with_beams_is_hugging_face_beam_search(target, beams, penalty, early):
     """Both prompts as one batch, for plain beam search and two drafters; the first prompt's
     answer ends with EOS inside the budget, so finished beams and the length penalty count."""

@@ -444,6 +444,7 @@ def test_a_drafter_read_as_another_model_counts_its_own_tokens(saved):
 
 # -- the bench: Hugging Face's universal assisted generation beside it -----------------------------
 
+@pytest.mark.slow  # 22 s: Hugging Face's generate in a peer process
 def test_the_bench_runs_hf_uag_beside_the_draft_and_reports_the_boundary(saved, tmp_path):
     """`verispec bench --draft DIR` with another vocabulary: the default set runs hf-uag (Hugging
     Face's universal assisted generation of the same pair) instead of hf-assisted, which is left

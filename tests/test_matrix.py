@@ -4,8 +4,9 @@ refused by name before any work.
 The matrix: the 20 methods of verispec.methods.METHODS (`ar` and 19 speculation methods) x three
 targets (the tiny model in float32, in bfloat16, and as a 4-bit target, `--dtype int4`) x two
 decodings (greedy, sampled) x four doors (`verispec.generate`, `verispec generate`, `verispec
-bench`, `verispec serve`) = 480 cells. The trained methods draft with drafters trained for the tiny
-model (tests/conftest.py, `tiny_trained`: `--draft DIR`, the bench's `--trained`); without one
+bench`, `verispec serve`) = 480 cells (the bench's bfloat16 cells under `slow`). The trained
+methods draft with drafters trained for the tiny model (tests/conftest.py, `tiny_trained`:
+`--draft DIR`, the bench's `--trained`); without one
 they are refused by name before any target forward, at every door
 (`test_a_trained_method_without_its_drafter_is_refused_by_name_before_any_work`).
 
@@ -198,7 +199,9 @@ def test_cli(targets, references, tiny_trained, tiny_dir, loads, capsys, dtype):
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("dtype", TARGETS)
+# the bench's bfloat16 run (18 s) under slow: the other doors run bfloat16 in the default suite
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=pytest.mark.slow) if d == "bfloat16" else d
+                                   for d in TARGETS])
 def test_bench(targets, references, tiny_trained, tiny_dir, loads, tmp_path, monkeypatch, capsys, dtype):
     """One bench run per decoding setting with every method named (the bench's own exactness
     check, `identical_to_baseline`, must hold under greedy decoding too)."""
