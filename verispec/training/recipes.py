@@ -104,18 +104,14 @@ def train_drafter(kind: str, target: LoadedModel, data_dirs: list[Path], out_dir
     """Train a drafter of `kind` on the data in data_dirs (self-distillation and corpus data
     mixed); write it (and its run files) to out_dir. Where the first directory holds a held-out
     split (the data engine's), it is the evaluation set; otherwise a seeded eval_fraction of the
-    sequences is. max_tokens: train on the first directory's leading sequences holding this many
-    reply tokens, and the other directories' in full (the training curve's sizes; its reduced
+    sequences is. max_tokens: read only the first directory's leading sequences holding this many
+    reply tokens, and the other directories' in full (the training curve's sizes; the reduced
     vocabulary too is chosen on these alone)."""
     if config.bf16 is None:  # recorded as decided
         config = replace(config, bf16=bf16_is_fast(target.model.device.type))
-    held = Path(data_dirs[0]) / HELD_OUT
-    has_held_out = (held / "meta.json").is_file()
-    if max_tokens is not None and not has_held_out:
-        raise VerispecError(f"a training size (max_tokens) needs the data engine's held-out split "
-                            f"in {data_dirs[0]}")
     meta, sequences = load_datasets(data_dirs, target, max_tokens)
-    if has_held_out:
+    held = Path(data_dirs[0]) / HELD_OUT
+    if (held / "meta.json").is_file():
         train_items, eval_items = sequences, load_dataset(held)[1]
     else:
         train_items, eval_items = split(sequences, config.seed, eval_fraction)
