@@ -2,6 +2,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 
 import pytest
 import torch
@@ -33,6 +34,17 @@ def pytest_unconfigure(config) -> None:
     if folder:
         os.environ.pop("VERISPEC_PROFILE_DIR", None)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def full_precision_drafting(monkeypatch):
+    """Drafters' products at their weights' own precision (as training computes them, and as vLLM
+    runs an exported drafter) instead of in 8 bits: for tests of the function a drafter computes.
+    The 8-bit products have their own test (test_learned_drafters)."""
+    from verispec.drafters import learned
+
+    monkeypatch.setattr(learned, "draft_in_8_bits", lambda module: False)
+    monkeypatch.setattr(learned, "_HEADS", weakref.WeakKeyDictionary())  # heads made in 8 bits
 
 
 @pytest.fixture(scope="session")

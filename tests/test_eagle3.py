@@ -282,7 +282,7 @@ def test_export_follows_the_engines_rules(target, tmp_path, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
-def test_exported_weights_give_verispecs_draft_logits(target, tmp_path, fmt):
+def test_exported_weights_give_verispecs_draft_logits(target, tmp_path, fmt, full_precision_drafting):
     model = target.model
     drafter_dir = random_drafter(model, tmp_path / "drafter")
     out = export_eagle3(drafter_dir, target, tmp_path / fmt, fmt)
@@ -324,7 +324,7 @@ def deep_target(tmp_path_factory):
 @pytest.mark.parametrize("aux", [(1, 3, 6), (2, 4, 5), (1, 2, 7)])
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
 def test_exported_aux_ids_point_the_engine_at_the_layers_the_drafter_reads(deep_target, tmp_path,
-                                                                           fmt, aux):
+                                                                           fmt, aux, full_precision_drafting):
     """The engine, reading the export's config as it does, feeds fc the states the drafter was
     trained on (its hidden_layers), and then computes the drafter's own first draft logits."""
     model = deep_target.model

@@ -34,11 +34,13 @@ from verispec.drafters.distilled import distilled_drafter
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
 from verispec.drafters.hybrid import LookupThenModel
-from verispec.drafters.learned import ReducedHead, load_drafter, target_identity
+from verispec.drafters.learned import Int8Linear, ReducedHead, load_drafter, target_identity
 from verispec.drafters.medusa import MedusaDrafter, MedusaNet, medusa_settings
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.methods import METHODS, build_engine
+from verispec.model.kernels import rows
+from verispec.model.lowbit import Int8Groups
 from verispec.model.cached_model import CachedModel
 from verispec.model.loading import load_model
 from verispec.options import DraftOptions
@@ -221,7 +223,8 @@ def test_trained_drafters_are_written_with_their_run(trained):
 def _drafters(loaded, trained):
     model = loaded.model
     torch.manual_seed(3)
-    vocab_ids = torch.arange(3, VOCAB - 5)  # some tokens can never be drafted
+    # Some tokens can never be drafted; 48 ids, a multiple of 16: the head runs in 8 bits on CPU.
+    vocab_ids = torch.arange(3, VOCAB - 13)
     random_eagle = EagleNet(**eagle_settings(model))
     for p in random_eagle.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -589,7 +592,7 @@ def test_drafter_layer_cache_feeds_incrementally_as_one_pass():
     torch.testing.assert_close(torch.cat([first, rest], dim=1), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_block_drafter_drafts_with_the_slots_training_scores(loaded, data, trained):
+def test_block_drafter_drafts_with_the_slots_training_scores(loaded, data, trained, full_precision_drafting):
     """What BlockDrafter drafts from (the context's keys and values cached step by step, the
     block's dropped after each pass, fewer slots than trained) is what training scores: the
     recipe's one-pass outputs for a block at the same newest token, slot by slot."""
@@ -620,6 +623,29 @@ def test_reduced_head_scores_its_tokens_as_the_targets_head_does():
         expected = model.get_output_embeddings()(hidden)[:, vocab_ids]
         torch.testing.assert_close(head.logits(hidden), expected)
         torch.testing.assert_close(head.logits(hidden[0]), expected[0])
+
+
+@pytest.mark.skipif(not rows.available(), reason=f"row kernels: {rows.unavailable_reason()}")
+def test_drafters_draft_in_8_bits_where_the_row_kernels_run(loaded):
+    """On CPU a drafter's linear layers and reduced head multiply by their weights in 8-bit groups
+    of 32 (a drafter's arithmetic decides what is drafted, never what is kept): each product is
+    its input rounded to bfloat16 times the dequantized weight, computed here apart."""
+    model = loaded.model
+    torch.manual_seed(0)
+    net = EagleNet(**eagle_settings(model))
+    drafter = EagleDrafter(model, net, ReducedHead(model, torch.arange(48)))
+    products = [m for m in drafter.net.modules() if isinstance(m, Int8Linear)]
+    assert len(products) == 5  # fuse, qkv, out, gate_up, down
+    assert not [m for m in drafter.net.modules() if isinstance(m, torch.nn.Linear)]
+    assert isinstance(net.layer.qkv, torch.nn.Linear)  # the network training updates is untouched
+    head = model.get_output_embeddings().weight[:48]
+    for weight, bias, product in [(m.weight, m.bias, m) for m in products] + [(head, None, drafter.head.logits)]:
+        x = torch.randn(3, weight.shape[1])  # [rows, in]
+        expected = torch.nn.functional.linear(x.to(torch.bfloat16).float(),
+                                              Int8Groups.quantize(weight, 32).dequantize(), bias)
+        with torch.inference_mode():
+            torch.testing.assert_close(product(x), expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(product(x[1]), expected[1], rtol=1e-5, atol=1e-5)
 
 
 def test_learned_drafters_batch_with_each_rows_own_hidden_states(loaded, trained):

@@ -36,7 +36,6 @@ from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.nn import RMSNorm, rotary
 from verispec.model.graphs import sdpa
 from verispec.model.kv_cache import KVCache
-from verispec.model.packed import packed_view
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -166,7 +165,6 @@ class BlockDrafter(MedusaDrafter):
                  tree: TreeSettings | None = None,
                  rank_accuracy: list[list[float]] | None = None) -> None:
         super().__init__(target, net, head, tree, rank_accuracy)
-        self.net = packed_view(self.net)
         self.embed = target.get_input_embeddings()
         self.hidden_layers = net.feature_layers  # the engine hands these states over too
         self.caches = [KVCache() for _ in net.layers]

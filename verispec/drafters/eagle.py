@@ -21,9 +21,8 @@ from verispec.core.tree import TreeSettings, grow_tree
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.graphed import GraphedNet
-from verispec.drafters.learned import ReducedHead, load_net
+from verispec.drafters.learned import ReducedHead, drafting_view, load_net
 from verispec.drafters.nn import DecoderLayer, KVCache, RMSNorm
-from verispec.model.packed import packed_view
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -85,7 +84,7 @@ class EagleDrafter(Drafter):
                  passes: bool | None = None) -> None:
         """passes: run the network as fixed-shape passes (CUDA graphs on a GPU: drafters.graphed);
         default: on a GPU only (the CPU tests force them to check them everywhere)."""
-        self.net = packed_view(net.to(device=target.device, dtype=target.dtype).eval())
+        self.net = drafting_view(net.to(device=target.device, dtype=target.dtype).eval())
         self.embed = target.get_input_embeddings()
         self.head = head
         self.confidence_threshold = confidence_threshold

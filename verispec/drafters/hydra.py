@@ -26,9 +26,8 @@ from verispec.core.sampling import sample, warp_probs
 from verispec.core.tree import TreeSettings, grow_tree
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
-from verispec.drafters.learned import ReducedHead, load_net
+from verispec.drafters.learned import ReducedHead, drafting_view, load_net
 from verispec.drafters.nn import ResBlock
-from verispec.model.packed import packed_view
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -75,7 +74,7 @@ class HydraDrafter(Drafter):
 
     def __init__(self, target: PreTrainedModel, net: HydraNet, head: ReducedHead,
                  tree: TreeSettings | None = None) -> None:
-        self.net = packed_view(net.to(device=target.device, dtype=target.dtype).eval())
+        self.net = drafting_view(net.to(device=target.device, dtype=target.dtype).eval())
         self.embed = target.get_input_embeddings()
         self.head = head
         self.tree = tree

@@ -23,7 +23,7 @@ from verispec.core.sampling import sample, warp_probs
 from verispec.core.tree import TreeSettings
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
-from verispec.drafters.learned import ReducedHead, load_net
+from verispec.drafters.learned import ReducedHead, drafting_view, load_net
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -86,7 +86,7 @@ class MedusaDrafter(Drafter):
     def __init__(self, target: PreTrainedModel, net: MedusaNet, head: ReducedHead,
                  tree: TreeSettings | None = None,
                  rank_accuracy: list[list[float]] | None = None) -> None:
-        self.net = net.to(device=target.device, dtype=target.dtype).eval()
+        self.net = drafting_view(net.to(device=target.device, dtype=target.dtype).eval())
         self.head = head
         self.tree = tree
         self.choices: list[tuple[int, ...]] | None = None

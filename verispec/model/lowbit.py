@@ -126,16 +126,29 @@ class Int8Groups:
     scales: torch.Tensor  # [out, in // group] float32
 
     @classmethod
+    def quantize(cls, weight: torch.Tensor, group: int = 32) -> Int8Groups:
+        """weight [out, in] -> codes scaled so each group's largest magnitude is 127 (Q8_0).
+
+        >>> Int8Groups.quantize(torch.tensor([[127.0, -63.4, 0.2, 1.0]]), 2).codes
+        tensor([[127, -63,  25, 127]], dtype=torch.int8)
+        """
+        out_features, in_features = weight.shape
+        if in_features % group:
+            raise VerispecError(f"int8 groups of {group} need the input width ({in_features}) "
+                                f"to be a multiple of {group}")
+        grouped = weight.detach().float().reshape(out_features, in_features // group, group)
+        scales = grouped.abs().amax(-1) / 127
+        codes = (grouped / torch.where(scales == 0, 1.0, scales)[..., None]).round().clamp(-127, 127)
+        return cls(codes.to(torch.int8).reshape(weight.shape), scales)
+
+    @classmethod
     def exact(cls, weight: torch.Tensor, group: int = 32) -> Int8Groups | None:
         """The groups that give exactly `weight` [out, in] (a Q8_0 tensor loaded as floats: each
         group's scale is its largest magnitude / 127), or None if it is not on such a grid."""
         out_features, in_features = weight.shape
         if in_features % group:
             return None
-        grouped = weight.detach().float().reshape(out_features, in_features // group, group)
-        scales = grouped.abs().amax(-1) / 127
-        codes = (grouped / torch.where(scales == 0, 1.0, scales)[..., None]).round()
-        found = cls(codes.to(torch.int8).reshape(weight.shape), scales)
+        found = cls.quantize(weight, group)
         return found if torch.equal(found.dequantize(), weight.detach().float()) else None
 
     def dequantize(self) -> torch.Tensor:
