@@ -54,10 +54,11 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[None],
                         help="draft lengths, each run in turn (default: the method's)")
     parser.add_argument("--corpus", help="held-out documents (.jsonl) for the second prompt set")
+    parser.add_argument("--dtype", default="float32", help="the built-in target's dtype (default float32)")
     parser.add_argument("--speed", action="store_true",
                         help="then time each drafter against ar on the templated prompts")
     args = parser.parse_args()
-    target, templated = held_out(args.count, 785)
+    target, templated = held_out(args.count, 785, args.dtype)
     sets = {"templated": templated}
     if args.corpus:
         sets["corpus"] = [encode_prompt(target, p, chat=True)
