@@ -39,10 +39,10 @@ from verispec.drafters.medusa import MedusaDrafter, MedusaNet, medusa_settings
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.methods import METHODS, build_engine
-from verispec.model.kernels import rows
-from verispec.model.lowbit import Int8Groups
 from verispec.model.cached_model import CachedModel
+from verispec.model.kernels import rows
 from verispec.model.loading import load_model
+from verispec.model.lowbit import Int8Groups
 from verispec.options import DraftOptions
 from verispec.training.data import (
     Sequence,
@@ -639,7 +639,8 @@ def test_drafters_draft_in_8_bits_where_the_row_kernels_run(loaded):
     assert not [m for m in drafter.net.modules() if isinstance(m, torch.nn.Linear)]
     assert isinstance(net.layer.qkv, torch.nn.Linear)  # the network training updates is untouched
     head = model.get_output_embeddings().weight[:48]
-    for weight, bias, product in [(m.weight, m.bias, m) for m in products] + [(head, None, drafter.head.logits)]:
+    cases = [(m.weight, m.bias, m) for m in products] + [(head, None, drafter.head.logits)]
+    for weight, bias, product in cases:
         x = torch.randn(3, weight.shape[1])  # [rows, in]
         expected = torch.nn.functional.linear(x.to(torch.bfloat16).float(),
                                               Int8Groups.quantize(weight, 32).dequantize(), bias)
