@@ -231,6 +231,9 @@ def _drafters(loaded, trained):
     mid_eagle = EagleNet(**eagle_settings(model), mid_layer=1)  # also reads layer 1's state
     for p in mid_eagle.parameters():
         torch.nn.init.normal_(p, std=0.3)
+    loop_eagle = EagleNet(hidden=32, heads=2, intermediate=64)  # heads of 16: rows.cpp's layer loop
+    for p in loop_eagle.parameters():
+        torch.nn.init.normal_(p, std=0.3)
     random_medusa = MedusaNet(**medusa_settings(model, 3))
     torch.nn.init.normal_(random_medusa.weight, std=0.3)
     random_eagle3 = Eagle3Net(**eagle3_settings(model, None, len(vocab_ids)))
@@ -268,6 +271,9 @@ def _drafters(loaded, trained):
         "random-eagle-pld": LookupThenModel(
             PromptLookupDrafter(2, 1), EagleDrafter(model, random_eagle, ReducedHead(model, vocab_ids)), 2),
         "mid-eagle": EagleDrafter(model, mid_eagle, ReducedHead(model, vocab_ids)),
+        "loop-eagle": EagleDrafter(model, loop_eagle, ReducedHead(model, vocab_ids)),
+        "loop-eagle-tree": EagleDrafter(model, loop_eagle, ReducedHead(model, vocab_ids),
+                                        tree=TreeSettings(3, 10)),
         "mid-eagle-tree": EagleDrafter(model, mid_eagle, ReducedHead(model, vocab_ids),
                                        tree=TreeSettings(3, 10)),
         "mid-eagle-pld": LookupThenModel(
@@ -647,6 +653,48 @@ def test_drafters_draft_in_8_bits_where_the_row_kernels_run(loaded):
         with torch.inference_mode():
             torch.testing.assert_close(product(x), expected, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(product(x[1]), expected[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not rows.available(), reason=f"row kernels: {rows.unavailable_reason()}")
+@pytest.mark.parametrize("mid_layer", [None, 1])
+def test_eagles_layer_runs_in_the_row_kernels_layer_loop(loaded, mid_layer):
+    """With 8-bit products and heads of a multiple of 16 values, EAGLE's decoder layer drafts
+    through rows.cpp's layer loop (one call a pass): the features its Python layer computes, for a
+    block, chain steps from predicted features, a tree level and a rewind."""
+    torch.manual_seed(5)
+    net = EagleNet(hidden=32, heads=2, intermediate=64, mid_layer=mid_layer)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    loop, python = (EagleDrafter(loaded.model, net, ReducedHead(loaded.model, torch.arange(48)))
+                    for _ in range(2))
+    assert loop.native is not None
+    python.native = None
+    calls = []
+    native = loop.native
+    loop.native = type("Counted", (), {"run": lambda self, *a: calls.append(1) or native.run(*a)})()
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, VOCAB, (30,), generator=generator)
+    states = torch.randn(30, 32 * (1 if mid_layer is None else 2), generator=generator)  # [n, width]
+
+    def both(run):
+        outs = [run(d) for d in (loop, python)]
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+        return outs[1]
+
+    with torch.inference_mode():
+        feature = both(lambda d: d._run(tokens[1:21], states[:20], torch.arange(20)))[-1]
+        for step in range(3):
+            feature = both(lambda d, step=step, feature=feature: d._net(
+                tokens[20 + step].view(1), feature.view(1, -1), torch.tensor([20 + step])))[-1]
+        past = loop.cache.length
+        mask = torch.zeros(2, past + 2, dtype=torch.bool)  # two nodes under the last one
+        mask[:, :20], mask[:, past - 1] = True, True
+        mask[0, past], mask[1, past + 1] = True, True
+        both(lambda d: d._net(tokens[:2], torch.stack([feature, feature]), torch.tensor([past, past]), mask))
+        for d in (loop, python):
+            d.cache.rewind(20)
+        both(lambda d: d._run(tokens[21:26], states[20:25], torch.arange(20, 25)))
+    assert len(calls) == 6
 
 
 def test_learned_drafters_batch_with_each_rows_own_hidden_states(loaded, trained):

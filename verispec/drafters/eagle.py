@@ -21,8 +21,9 @@ from verispec.core.tree import TreeSettings, grow_tree
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.graphed import GraphedNet
-from verispec.drafters.learned import ReducedHead, drafting_view, load_net
-from verispec.drafters.nn import DecoderLayer, KVCache, RMSNorm
+from verispec.drafters.learned import Int8Linear, ReducedHead, drafting_view, load_net
+from verispec.drafters.nn import DecoderLayer, KVCache, RMSNorm, rotary_tables
+from verispec.model.kernels import rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -50,10 +51,15 @@ class EagleNet(nn.Module):
                 mid: torch.Tensor | None = None) -> torch.Tensor:
         # embeds, hidden, mid: [batch, T, hidden] (mid None: zeros); positions: [T];
         # mask: [T, cached + T] or None
+        return self.layer(self.fused(embeds, hidden, mid), positions, cache, mask)
+
+    def fused(self, embeds: torch.Tensor, hidden: torch.Tensor, mid: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """The layer's input: [batch, T, hidden] from the inputs `forward` takes."""
         parts = [embeds, hidden]
         if self.mid_norm is not None:
             parts.append(torch.zeros_like(hidden) if mid is None else self.mid_norm(mid))
-        return self.layer(self.fuse(torch.cat(parts, dim=-1)), positions, cache, mask)
+        return self.fuse(torch.cat(parts, dim=-1))
 
     def load_unfused(self, state: dict[str, torch.Tensor]) -> None:
         """Start from the weights of a net without the mid-layer input: the same function until
@@ -63,6 +69,25 @@ class EagleNet(nn.Module):
         widened[:, : fuse.shape[1]] = fuse
         self.load_state_dict({**state, "fuse.weight": widened,
                               "mid_norm.weight": torch.ones_like(self.mid_norm.weight)})
+
+
+def native_layer(net: nn.Module) -> object | None:
+    """An EagleNet's decoder layer as rows.cpp's layer loop (one C++ call a pass, as a
+    self-drafter's layers run; ~0.6 ms of Python a pass otherwise), where its products are the
+    row kernels' (learned.drafting_view) and the loop runs them; None elsewhere (a GPU, EAGLE-3's
+    layer, full-precision products)."""
+    layer = getattr(net, "layer", None)
+    if not isinstance(layer, DecoderLayer) or layer.head_dim % 16:  # the loop's attention: 16 lanes
+        return None
+    products = [getattr(layer, name) for name in ("qkv", "out", "gate_up", "down")]
+    if not all(isinstance(p, Int8Linear) and p.bias is None for p in products):
+        return None
+    parts = [rows.native_parts([p.kernel.product]) for p in products]
+    if None in parts or layer.attn_norm.eps != layer.mlp_norm.eps:
+        return None
+    norms = [norm.weight.detach() for norm in (layer.attn_norm, layer.mlp_norm)]
+    return rows.native_stack([rows.native_layer(*norms, *parts)], layer.attn_norm.eps,
+                             layer.head_dim ** -0.5, layer.heads, rows.choice().name, False)
 
 
 def eagle_settings(target: PreTrainedModel) -> dict:
@@ -97,6 +122,7 @@ class EagleDrafter(Drafter):
         self.graphed = (GraphedNet(self.net, self.embed, target.device, target.dtype,
                                    ("mid",) if self.hidden_layers else ()) if passes else None)
         self.cache = KVCache() if self.graphed is None else self.graphed.cache
+        self.native = native_layer(self.net) if self.graphed is None else None
 
     @classmethod
     def load(cls, path: str | Path, target: PreTrainedModel,
@@ -170,8 +196,14 @@ class EagleDrafter(Drafter):
         positions [n], after the cache (mask [n, cached + n] bool, or causal) -> [n, hidden]."""
         if self.graphed is not None:
             return self.graphed(ids, inputs, positions, mask, **extra)
-        return self.net(self.embed(ids)[None], inputs[None], positions, self.cache, mask,
-                        **{name: value[None] for name, value in extra.items()})[0]
+        batched = {name: value[None] for name, value in extra.items()}
+        if self.native is None:
+            return self.net(self.embed(ids)[None], inputs[None], positions, self.cache, mask, **batched)[0]
+        x = self.net.fused(self.embed(ids)[None], inputs[None], **batched)  # [1, n, hidden]
+        layer = self.net.layer
+        start = self.cache.claim(ids.shape[0], 1, layer.heads, layer.head_dim, x)
+        cos, sin = rotary_tables(positions, layer.head_dim, x.dtype)
+        return self.native.run(x, [self.cache.keys], [self.cache.values], cos, sin, start, mask, [])[0][0]
 
     def _propose_tree(self, feature: torch.Tensor, n: int, depth: int) -> Proposal:
         """A dynamic tree grown from the root's predicted feature [hidden] (position n)."""

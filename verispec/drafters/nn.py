@@ -53,6 +53,19 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> 
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def rotary_tables(positions: torch.Tensor, head_dim: int, dtype: torch.dtype,
+                  theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary`'s angles at positions [n] as rows.cpp's layer loop takes them: cos and the
+    sign-folded sin, [n, 1, head_dim] each in `dtype` (x * cos + x with its halves swapped *
+    signed sin is what `rotary` computes)."""
+    half = head_dim // 2
+    freqs = theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+    angles = positions.to(torch.float32)[:, None] * freqs  # [n, half]
+    cos, sin = angles.cos(), angles.sin()
+    return (torch.cat([cos, cos], -1)[:, None].to(dtype),
+            torch.cat([-sin, sin], -1)[:, None].to(dtype))
+
+
 class DecoderLayer(nn.Module):
     """A pre-norm transformer layer (attention + SwiGLU MLP), as in Llama."""
 
