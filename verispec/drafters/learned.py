@@ -9,7 +9,7 @@ nonsense.
 
 from __future__ import annotations
 
-import copy
+import functools
 import hashlib
 import json
 import weakref
@@ -24,7 +24,14 @@ from torch import nn
 from verispec.core.errors import VerispecError
 from verispec.model.kernels import rows
 from verispec.model.lowbit import Int8Groups, RowsInt8Kernel
-from verispec.model.packed import can_pack, pack_weight, packed_linear, packed_view, per_model
+from verispec.model.packed import (
+    can_pack,
+    pack_weight,
+    packed_linear,
+    packed_view,
+    per_model,
+    replace_linears,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -167,16 +174,10 @@ class Int8Linear(nn.Module):
 _DRAFT_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _in_8_bits(module: nn.Module) -> nn.Module:
-    """A shallow copy of `module` with fresh child dictionaries, linear layers in 8 bits where
-    they fit the row kernels and prepacked for oneDNN where they do not."""
-    if isinstance(module, nn.Linear):
-        kernel = draft_kernel(module.weight)
-        return Int8Linear(module, kernel) if kernel is not None else packed_view(module)
-    clone = copy.copy(module)  # shares parameters and buffers
-    clone._modules = {name: None if child is None else _in_8_bits(child)
-                      for name, child in module._modules.items()}
-    return clone
+def _in_8_bits(linear: nn.Linear) -> nn.Module:
+    """A linear layer in 8 bits where it fits the row kernels, else prepacked for oneDNN."""
+    kernel = draft_kernel(linear.weight)
+    return Int8Linear(linear, kernel) if kernel is not None else packed_view(linear)
 
 
 def drafting_view(net: nn.Module) -> nn.Module:
@@ -185,7 +186,7 @@ def drafting_view(net: nn.Module) -> nn.Module:
     (which training updates) is untouched, and a changed weight makes a new view."""
     if not draft_in_8_bits(net):
         return packed_view(net)
-    return per_model(_DRAFT_VIEWS, net, _in_8_bits)
+    return per_model(_DRAFT_VIEWS, net, functools.partial(replace_linears, replace=_in_8_bits))
 
 
 _HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {vocab ids: ReducedHead}

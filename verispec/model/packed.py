@@ -95,12 +95,13 @@ def linear_fingerprint(model: nn.Module) -> tuple:
     return tuple(found)
 
 
-def _replace_linears(module: nn.Module) -> nn.Module:
-    """A shallow copy of `module` with fresh child dictionaries, linear layers packed."""
+def replace_linears(module: nn.Module, replace: Callable[[nn.Linear], nn.Module]) -> nn.Module:
+    """A shallow copy of `module` with fresh child dictionaries, each linear layer `replace`d (a
+    view: parameters and buffers shared, `module` untouched)."""
     if isinstance(module, nn.Linear):
-        return PackedLinear(module)
+        return replace(module)
     clone = copy.copy(module)  # shares parameters and buffers
-    clone._modules = {name: None if child is None else _replace_linears(child)
+    clone._modules = {name: None if child is None else replace_linears(child, replace)
                       for name, child in module._modules.items()}
     return clone
 
@@ -110,7 +111,7 @@ def packed_view(model: Module) -> Module:
     allows it, else `model` itself."""
     if not can_pack(model):
         return model
-    return per_model(_VIEWS, model, _replace_linears)
+    return per_model(_VIEWS, model, functools.partial(replace_linears, replace=PackedLinear))
 
 
 def per_model(cache: weakref.WeakKeyDictionary, model: nn.Module, build: Callable[[nn.Module], T]) -> T:
