@@ -42,6 +42,7 @@ from verispec.drafters.medusa import MedusaDrafter, MedusaNet, medusa_settings
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
+from verispec.model.kernels import rows
 from verispec.model.loading import LoadedModel
 
 V = 16
@@ -91,12 +92,18 @@ def drafter_factory(kind: str, target: torch.nn.Module):
     sharing one set of random weights. "-tree": drafting TREE-shaped token trees."""
     tree = TREE if kind.endswith("-tree") else None
     kind = kind.removesuffix("-tree")
-    if kind in ("eagle", "eagle-pld"):
+    if kind == "eagle-pld":  # lookup drafts where the prompt repeats, EAGLE elsewhere
         net = _randomised(EagleNet(**eagle_settings(target)))
-        if kind == "eagle-pld":  # lookup drafts where the prompt repeats, EAGLE elsewhere
-            return lambda: LookupThenModel(PromptLookupDrafter(3, 1),
-                                           EagleDrafter(target, net, ReducedHead(target, REDUCED)), 2)
-        return lambda: EagleDrafter(target, net, ReducedHead(target, REDUCED), tree=tree)
+        return lambda: LookupThenModel(PromptLookupDrafter(3, 1),
+                                       EagleDrafter(target, net, ReducedHead(target, REDUCED)), 2)
+    if kind == "eagle":  # heads of 16 values: its layer runs in rows.cpp's loop where it can
+        net = _randomised(EagleNet(**{**eagle_settings(target), "heads": 2}))
+
+        def make() -> EagleDrafter:
+            made = EagleDrafter(target, net, ReducedHead(target, REDUCED), tree=tree)
+            assert (made.native is not None) == rows.available()
+            return made
+        return make
     if kind == "eagle-passes":  # EAGLE's network as a GPU runs it: fixed-shape passes (eager here)
         net = _randomised(EagleNet(**eagle_settings(target)))
         return lambda: EagleDrafter(target, net, ReducedHead(target, REDUCED), tree=tree, passes=True)
