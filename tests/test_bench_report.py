@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from verispec.bench import plots, summary
+from verispec.bench.machine import cpu_description
 from verispec.bench.markdown import compare, render_markdown
 from verispec.bench.records import FirstDifference, ForwardTimings, Results, Run
 from verispec.bench.report import figure_data, results_json, write_report
@@ -300,3 +301,19 @@ def test_the_speedup_model_measures_trees_but_predicts_only_chains():
     assert tree.measured_speedup_vs_ar == pytest.approx(32 / 17) and tree.tree == "2x6"
     assert chain.predicted_speedup == pytest.approx(1.9375) and chain.best_k == 32
     assert tree.predicted_speedup is None and tree.best_k is None  # the chain model is not a tree's
+
+
+def test_the_cpu_is_named_with_its_family_and_model():
+    """A cloud VM's model name may say only "AMD EPYC" on CPUs whose extra verified rows cost
+    twofold apart; the description carries CPUID's family and model beside the flags."""
+    def cpuinfo(name: str, family: int, model: int, flags: str) -> str:
+        first = (f"processor\t: 0\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+                 f"model name\t: {name}\nflags\t\t: {flags}\n\n")
+        return first + "processor\t: 1\ncpu family\t: 6\nmodel\t\t: 1\nflags\t\t: fpu\n"
+
+    epyc = cpuinfo("AMD EPYC", 25, 17, "fpu avx2 avx512f avx512_bf16")
+    assert cpu_description(epyc) == "AMD EPYC [family 25 model 17] (avx2, avx512f, avx512_bf16)"
+    xeon = cpuinfo("Intel(R) Xeon(R) Platinum 8581C", 6, 207, "avx2 amx_bf16 amx_int8")
+    assert cpu_description(xeon) == ("Intel(R) Xeon(R) Platinum 8581C [family 6 model 207] "
+                                     "(avx2, amx_bf16, amx_int8)")
+    assert cpu_description("processor\t: 0\nflags\t\t: sse2\n").endswith("(no AVX2)")

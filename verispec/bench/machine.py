@@ -50,17 +50,27 @@ def measure_forward(target: LoadedModel, context: list[int], sizes=(1, 2, 4, 8, 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 
 
-def cpu_description() -> str:
-    """The CPU's model name and its relevant flags, from /proc/cpuinfo (Linux), else the arch."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
+def cpu_description(text: str | None = None) -> str:
+    """The CPU's model name, family and model numbers and its relevant flags, from
+    /proc/cpuinfo's `text` (read here by default; Linux), else the architecture. A cloud VM's
+    model name may say only "AMD EPYC"; the numbers are what its CPUID reports (a hypervisor may
+    present an older model than the host's: what a row costs is measured, `verispec profile`)."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return platform.processor() or platform.machine()
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if ":" in line:
+            key, value = line.split(":", 1)
+            fields.setdefault(key.strip(), value.strip())  # the first processor's
     flags = set(fields.get("flags", "").split())
     have = [flag for flag in CPU_FLAGS if flag in flags]
-    return f"{fields.get('model name', platform.machine())} ({', '.join(have) or 'no AVX2'})"
+    name = fields.get("model name", platform.machine())
+    if fields.get("cpu family", "").isdigit() and fields.get("model", "").isdigit():
+        name += f" [family {fields['cpu family']} model {fields['model']}]"
+    return f"{name} ({', '.join(have) or 'no AVX2'})"
 
 
 def resident_mib() -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from verispec.bench.machine import cpu_description
 from verispec.cli import COMMANDS
 from verispec.cli.generate import use_colour
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
@@ -44,8 +45,9 @@ def run_command(args: argparse.Namespace) -> int:
     target = load_model(args.model, args.dtype, args.device)
     args.method = args.method or DEFAULT_METHOD
     if args.method == DEFAULT_METHOD:
-        print(f"{DEFAULT_METHOD} decides by this machine's cost profile of {target.name} (measured "
-              "once, then cached; `verispec profile` draws it):", flush=True)
+        print(f"{DEFAULT_METHOD} decides by this machine's cost profile of {target.name} on "
+              f"{cpu_description()} (measured once, then cached; `verispec profile` draws it):",
+              flush=True)
         print(profile_table(auto_profile(target, draft_options(args))))
     colour = use_colour(args.color)
     totals: dict[str, list] = {PLAIN: [], args.method: []}

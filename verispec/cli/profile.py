@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from verispec.bench.machine import cpu_description
 from verispec.cli import COMMANDS
 from verispec.cli.options import add_model_arguments
 from verispec.methods import auto_profile
@@ -29,7 +30,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run_command(args: argparse.Namespace) -> int:
     target = load_model(args.model, args.dtype, args.device)
     profile = auto_profile(target, refresh=args.refresh)
-    print(f"{target.name}, {args.dtype} (cached in {cache_dir()})")
+    print(f"{target.name}, {args.dtype}, on {cpu_description()} (cached in {cache_dir()})")
     print(profile_table(profile))
     if args.plot is not None:
         plot_profile(profile, args.plot, f"{target.name} ({args.dtype}): cost by rows on this machine")
