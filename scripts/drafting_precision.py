@@ -7,22 +7,16 @@ engines interleaved in one process (held_out.compare, 128 new tokens, outputs mu
 
 from __future__ import annotations
 
-import argparse
 import weakref
 
-from held_out import compare, held_out
+from held_out import compare, held_out, trained_arguments
 
 from verispec.drafters import learned
 from verispec.methods import build_engine
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dtype", help="the built-in target's dtype (float32, int4, ...)")
-    parser.add_argument("count", type=int, help="held-out prompts")
-    parser.add_argument("methods", help="trained methods, comma-separated")
-    args = parser.parse_args()
+    args = trained_arguments(__doc__)
     target, prompts = held_out(args.count, 785, args.dtype)
     engines = {name: build_engine(target, name) for name in ("ar", "pld", "suffix")}
     methods = args.methods.split(",")

@@ -7,6 +7,7 @@ evaluation only.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import time
 
@@ -25,6 +26,16 @@ def held_out(count: int, seed: int, dtype: str = "float32", model: str = DEFAULT
     prompts, through its chat template where it has one (Gemma 3 270M, a base model, has none)."""
     target = load_model(model, dtype, "cpu")
     return target, [encode_prompt(target, p, chat=None) for p in make_prompts(count, seed)]
+
+
+def trained_arguments(doc: str) -> argparse.Namespace:
+    """The arguments of a script comparing trained methods: the built-in target's dtype, how many
+    held-out prompts, and the methods (comma-separated)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dtype", help="the built-in target's dtype (float32, int4, ...)")
+    parser.add_argument("count", type=int, help="held-out prompts")
+    parser.add_argument("methods", help="trained methods, comma-separated")
+    return parser.parse_args()
 
 
 def compare(engines: dict[str, SpeculativeEngine], prompts: list[list[int]],

@@ -220,6 +220,18 @@ def test_trained_drafters_are_written_with_their_run(trained):
         assert (path / "run" / "loss.png").is_file() and (path / "run" / "checkpoint.pt").is_file()
 
 
+def loop_eagle3_net(draft_vocab: int) -> Eagle3Net:
+    """An EAGLE-3 net over the tiny target (hidden 32, three aux layers) whose layer runs in
+    rows.cpp's layer loop: heads of 16 values, two query heads on one key/value head, its own
+    rotary base; random weights."""
+    torch.manual_seed(4)
+    net = Eagle3Net(hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64, eps=1e-5,
+                    rope_theta=50000.0, aux_layers=[0, 1, 2], draft_vocab=draft_vocab)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return net
+
+
 def _drafters(loaded, trained):
     model = loaded.model
     torch.manual_seed(3)
@@ -234,6 +246,7 @@ def _drafters(loaded, trained):
     loop_eagle = EagleNet(hidden=32, heads=2, intermediate=64)  # heads of 16: rows.cpp's layer loop
     for p in loop_eagle.parameters():
         torch.nn.init.normal_(p, std=0.3)
+    loop_eagle3 = loop_eagle3_net(len(vocab_ids))
     random_medusa = MedusaNet(**medusa_settings(model, 3))
     torch.nn.init.normal_(random_medusa.weight, std=0.3)
     random_eagle3 = Eagle3Net(**eagle3_settings(model, None, len(vocab_ids)))
@@ -274,6 +287,8 @@ def _drafters(loaded, trained):
         "loop-eagle": EagleDrafter(model, loop_eagle, ReducedHead(model, vocab_ids)),
         "loop-eagle-tree": EagleDrafter(model, loop_eagle, ReducedHead(model, vocab_ids),
                                         tree=TreeSettings(3, 10)),
+        "loop-eagle3": Eagle3Drafter(model, loop_eagle3, vocab_ids),
+        "loop-eagle3-tree": Eagle3Drafter(model, loop_eagle3, vocab_ids, tree=TreeSettings(3, 10)),
         "mid-eagle-tree": EagleDrafter(model, mid_eagle, ReducedHead(model, vocab_ids),
                                        tree=TreeSettings(3, 10)),
         "mid-eagle-pld": LookupThenModel(
@@ -656,25 +671,35 @@ def test_drafters_draft_in_8_bits_where_the_row_kernels_run(loaded):
 
 
 @pytest.mark.skipif(not rows.available(), reason=f"row kernels: {rows.unavailable_reason()}")
-@pytest.mark.parametrize("mid_layer", [None, 1])
-def test_eagles_layer_runs_in_the_row_kernels_layer_loop(loaded, mid_layer):
-    """With 8-bit products and heads of a multiple of 16 values, EAGLE's decoder layer drafts
-    through rows.cpp's layer loop (one call a pass): the features its Python layer computes, for a
-    block, chain steps from predicted features, a tree level and a rewind."""
+@pytest.mark.parametrize("kind", ["eagle", "mid-eagle", "eagle3"])
+def test_eagles_layer_runs_in_the_row_kernels_layer_loop(loaded, kind):
+    """With 8-bit products and heads of a multiple of 16 values, an EAGLE or EAGLE-3 decoder layer
+    drafts through rows.cpp's layer loop (one call a pass): the features its Python layer
+    computes, for a block, chain steps from predicted features, a tree level and a rewind.
+    EAGLE-3's layer reads its normed embedding and feature side by side (with grouped key/value
+    heads and its own rotary base), its residual the feature."""
     torch.manual_seed(5)
-    net = EagleNet(hidden=32, heads=2, intermediate=64, mid_layer=mid_layer)
-    for p in net.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    loop, python = (EagleDrafter(loaded.model, net, ReducedHead(loaded.model, torch.arange(48)))
-                    for _ in range(2))
+    if kind == "eagle3":
+        net = loop_eagle3_net(48)
+        make = lambda: Eagle3Drafter(loaded.model, net, torch.arange(48))  # noqa: E731
+    else:
+        net = EagleNet(hidden=32, heads=2, intermediate=64, mid_layer=1 if kind == "mid-eagle" else None)
+        for p in net.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        make = lambda: EagleDrafter(loaded.model, net, ReducedHead(loaded.model, torch.arange(48)))  # noqa: E731
+    loop, python = make(), make()
     assert loop.native is not None
     python.native = None
     calls = []
-    native = loop.native
-    loop.native = type("Counted", (), {"run": lambda self, *a: calls.append(1) or native.run(*a)})()
+    stack = loop.native.stack
+    loop.native = replace(loop.native, stack=type("Counted", (), {
+        "run": lambda self, *a: calls.append(1) or stack.run(*a)})())
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, VOCAB, (30,), generator=generator)
-    states = torch.randn(30, 32 * (1 if mid_layer is None else 2), generator=generator)  # [n, width]
+    width = 32 * len(loop.hidden_layers) if kind == "eagle3" else 32 * (1 + len(loop.hidden_layers))
+    states = torch.randn(30, width, generator=generator)  # [n, width]
+    if kind == "eagle3":  # the final state, which EAGLE-3 does not read, then the aux states
+        states = torch.cat([torch.zeros(30, 32), states], -1)
 
     def both(run):
         outs = [run(d) for d in (loop, python)]

@@ -114,9 +114,15 @@ def drafter_factory(kind: str, target: torch.nn.Module):
         return lambda: PromptLookupDrafter(3, 1, tree)
     if kind == "early-exit":  # the target's first layer through its own norm and head
         return lambda: early_exit_drafter(target, 1, V)
-    if kind == "eagle3":
-        net = _randomised(Eagle3Net(**eagle3_settings(target, None, len(REDUCED))))
-        return lambda: Eagle3Drafter(target, net, REDUCED)
+    if kind == "eagle3":  # heads of 16 values on one key/value head: rows.cpp's loop where it can
+        settings = eagle3_settings(target, None, len(REDUCED))
+        net = _randomised(Eagle3Net(**{**settings, "heads": 2, "kv_heads": 1, "head_dim": 16}))
+
+        def make3() -> Eagle3Drafter:
+            made = Eagle3Drafter(target, net, REDUCED)
+            assert (made.native is not None) == rows.available()
+            return made
+        return make3
     if kind == "hydra":
         net = _randomised(HydraNet(**hydra_settings(target, 3)))
         return lambda: HydraDrafter(target, net, ReducedHead(target, REDUCED))

@@ -9,6 +9,8 @@ built from the target's real hidden states: the engine hands those over at the n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +24,7 @@ from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.graphed import GraphedNet
 from verispec.drafters.learned import Int8Linear, ReducedHead, drafting_view, load_net
-from verispec.drafters.nn import DecoderLayer, KVCache, RMSNorm, rotary_tables
+from verispec.drafters.nn import ROPE_THETA, DecoderLayer, KVCache, RMSNorm, rotary_tables
 from verispec.model.kernels import rows
 
 if TYPE_CHECKING:
@@ -61,6 +63,17 @@ class EagleNet(nn.Module):
             parts.append(torch.zeros_like(hidden) if mid is None else self.mid_norm(mid))
         return self.fuse(torch.cat(parts, dim=-1))
 
+    def native(self) -> NativeLayer | None:
+        """This net's layer in rows.cpp's layer loop (loop_stack), or None."""
+        layer = self.layer
+        stack = loop_stack(layer.attn_norm, layer.mlp_norm,
+                           [loop_product(layer.qkv), loop_product(layer.out),
+                            loop_product(layer.gate_up), loop_product(layer.down)],
+                           layer.head_dim, layer.heads)
+        return None if stack is None else NativeLayer(
+            stack, layer.heads, layer.head_dim, ROPE_THETA,
+            lambda embeds, hidden, **extra: (self.fused(embeds, hidden, **extra), None))
+
     def load_unfused(self, state: dict[str, torch.Tensor]) -> None:
         """Start from the weights of a net without the mid-layer input: the same function until
         training gives the new input weight (its fuse columns start at zero)."""
@@ -71,23 +84,39 @@ class EagleNet(nn.Module):
                               "mid_norm.weight": torch.ones_like(self.mid_norm.weight)})
 
 
-def native_layer(net: nn.Module) -> object | None:
-    """An EagleNet's decoder layer as rows.cpp's layer loop (one C++ call a pass, as a
-    self-drafter's layers run; ~0.6 ms of Python a pass otherwise), where its products are the
-    row kernels' (learned.drafting_view) and the loop runs them; None elsewhere (a GPU, EAGLE-3's
-    layer, full-precision products)."""
-    layer = getattr(net, "layer", None)
-    if not isinstance(layer, DecoderLayer) or layer.head_dim % 16:  # the loop's attention: 16 lanes
+@dataclass(frozen=True)
+class NativeLayer:
+    """A drafter's decoder layer as rows.cpp's layer loop: one C++ call a pass, as a
+    self-drafter's layers run (~0.6 ms of Python a pass otherwise). `inputs(embeds, features,
+    **extra)` turns the net's inputs [1, n, hidden] into the loop's: the residual stream, and
+    what the q/k/v product reads where that is not its norm (None)."""
+
+    stack: object
+    kv_heads: int
+    head_dim: int
+    theta: float
+    inputs: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def loop_product(*linears: nn.Module) -> list[object] | None:
+    """Linear layers (their outputs concatenated) as one product of rows.cpp's layer loop: None
+    unless each is an 8-bit drafting product without bias (learned.drafting_view) that the loop
+    runs (a GPU, full-precision products and the oneDNN class do not)."""
+    if not all(isinstance(p, Int8Linear) and p.bias is None for p in linears):
         return None
-    products = [getattr(layer, name) for name in ("qkv", "out", "gate_up", "down")]
-    if not all(isinstance(p, Int8Linear) and p.bias is None for p in products):
+    return rows.native_parts([p.kernel.product for p in linears])
+
+
+def loop_stack(attn_norm: nn.Module, mlp_norm: nn.Module, products: list[list[object] | None],
+               head_dim: int, heads: int) -> object | None:
+    """One decoder layer (its norms, and its q/k/v, o, gate/up and down products from
+    loop_product) as rows.cpp's layer loop; None where a product does not run there, the norms'
+    eps differ, or heads are not a multiple of 16 values wide (the loop attends 16 lanes)."""
+    if None in products or head_dim % 16 or attn_norm.eps != mlp_norm.eps:
         return None
-    parts = [rows.native_parts([p.kernel.product]) for p in products]
-    if None in parts or layer.attn_norm.eps != layer.mlp_norm.eps:
-        return None
-    norms = [norm.weight.detach() for norm in (layer.attn_norm, layer.mlp_norm)]
-    return rows.native_stack([rows.native_layer(*norms, *parts)], layer.attn_norm.eps,
-                             layer.head_dim ** -0.5, layer.heads, rows.choice().name, False)
+    norms = [norm.weight.detach() for norm in (attn_norm, mlp_norm)]
+    return rows.native_stack([rows.native_layer(*norms, *products)], attn_norm.eps, head_dim ** -0.5,
+                             heads, rows.choice().name, False)
 
 
 def eagle_settings(target: PreTrainedModel) -> dict:
@@ -122,7 +151,7 @@ class EagleDrafter(Drafter):
         self.graphed = (GraphedNet(self.net, self.embed, target.device, target.dtype,
                                    ("mid",) if self.hidden_layers else ()) if passes else None)
         self.cache = KVCache() if self.graphed is None else self.graphed.cache
-        self.native = native_layer(self.net) if self.graphed is None else None
+        self.native = self.net.native() if self.graphed is None else None
 
     @classmethod
     def load(cls, path: str | Path, target: PreTrainedModel,
@@ -199,11 +228,12 @@ class EagleDrafter(Drafter):
         batched = {name: value[None] for name, value in extra.items()}
         if self.native is None:
             return self.net(self.embed(ids)[None], inputs[None], positions, self.cache, mask, **batched)[0]
-        x = self.net.fused(self.embed(ids)[None], inputs[None], **batched)  # [1, n, hidden]
-        layer = self.net.layer
-        start = self.cache.claim(ids.shape[0], 1, layer.heads, layer.head_dim, x)
-        cos, sin = rotary_tables(positions, layer.head_dim, x.dtype)
-        return self.native.run(x, [self.cache.keys], [self.cache.values], cos, sin, start, mask, [])[0][0]
+        native = self.native
+        x, attn_input = native.inputs(self.embed(ids)[None], inputs[None], **batched)  # [1, n, hidden]
+        start = self.cache.claim(ids.shape[0], 1, native.kv_heads, native.head_dim, x)
+        cos, sin = rotary_tables(positions, native.head_dim, x.dtype, native.theta)
+        return native.stack.run(x, [self.cache.keys], [self.cache.values], cos, sin, start, mask, [],
+                                attn_input)[0][0]
 
     def _propose_tree(self, feature: torch.Tensor, n: int, depth: int) -> Proposal:
         """A dynamic tree grown from the root's predicted feature [hidden] (position n)."""

@@ -32,7 +32,7 @@ from torch import nn
 
 from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
-from verispec.drafters.eagle import EagleDrafter
+from verispec.drafters.eagle import EagleDrafter, NativeLayer, loop_product, loop_stack
 from verispec.drafters.learned import load_net
 from verispec.drafters.nn import KVCache, RMSNorm, rotary
 from verispec.model.graphs import sdpa
@@ -157,6 +157,23 @@ class Eagle3Net(nn.Module):
     def logits(self, output: torch.Tensor) -> torch.Tensor:
         """[..., hidden] outputs -> [..., draft_vocab] draft logits."""
         return self.lm_head(self.norm(output))
+
+    def native(self) -> NativeLayer | None:
+        """Layer 0 in rows.cpp's layer loop (eagle.loop_stack), or None: its q/k/v product reads
+        the normed embedding and feature side by side (computed here, two norms and a copy),
+        its residual is the feature."""
+        layer = self.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        stack = loop_stack(layer.input_layernorm, layer.post_attention_layernorm,
+                           [loop_product(attn.q_proj, attn.k_proj, attn.v_proj), loop_product(attn.o_proj),
+                            loop_product(mlp.gate_proj, mlp.up_proj), loop_product(mlp.down_proj)],
+                           attn.head_dim, attn.heads)
+
+        def inputs(embeds: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # [1, n, hidden] each -> the residual [1, n, hidden], q/k/v's input [1, n, 2 * hidden]
+            return feature, torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(feature)], -1)
+
+        return None if stack is None else NativeLayer(stack, attn.kv_heads, attn.head_dim, attn.theta, inputs)
 
 
 class DraftVocabHead:

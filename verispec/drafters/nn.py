@@ -8,6 +8,8 @@ from torch import nn
 from verispec.model.graphs import sdpa
 from verispec.model.kv_cache import KVCache
 
+ROPE_THETA = 10000.0  # the rotary base of verispec's own drafter layers (EAGLE-3's is its target's)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float = 1e-5) -> None:
@@ -40,7 +42,7 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float = ROPE_THETA) -> torch.Tensor:
     """Rotary position embedding. x: [batch, heads, T, head_dim]; positions: [T] int64, or
     [batch, T] where each sequence's rows sit at their own positions (a block drafter's training)."""
     half = x.shape[-1] // 2
@@ -54,7 +56,7 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> 
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, dtype: torch.dtype,
-                  theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  theta: float = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
     """`rotary`'s angles at positions [n] as rows.cpp's layer loop takes them: cos and the
     sign-folded sin, [n, 1, head_dim] each in `dtype` (x * cos + x with its halves swapped *
     signed sin is what `rotary` computes)."""

@@ -597,7 +597,7 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
         start = [cache.claim(sizes[0], 1, w.kv_heads, w.head_dim, x) for cache in caches][0]
         cos, sin = rotary[stack[0].kind][0]
         x, captured = w.native.run(x, [cache.keys for cache in caches], [cache.values for cache in caches],
-                                   cos, sin, start, one.rows, list(layers))
+                                   cos, sin, start, one.rows, list(layers), None)
     else:
         captured = []
         for index, layer in enumerate(stack):

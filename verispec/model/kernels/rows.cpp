@@ -1391,12 +1391,17 @@ struct Stack {
   // x [1, n, H] -> (x after every layer, x before each layer in `capture`); each layer's keys and
   // values written into its cache buffers keys[i], values[i] [1, kv_heads, capacity, D] at slots
   // start .. start + n - 1 (claimed: KVCache.claim); cos, signed_sin [n, 1, D]; mask [n, start + n]
-  // bool or None (causal), as `attention` takes it.
+  // bool or None (causal), as `attention` takes it. attn_input [1, n, width]: what the first
+  // layer's q/k/v product reads instead of norm(x) (an EAGLE-3 drafter's layer reads its normed
+  // embedding and normed feature side by side, the feature x its residual), or None.
   std::tuple<at::Tensor, std::vector<at::Tensor>> run(
       at::Tensor x, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
       const at::Tensor& cos, const at::Tensor& signed_sin, int64_t start, const c10::optional<at::Tensor>& mask,
-      const std::vector<int64_t>& capture) const {
+      const std::vector<int64_t>& capture, const c10::optional<at::Tensor>& attn_input) const {
     check(keys.size() == layers.size() && values.size() == layers.size(), "one cache per layer");
+    check(!attn_input || (attn_input->dim() == 3 && attn_input->size(1) == x.size(1) &&
+                          attn_input->scalar_type() == x.scalar_type()),
+          "attn_input [1, n, width] in x's dtype");
     const int64_t length = start + x.size(1);
     std::vector<at::Tensor> captured;
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -1404,8 +1409,8 @@ struct Stack {
       if (std::find(capture.begin(), capture.end(), static_cast<int64_t>(i)) != capture.end())
         captured.push_back(x[0]);
       at::Tensor k = keys[i], v = values[i];
-      const at::Tensor q = heads_into_cache(multiply(layer.qkv, norm(x, layer.attn_norm)), cos, signed_sin,
-                                            k, v, start, heads);
+      const at::Tensor normed = i == 0 && attn_input ? *attn_input : norm(x, layer.attn_norm);
+      const at::Tensor q = heads_into_cache(multiply(layer.qkv, normed), cos, signed_sin, k, v, start, heads);
       x = x + multiply(layer.out, attention(q, k, v, mask, length, scale, isa));
       const std::vector<at::Tensor> gate_up = multiply(layer.gate_up, norm(x, layer.mlp_norm)).chunk(2, -1);
       x = x + multiply(layer.down, at::silu(gate_up[0]) * gate_up[1]);

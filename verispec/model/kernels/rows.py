@@ -370,7 +370,8 @@ def native_layer(attn_norm: torch.Tensor, mlp_norm: torch.Tensor, qkv: object, o
 def native_stack(layers: list[object], eps: float, scale: float, heads: int, kernel: str,
                  module_norms: bool) -> object:
     """rows.cpp's layer loop over `layers` (native_layer): `run(x, keys, values, cos, signed_sin,
-    start, mask, capture)` is lean.forward_rows' layer loop for one block in one call, the same
-    bits (its attention in `kernel`'s class; its norms `rms_norm`, or with `module_norms` Hugging
-    Face's RMSNorm module's ops)."""
+    start, mask, capture, attn_input)` is lean.forward_rows' layer loop for one block in one call,
+    the same bits (its attention in `kernel`'s class; its norms `rms_norm`, or with
+    `module_norms` Hugging Face's RMSNorm module's ops); attn_input (or None) is what the first
+    layer's q/k/v product reads instead of the norm of x (an EAGLE-3 drafter's layer)."""
     return library().Stack(layers, eps, scale, heads, isa(kernel), module_norms)
