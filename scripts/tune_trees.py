@@ -1,7 +1,8 @@
 """Sweep tree sizes on held-out training-family prompts, never on Spec-Bench questions.
 
 Runs each configuration (METHOD[@K]:TREE, TREE = chain or TOPKxNODES, depth K, default K the
-method's) interleaved with plain decoding prompt by prompt, greedy, 128 new tokens, float32. Each
+method's; METHOD:profile, the method with neither: its default, for eagle the shape this machine's
+cost profile chooses) interleaved with plain decoding prompt by prompt, greedy, 128 new tokens, float32. Each
 method's default tree (`--tree` without a size) is the fastest tree found here; whether a tree
 beats the chain at all is the other thing it shows.
 
@@ -33,6 +34,9 @@ def main(count: int = 8, seed: int = 779, configs: str = FIRST_ROUND, dtype: str
     for config in configs.split(","):
         method_k, tree = config.split(":")
         method, _, k = method_k.partition("@")
+        if tree == "profile":  # neither k nor a tree: what the method drafts by default
+            engines[f"{method} (default: {tree})"] = build_engine(target, method)
+            continue
         settings = None if tree == "chain" else TreeSettings(*map(int, tree.split("x")))
         k = int(k) if k else METHODS[method].default_k
         engines[f"{method} k={k} {tree}"] = build_engine(target, method, DraftOptions(k=k, tree=settings))

@@ -40,7 +40,7 @@ from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings, shared_cache
 from verispec.drafters.trained_exit import ExitAdapter, trained_exit_drafter
 from verispec.drafters.vocab import bridge
-from verispec.model.loading import LoadedModel, load
+from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load
 from verispec.model.lowbit import FORMATS, weight_format
 from verispec.options import DEFAULT_TREE, DraftOptions
 from verispec.profile import cost_profile
@@ -213,6 +213,57 @@ def _dtype_name(target: LoadedModel) -> str:
     return str(target.model.dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class Shape:
+    """A way a trained method drafts (a chain, or a tree of `tree`'s size, depth the method's k)
+    and the tokens a step it gained with the drafter shipped for the built-in model on held-out
+    prompts (docs/tuning.md, "Since EAGLE drafts in 8 bits": scripts/tune_trees.py, seed 785,
+    the mean over the 4-bit and float32 targets, whose τ agree within 0.04)."""
+
+    tree: TreeSettings | None
+    tau: float
+
+
+# A tree's level costs this many of a chain's drafted tokens (its nodes go through the drafter
+# together): 1.7 against 1.3 ms a depth-2 step for EAGLE on the 4-bit target (docs/tuning.md).
+TREE_LEVEL = 1.3
+# A tree is chosen over the chain only where the model gives it this much more speed: the model
+# misses a tree's own verification work (its mask, compacting the cache), which made 2x3 and 2x4
+# measure 7-12% below their modelled speed on the 4-bit target.
+TREE_MARGIN = 1.05
+
+
+def shaped(target: LoadedModel, method: str, options: DraftOptions) -> DraftOptions:
+    """`options` with the tree chosen from this machine's cost profile where the user chose
+    neither a tree nor k and the method drafts with its shipped drafter on a CPU: each measured
+    shape's τ over its step's modelled seconds, T(1 + nodes) for the verify plus the drafter's
+    measured cost (verispec.profile: the forward by rows and the drafter, cached per machine).
+    Where verifying extra rows is nearly free (the float32 target here) a tree gains 10-17%;
+    where every row costs a fifth of a forward (the 4-bit target) the chain is faster."""
+    spec = METHODS[method]
+    if (not spec.shapes or options.tree is not None or options.k is not None or options.draft is not None
+            or target.name != DEFAULT_MODEL or target.model.device.type != "cpu"):
+        return options
+    kind = spec.trained_kind
+    if _trained(target, options, kind) is None:
+        return options
+    chain = replace(options, tree=None)
+    profile = cost_profile(target, {kind: lambda: METHODS[kind].build(target, chain)},
+                           {kind: METHODS[kind].default_k})
+    drafter, k = profile.drafters[kind], METHODS[kind].default_k
+
+    def speed(shape: Shape) -> float:
+        rows = 1 + (k if shape.tree is None else shape.tree.nodes)
+        drafting = drafter.seconds(k if shape.tree is None else TREE_LEVEL * k)
+        return shape.tau / (profile.forward_seconds(rows) + drafting)
+
+    chains = [shape for shape in spec.shapes if shape.tree is None]
+    best = max(spec.shapes, key=speed)
+    if best.tree is not None and chains and speed(best) < TREE_MARGIN * speed(chains[0]):
+        best = chains[0]
+    return replace(options, tree=best.tree)
+
+
 class Needs(Enum):
     """What a method needs beyond the target."""
 
@@ -238,6 +289,9 @@ class Method:
     # The tree `--tree` alone drafts (depth default_k): the fastest measured on held-out prompts
     # on a CPU (scripts/tune_trees.py); None: none measured.
     default_tree: TreeSettings | None = None
+    # Shapes measured with the drafter shipped for the built-in model: without --tree or --k, the
+    # one this machine's profile makes fastest (`shaped`); empty: the chain.
+    shapes: tuple[Shape, ...] = ()
     bench: bool = True  # in `verispec bench`'s default set, where the model can run it
     hf_peer: str | None = None  # the Hugging Face generate() baseline doing the same, in the bench
 
@@ -290,12 +344,14 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "on a 2-core CPU"),
     Method("eagle-pld", "prompt lookup where the context repeats, the EAGLE drafter elsewhere", 7,
            _lookup_then("eagle"), "the fastest trained drafter on the built-in model",
-           Needs.TRAINED, EagleDrafter.kind, trees=True, default_tree=TreeSettings(2, 3)),
+           Needs.TRAINED, EagleDrafter.kind, trees=True, default_tree=TreeSettings(2, 3),
+           shapes=(Shape(None, 1.94), Shape(TreeSettings(2, 3), 2.06), Shape(TreeSettings(2, 4), 2.11))),
     Method("eagle", "one trained decoder layer that predicts the target's next hidden state "
            "(EAGLE)", 2, _learned(EagleDrafter.kind, lambda path, target, options: EagleDrafter.load(
                path, target.model, options.confidence_threshold, options.tree)),
            "answers that do not copy the prompt, when a trained drafter exists", Needs.TRAINED,
-           EagleDrafter.kind, trees=True, default_tree=TreeSettings(2, 3)),
+           EagleDrafter.kind, trees=True, default_tree=TreeSettings(2, 3),
+           shapes=(Shape(None, 1.66), Shape(TreeSettings(2, 3), 1.80), Shape(TreeSettings(2, 4), 1.85))),
     Method("eagle3", "EAGLE-3: three target layers fused, a reduced-vocabulary head", 2,
            _learned(Eagle3Drafter.kind, lambda path, target, options: Eagle3Drafter.load(
                path, target.model, options.confidence_threshold, options.tree)),
@@ -401,6 +457,7 @@ def speculation_for_checked(target: LoadedModel, method: str, options: DraftOpti
     k = spec.default_k if options.k is None else options.k
     if spec.build is None or k == 0:
         return Speculation(acceptance=options.acceptance)
+    options = shaped(target, method, options)
     return Speculation(spec.build(target, options), SCHEDULES[options.schedule](k), options.acceptance,
                        lambda: spec.build(target, options))
 

@@ -82,7 +82,9 @@ class DraftOptions:
     min_ngram: int = option(2, Flag("prompt lookup: shortest n-gram matched", int))
     tree: TreeSettings | str | None = option(None, Flag(
         "draft a token tree of depth k instead of a chain (TOPKxNODES, e.g. 4x16: top-k children "
-        "per expanded node, NODES draft nodes in all); alone: the method's default tree",
+        "per expanded node, NODES draft nodes in all); alone: the method's default tree; unset "
+        "(and no --k), eagle and eagle-pld with their shipped drafter draft the chain or tree "
+        "this machine's cost profile makes fastest",
         parse_tree, metavar="TOPKxNODES", bare=DEFAULT_TREE))
     acceptance: str = option("exact", Flag(
         "exact (default, lossless); typical: Medusa's typical acceptance, LOSSY under sampling; "
