@@ -121,15 +121,15 @@ def test_builtin_int4_drafter_is_small(smollm):
 
 
 def test_eagles_shape_is_chosen_by_this_machines_profile(smollm, prompt_ids, monkeypatch):
-    """Without --tree or --k, `eagle` and `eagle-pld` draft the shape the cost profile makes
+    """Without --tree or --k, `eagle`, `eagle-pld` and `eagle3` draft the shape the cost profile makes
     fastest: a tree where verifying its rows costs what one row does, the chain where every row
     costs a fifth of a forward; an explicit k, tree or drafter is the user's. Either way exact."""
     from verispec import methods
     from verispec.drafters.auto import CostProfile, DrafterCost
 
-    profiles = {"flat": CostProfile((0.030,) * 17, 300, 1000.0, {"eagle": DrafterCost(0.0003, 0.0006)}),
-                "steep": CostProfile(tuple(0.005 * (1 + 0.2 * r) for r in range(17)), 300, 1000.0,
-                                     {"eagle": DrafterCost(0.0003, 0.0006)})}
+    costs = {kind: DrafterCost(0.0003, 0.0006) for kind in ("eagle", "eagle3")}
+    profiles = {"flat": CostProfile((0.030,) * 17, 300, 1000.0, costs),
+                "steep": CostProfile(tuple(0.005 * (1 + 0.2 * r) for r in range(17)), 300, 1000.0, costs)}
     asked = []
 
     def profile_of(kind):
@@ -145,11 +145,11 @@ def test_eagles_shape_is_chosen_by_this_machines_profile(smollm, prompt_ids, mon
     reference = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW).token_ids
     for kind, expected in (("flat", TreeSettings(2, 4)), ("steep", None)):
         monkeypatch.setattr(methods, "cost_profile", profile_of(kind))
-        for method in ("eagle", "eagle-pld"):
+        for method in ("eagle", "eagle-pld", "eagle3"):
             engine = build_engine(smollm, method)
             assert tree_of(engine) == expected, (kind, method)
             result = engine.generate(SequenceSpec(prompt_ids, StoppingRules.build(NEW, smollm.eos_token_ids)))
             assert result.token_ids == reference, (kind, method)
         for options in (DraftOptions(k=2), DraftOptions(tree=TreeSettings(3, 5))):
             assert tree_of(build_engine(smollm, "eagle", options)) == options.tree
-    assert asked == [["eagle"]] * 4  # a profile of the target and the EAGLE drafter, once per engine
+    assert asked == [["eagle"], ["eagle"], ["eagle3"]] * 2  # the target's and its drafter's, per engine

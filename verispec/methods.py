@@ -218,7 +218,7 @@ class Shape:
     """A way a trained method drafts (a chain, or a tree of `tree`'s size, depth the method's k)
     and the tokens a step it gained with the drafter shipped for the built-in model on held-out
     prompts (docs/tuning.md, "Since EAGLE drafts in 8 bits": scripts/tune_trees.py, seed 785,
-    the mean over the 4-bit and float32 targets, whose τ agree within 0.04)."""
+    the mean over the 4-bit and float32 targets, whose τ agree within 0.08)."""
 
     tree: TreeSettings | None
     tau: float
@@ -356,7 +356,8 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            _learned(Eagle3Drafter.kind, lambda path, target, options: Eagle3Drafter.load(
                path, target.model, options.confidence_threshold, options.tree)),
            "taking a drafter to vLLM or SGLang (`verispec export`)", Needs.TRAINED,
-           Eagle3Drafter.kind, trees=True),
+           Eagle3Drafter.kind, trees=True,
+           shapes=(Shape(None, 1.64), Shape(TreeSettings(2, 3), 1.78), Shape(TreeSettings(2, 4), 1.83))),
     Method("medusa", "Medusa-1 heads on the target's last hidden state", 3, _learned(
         MedusaDrafter.kind, lambda path, target, options: MedusaDrafter.load(
             path, target.model, options.tree)),

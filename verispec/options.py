@@ -83,7 +83,7 @@ class DraftOptions:
     tree: TreeSettings | str | None = option(None, Flag(
         "draft a token tree of depth k instead of a chain (TOPKxNODES, e.g. 4x16: top-k children "
         "per expanded node, NODES draft nodes in all); alone: the method's default tree; unset "
-        "(and no --k), eagle and eagle-pld with their shipped drafter draft the chain or tree "
+        "(and no --k), eagle, eagle-pld and eagle3 with their shipped drafter draft the chain or tree "
         "this machine's cost profile makes fastest",
         parse_tree, metavar="TOPKxNODES", bare=DEFAULT_TREE))
     acceptance: str = option("exact", Flag(
