@@ -213,6 +213,23 @@ def test_bench_default_tree_is_each_methods_own(tiny_dir, questions, tmp_path):
     assert labels == {"ar", "hf", "pld", f"pld tree={tree.topk}x{tree.nodes}", "early-exit"}
 
 
+def test_the_bench_runs_each_method_as_it_runs_by_default(tiny_dir, questions, tmp_path, monkeypatch):
+    """Without --k the bench asks a method for no k (the eagles then draw their shape from the
+    profile, as a user's run does) and reports the method's default k; with --k, that k."""
+    asked = []
+
+    def counted(method, options):
+        asked.append((method, options.k))
+        return resolve(method, options)
+
+    monkeypatch.setattr(verispec.request, "resolve", counted)
+    results = run_bench(config(tiny_dir, questions, tmp_path / "k", methods=["pld"]), progress=False)
+    assert ("pld", None) in asked and {r.label: r.k for r in results.runs}["pld"] == METHODS["pld"].default_k
+    asked.clear()
+    results = run_bench(config(tiny_dir, questions, tmp_path / "k3", methods=["pld"], ks=[3]), progress=False)
+    assert ("pld", 3) in asked and {r.label: r.k for r in results.runs}["pld"] == 3
+
+
 def test_typical_without_sampling_is_refused(tiny_dir, questions, tmp_path):
     with pytest.raises(VerispecError, match="temperature"):
         run_bench(config(tiny_dir, questions, tmp_path / "x", methods=["pld"], typical=True),

@@ -147,8 +147,9 @@ def verispec_contender(engine: SpeculativeEngine, target: LoadedModel, request: 
         return Outcome(result.token_ids, seconds, result.stats.target_forwards, result.stats)
 
     drafter, method, options = engine.drafter, request.method, request.options
-    tree = options.tree
-    return Contender(label, method, options.k if method != AR else None, generate,
+    tree = None if drafter is None else drafter.tree  # --tree's, or the one the profile chose (eagle)
+    k = None if method == AR else registry.METHODS[method].default_k if options.k is None else options.k
+    return Contender(label, method, k, generate,
                      None if tree is None else f"{tree.topk}x{tree.nodes}",
                      None if drafter is None else drafter.describe(),
                      None if drafter is None or drafter.nbytes is None else drafter.nbytes / 2**20,
@@ -184,7 +185,7 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
                 peers[len(contenders) + len(peers)] = method
             continue
         spec = registry.METHODS[method]
-        ks = [None] if method == AR else (config.ks or [spec.default_k])
+        ks = config.ks if config.ks and method != AR else [None]  # None: as the method runs by default
         trees: list[TreeSettings | None] = [None]
         if spec.trees:  # 'default' stands for the method's tree, where it has one
             trees += [resolve_tree(method, tree) for tree in config.trees or []
