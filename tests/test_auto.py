@@ -14,7 +14,6 @@ import torch
 from tests.distribution import POWER, assert_follows, exact_marginals, runs_for, sample_runs
 from tests.tiny import plain_greedy, tiny_foreign, tiny_llama, tiny_loaded
 from verispec import profile
-from verispec.bench.machine import cpu_description
 from verispec.cli import main
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
@@ -347,7 +346,7 @@ def test_profile_command_prints_the_table_and_draws_the_plot(tiny_dir, cache, tm
     assert main(["profile", "--model", str(tiny_dir), "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "target forward, 300 tokens cached" in out and "prefill:" in out
-    assert f"on {cpu_description()} (cached in" in out  # a profile is a figure for one CPU
+    assert f"on {profile.cpu_description()} (cached in" in out  # a profile is a figure for one CPU
     for name in ("suffix", "self-int4", "self-int8", "self-bf16"):
         assert f"\n{name} " in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

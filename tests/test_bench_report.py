@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 
 from verispec.bench import plots, summary
-from verispec.bench.machine import cpu_description
 from verispec.bench.markdown import compare, render_markdown
 from verispec.bench.records import FirstDifference, ForwardTimings, Results, Run
 from verispec.bench.report import figure_data, results_json, write_report
@@ -19,6 +18,7 @@ from verispec.bench.summary import (
     looks_like_tie,
     verify_cost_ratio,
 )
+from verispec.profile import cpu_description
 
 QUESTIONS = {0: "mt_bench", 1: "mt_bench", 2: "qa", 3: "qa"}
 HF_SECONDS = {0: 10.0, 1: 20.0, 2: 10.0, 3: 10.0}

@@ -40,7 +40,7 @@ from verispec.drafters.self_spec import check as check_self
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings, shared_cache
 from verispec.drafters.trained_exit import ExitAdapter, trained_exit_drafter
 from verispec.drafters.vocab import bridge
-from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load
+from verispec.model.loading import LoadedModel, load
 from verispec.model.lowbit import FORMATS, weight_format
 from verispec.options import DEFAULT_TREE, DraftOptions
 from verispec.profile import cost_profile
@@ -241,12 +241,10 @@ def shaped(target: LoadedModel, method: str, options: DraftOptions) -> DraftOpti
     Where verifying extra rows is nearly free (the float32 target here) a tree gains 10-17%;
     where every row costs a fifth of a forward (the 4-bit target) the chain is faster."""
     spec = METHODS[method]
-    if (not spec.shapes or options.tree is not None or options.k is not None or options.draft is not None
-            or target.name != DEFAULT_MODEL or target.model.device.type != "cpu"):
-        return options
     kind = spec.trained_kind
-    if _trained(target, options, kind) is None:
-        return options
+    if (not spec.shapes or options.tree is not None or options.k is not None or options.draft is not None
+            or target.model.device.type != "cpu" or _trained(target, options, kind) is None):
+        return options  # the shapes' τ are the shipped drafter's (none ships for other targets)
     chain = replace(options, tree=None)
     profile = cost_profile(target, {kind: lambda: METHODS[kind].build(target, chain)},
                            {kind: METHODS[kind].default_k})

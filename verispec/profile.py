@@ -75,23 +75,52 @@ def cache_dir() -> Path:
     return Path(base) / "verispec" / "profiles"
 
 
+# CPU features that decide which kernels are fast (bfloat16 and integer paths).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def cpuinfo_fields(text: str | None = None) -> dict[str, str] | None:
+    """The first processor's fields of /proc/cpuinfo (its `text`, read here by default); None
+    where there is none to read (not Linux)."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if ":" in line:
+            key, value = line.split(":", 1)
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 def cpu_identity() -> dict[str, str]:
     """The CPU's model name and a digest of all its flags (Linux), else the architecture, and the
     instruction sets torch and oneDNN are held to (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA: the
     same CPU held to AVX2 is another machine for costs)."""
     isa = instruction_limits()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    fields = cpuinfo_fields()
+    if fields is None:
         return {"model": platform.processor() or platform.machine(), "flags": "", **isa}
-    fields = {}
-    for line in text.splitlines():
-        if ":" in line:
-            key, value = line.split(":", 1)
-            fields.setdefault(key.strip(), value.strip())
     flags = " ".join(sorted(fields.get("flags", "").split()))
     return {"model": fields.get("model name", platform.machine()),
             "flags": hashlib.sha256(flags.encode()).hexdigest()[:16], **isa}
+
+
+def cpu_description(text: str | None = None) -> str:
+    """The CPU's model name, family and model numbers and its relevant flags (from
+    /proc/cpuinfo's `text`, cpuinfo_fields), else the architecture. A cloud VM's model name may
+    say only "AMD EPYC"; the numbers are what its CPUID reports (a hypervisor may present an
+    older model than the host's: what a row costs is measured, the profile)."""
+    fields = cpuinfo_fields(text)
+    if fields is None:
+        return platform.processor() or platform.machine()
+    have = [flag for flag in CPU_FLAGS if flag in set(fields.get("flags", "").split())]
+    name = fields.get("model name", platform.machine())
+    if fields.get("cpu family", "").isdigit() and fields.get("model", "").isdigit():
+        name += f" [family {fields['cpu family']} model {fields['model']}]"
+    return f"{name} ({', '.join(have) or 'no AVX2'})"
 
 
 def weights_digest(model: torch.nn.Module) -> str:

@@ -16,6 +16,7 @@ from verispec.bench.records import ForwardTimings
 from verispec.model.cached_model import CachedModel
 from verispec.model.loading import LoadedModel
 from verispec.model.packed import packed_view
+from verispec.profile import cpu_description
 
 
 def measure_forward(target: LoadedModel, context: list[int], sizes=(1, 2, 4, 8, 16),
@@ -44,33 +45,6 @@ def measure_forward(target: LoadedModel, context: list[int], sizes=(1, 2, 4, 8, 
     medians = {key: {str(n): statistics.median(times[key][n]) for n in sizes} for key in variants}
     return ForwardTimings(medians["by_tokens"], medians.get("unpacked_by_tokens"),
                           variants["by_tokens"].lean is not None, len(context))
-
-
-# CPU features that decide which kernels are fast (bfloat16 and integer paths).
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
-
-
-def cpu_description(text: str | None = None) -> str:
-    """The CPU's model name, family and model numbers and its relevant flags, from
-    /proc/cpuinfo's `text` (read here by default; Linux), else the architecture. A cloud VM's
-    model name may say only "AMD EPYC"; the numbers are what its CPUID reports (a hypervisor may
-    present an older model than the host's: what a row costs is measured, `verispec profile`)."""
-    if text is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return platform.processor() or platform.machine()
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        if ":" in line:
-            key, value = line.split(":", 1)
-            fields.setdefault(key.strip(), value.strip())  # the first processor's
-    flags = set(fields.get("flags", "").split())
-    have = [flag for flag in CPU_FLAGS if flag in flags]
-    name = fields.get("model name", platform.machine())
-    if fields.get("cpu family", "").isdigit() and fields.get("model", "").isdigit():
-        name += f" [family {fields['cpu family']} model {fields['model']}]"
-    return f"{name} ({', '.join(have) or 'no AVX2'})"
 
 
 def resident_mib() -> float:

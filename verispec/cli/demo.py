@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from verispec.bench.machine import cpu_description
 from verispec.cli import COMMANDS
 from verispec.cli.generate import use_colour
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
@@ -12,7 +11,7 @@ from verispec.core.types import GenerationStats
 from verispec.display import LEGEND, choices_line, render_steps, stats_table
 from verispec.methods import DEFAULT_METHOD, PLAIN, auto_profile
 from verispec.model.loading import load_model
-from verispec.profile import profile_table
+from verispec.profile import cpu_description, profile_table
 from verispec.request import build_request, run
 
 # Prompts whose answers reuse the prompt's words: where prompt lookup, the best drafter that needs

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from verispec.bench.machine import cpu_description
 from verispec.cli import COMMANDS
 from verispec.cli.options import add_model_arguments
 from verispec.methods import auto_profile
 from verispec.model.loading import load_model
-from verispec.profile import cache_dir, plot_profile, profile_table
+from verispec.profile import cache_dir, cpu_description, plot_profile, profile_table
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
