@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from tests.tiny import tiny_llama
 from verispec.core.errors import VerispecError
+from verispec.model import lean
 from verispec.model.cached_model import CachedModel
 from verispec.model.kernels import rows
-from verispec.model.lean import Block, LeanDecoder, LeanWeights, forward_rows
+from verispec.model.lean import ROLES, WIDE_ROWS, Block, LeanDecoder, LeanWeights, Linear, forward_rows
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.model.lowbit import int4_target
 
@@ -100,14 +103,24 @@ def blocks_differing(weights: LeanWeights, tokens: torch.Tensor, invariant: bool
     pytest.param((model, dtype, "cpu", kernel), id=f"{model}-{dtype}-cpu-{kernel}",
                  marks=[needs(kernel)] + ([pytest.mark.slow] if model == "builtin" else []))
     for model, dtype, kernel in OTHER_KERNELS] + [
-    pytest.param(("tiny", "float32", "static", None), id="tiny-float32-cpu-static")])
+    pytest.param(("tiny", "float32", "static", None), id="tiny-float32-cpu-static")] + [
+    pytest.param((model, "float32", f"cpu-{rows_}", None), id=f"{model}-float32-cpu-{rows_}")
+    for model in ("tiny", "builtin") for rows_ in ("narrow", "wide")])
 def weights(request) -> LeanWeights:
     """A tiny Llama, and the built-in model (SmolLM2-135M), in each dtype (int4: the 4-bit
     target, on the GGUF's own blocks for the built-in model), lean, on each device; on the CPU
     also built on each row-kernel class; and the tiny Llama on the CPU through the GPU's
     fixed-shape passes (`static`: graphs.StaticPasses, eager there), so that their masks, slots,
-    chunks and trees are checked on every machine."""
+    chunks and trees are checked on every machine; and both in float32 with the fewest rows a
+    product takes held to what a lone row needs (`narrow`) or WIDE_ROWS (`wide`, as where that
+    streams faster), whichever this machine chose at load."""
     model, dtype, device, kernel = request.param
+    if device in ("cpu-narrow", "cpu-wide"):  # weights of their own: the cached ones keep their choice
+        module = tiny_llama(hidden=64) if model == "tiny" else load_model(DEFAULT_MODEL, dtype).model
+        weights = LeanWeights(module)
+        narrow = {role: 2 if role in weights.paired else 1 for role in ROLES}
+        weights.min_rows = narrow if device == "cpu-narrow" else dict.fromkeys(ROLES, WIDE_ROWS)
+        return weights
     if device == "static":
         weights = LeanWeights.of(tiny_llama(hidden=64))
         weights.fixed_rows, weights.static_keys = True, 100
@@ -136,6 +149,42 @@ def tokens(weights) -> torch.Tensor:
 @torch.no_grad()
 def test_blocks_of_every_length_match_one_token_steps(weights, tokens):
     assert blocks_differing(weights, tokens, invariant=True) == []
+
+
+@dataclass(frozen=True)
+class Timed(Linear):
+    """A prepacked product that takes `few` seconds over fewer than WIDE_ROWS rows, else `many`."""
+
+    few: float = 0.0
+    many: float = 0.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.few if x.shape[-2] < WIDE_ROWS else self.many)
+        return super().__call__(x)
+
+
+def test_few_rows_are_padded_wide_only_where_that_is_timed_faster():
+    """wide_pays times the model's products streamed at the fewest rows a lone row needs and at
+    WIDE_ROWS: products slower on few rows choose wide, the reverse narrow, and a tiny model
+    (whose sweep takes under WIDE_FLOOR) stays narrow whatever its timings say."""
+    model = tiny_llama(hidden=64)
+    weights = LeanWeights(model)
+    assert weights.min_rows == {role: 2 if role in weights.paired else 1 for role in ROLES}
+    config = model.config
+    widths = {"qkv": 64, "out": 64, "gate_up": 64, "down": config.intermediate_size, "head": 64}
+    assert not lean.wide_pays(weights, widths)  # a tiny model: not judged
+
+    def timed(few: float, many: float) -> LeanWeights:
+        def slow(product: Linear) -> Timed:
+            return Timed(product.packed, product.bias, few, many)
+        weights.layers = [replace(layer, qkv=slow(layer.qkv), out=slow(layer.out),
+                                  gate_up=slow(layer.gate_up), down=slow(layer.down))
+                          for layer in LeanWeights(model).layers]
+        weights.head = slow(LeanWeights(model).head)
+        return weights
+
+    assert lean.wide_pays(timed(0.001, 0.0002), widths)
+    assert not lean.wide_pays(timed(0.0002, 0.001), widths)
 
 
 @torch.no_grad()

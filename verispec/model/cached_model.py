@@ -14,7 +14,7 @@ import torch
 from verispec.core.tree import attention_mask, chain_parents, is_chain, position_ids, side_block
 from verispec.core.types import GenerationStats, SideBranch
 from verispec.model.kernels import rows
-from verispec.model.lean import FIXED_ROWS, Block, LeanDecoder, lean_supported
+from verispec.model.lean import FIXED_ROWS, WIDE_ROWS, Block, LeanDecoder, lean_supported
 from verispec.model.lean import forward_rows as lean_forward_rows
 from verispec.model.lowbit import QuantLinear, weight_format
 from verispec.model.packed import packed_view
@@ -123,6 +123,8 @@ class CachedModel:
         if self.lean is not None:
             dense_rows = isinstance(self.lean.weights.layers[0].qkv, rows.DenseProduct)
             runs = rows.name() if dense_rows else "oneDNN prepacked"
+            if min(self.lean.weights.min_rows.values()) == WIDE_ROWS:
+                runs += f", fewer than {WIDE_ROWS} rows padded to {WIDE_ROWS} (timed faster at load)"
             return f"{dtype} ({runs}, fused){attention}"
         packed = "oneDNN prepacked, " if self.runner is not self.model else ""
         return f"{dtype} ({packed}Hugging Face forward)"

@@ -21,6 +21,7 @@ fixed KV buffer (`static_forward`), captured as a CUDA graph (verispec.model.gra
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -233,9 +234,18 @@ class Layer:
     kind: str | None = None  # the rotary table it reads (Family.rope_per_kind: its attention kind)
 
 
-# The products a forward runs, by role (LeanWeights.paired names those that multiply a lone row
-# as two).
+# The products a forward runs, by role (LeanWeights.min_rows: the fewest rows an invariant pass
+# multiplies through each).
 ROLES = ("qkv", "out", "gate_up", "down", "head")
+# oneDNN picks its float32 kernel by the row count, and streaming a model's weights its one- and
+# two-row kernels can be the slower: on a 2-core AMD EPYC (one 512-bit multiply-add a cycle) the
+# built-in float32 target's products took 302 ms over ten one-row forwards and 271 over ten
+# four-row ones, the same bits. So where a product's rows are the same bits at any count from 2
+# (the probe below), an invariant pass of fewer rows pads them to WIDE_ROWS where this machine
+# streams the model's products faster so (`wide_pays`, timed at load: the choice moves no bit).
+WIDE_ROWS = 4
+WIDE_MARGIN = 0.97  # wide only where it takes at most this share of the narrow sweep's time
+WIDE_FLOOR = 0.002  # seconds: a model whose products sweep faster than this (a tiny one) stays narrow
 
 
 class LeanWeights:
@@ -319,9 +329,12 @@ class LeanWeights:
         self.layers = stack(linear)
         # A product may round a lone row differently from the same row among 2..17 (prepacked
         # float32 over SmolLM2's 1536 inputs, the MLP's down projection: scripts/invariance_probe.py),
-        # so invariant one-row passes multiply two copies of the row through those products. Which
+        # so invariant one-row passes multiply at least two rows through those products. Which
         # ones is probed here, per role, on this model's shapes (drafters need no invariance).
         self.paired: frozenset[str] = frozenset()
+        # The fewest rows an invariant pass multiplies through each product (fewer are padded
+        # with zero rows): two where a lone row differs, WIDE_ROWS where that streams faster.
+        self.min_rows = dict.fromkeys(ROLES, 1)
         if on_cpu and linear == Linear.fuse:
             first = self.layers[0]
             products = {"qkv": first.qkv, "out": first.out, "gate_up": first.gate_up,
@@ -333,6 +346,9 @@ class LeanWeights:
             # the head reads the most bytes (Gemma 3's: 671 MB in float32): fewer rows
             self.paired = frozenset(role for role in ROLES if lone_row_differs(
                 products[role], widths[role], dtype, 16 if role == "head" else 64))
+            self.min_rows = {role: 2 if role in self.paired else 1 for role in ROLES}
+            if wide_pays(self, widths):
+                self.min_rows = dict.fromkeys(ROLES, WIDE_ROWS)
         # A 4-bit target's prompts go through bfloat16 copies of its layers: torch's int4 kernel is
         # a matrix-vector kernel, slow on many rows. Plain and speculative decoding both prefill
         # that way, so the guarantee holds; it costs 2 bytes a weight. The row kernel
@@ -359,6 +375,39 @@ class LeanWeights:
         cos, sin = tables[0][0], tables[1][0]  # [rows, head_dim]
         half = sin.shape[-1] // 2
         return cos[:, None], torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)[:, None]
+
+
+@torch.inference_mode()
+def wide_pays(w: LeanWeights, widths: dict[str, int], rounds: int = 3) -> bool:
+    """Whether this machine multiplies the model's products (every layer's, then the head) over
+    WIDE_ROWS rows faster than over the fewest an invariant one-row pass needs, by WIDE_MARGIN:
+    timed streaming through all the weights, as a forward does (one product timed alone runs from
+    the cache and hides it); the rounds alternate, the fastest of each kept. About 0.2 s for the
+    built-in float32 target on 2 cores. Every product must be row-invariant from two rows."""
+    sweep = [(product, role) for layer in w.layers
+             for product, role in zip((layer.qkv, layer.out, layer.gate_up, layer.down), ROLES)]
+    sweep.append((w.head, "head"))
+    if not all(isinstance(product, Linear) for product, _ in sweep):
+        return False
+    x = {role: torch.randn(1, WIDE_ROWS, width, generator=torch.Generator().manual_seed(0)).to(
+        w.embed.weight.dtype) for role, width in widths.items()}
+
+    def seconds(rows: dict[str, int]) -> float:
+        started = time.perf_counter()
+        for product, role in sweep:
+            product(x[role][:, :rows[role]])
+        return time.perf_counter() - started
+
+    narrow = {role: 2 if role in w.paired else 1 for role in ROLES}
+    wide = dict.fromkeys(ROLES, WIDE_ROWS)
+    times = [(seconds(narrow), seconds(wide)) for _ in range(1 + rounds)][1:]  # the first warms up
+    fastest_narrow, fastest_wide = min(t[0] for t in times), min(t[1] for t in times)
+    return fastest_narrow >= WIDE_FLOOR and fastest_wide <= WIDE_MARGIN * fastest_narrow
+
+
+def pad_rows(h: torch.Tensor, rows: int) -> torch.Tensor:
+    """h [..., n, features] with zero rows after its own up to `rows` rows."""
+    return torch.cat([h, h.new_zeros(*h.shape[:-2], rows - h.shape[-2], h.shape[-1])], dim=-2)
 
 
 @torch.inference_mode()
@@ -448,7 +497,7 @@ def native_layers(w: LeanWeights) -> object | None:
     targets; self-drafters of float32 and bfloat16 targets). None elsewhere: the Python loop of forward_rows
     runs."""
     dtype = w.embed.weight.dtype
-    if (w.row_kernel is None or w.paired or w.activation is not nn.functional.silu
+    if (w.row_kernel is None or max(w.min_rows.values()) > 1 or w.activation is not nn.functional.silu
             or dtype not in (torch.float32, torch.bfloat16) or len({layer.kind for layer in w.layers}) != 1):
         return None
     layers, norms = [], set()
@@ -579,7 +628,6 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
         cos, sin = w.rotary_tables(x, every, kind)
         rotary[kind] = [(cos, sin)] if len(blocks) == 1 else list(zip(cos.split(sizes), sin.split(sizes)))
     q_size = w.heads * w.head_dim
-    widen = invariant and x.shape[1] == 1
     fixed = invariant and w.fixed_rows and not prompts_only  # prompts are cached alike anyway
 
     def run(f: Product | None, h: torch.Tensor, role: str = "") -> torch.Tensor:  # h: [1, rows, in]
@@ -587,7 +635,10 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
             return h
         if fixed:
             return at_fixed_rows(f, h)
-        return f(torch.cat([h, h], dim=1))[:, :1] if widen and role in w.paired else f(h)
+        n = h.shape[1]
+        if invariant and role and n < w.min_rows[role]:
+            return f(pad_rows(h, w.min_rows[role]))[:, :n]
+        return f(h)
 
     one = sights[stack[0].window][0]  # one block: what its rows see
     # The loop below in one C++ call: the same bits where rows are invariant; a drafter's rows
@@ -805,8 +856,9 @@ class LeanDecoder:
         """hidden [n, hidden] -> logits [n, vocab] through the model's LM head."""
         if self.invariant and self.weights.fixed_rows:
             return at_fixed_rows(self.weights.head, hidden)
-        if self.invariant and hidden.shape[0] == 1 and "head" in self.weights.paired:
-            return self.weights.head(torch.cat([hidden, hidden]))[:1]
+        n = hidden.shape[0]
+        if self.invariant and n < self.weights.min_rows["head"]:
+            return self.weights.head(pad_rows(hidden, self.weights.min_rows["head"]))[:n]
         return self.weights.head(hidden)
 
     def rewind(self, length: int) -> None:
