@@ -1,7 +1,8 @@
 """Sweep tree sizes on held-out training-family prompts, never on Spec-Bench questions.
 
 Runs each configuration (METHOD[@K]:TREE, TREE = chain or TOPKxNODES, depth K, default K the
-method's; METHOD:profile, the method with neither: its default, for eagle the shape this machine's
+method's; for a method that drafts behind a lookup, eagle-pld or eagle-suffix, K is the model's
+depth, --model-k; METHOD:profile, the method with neither: its default, for eagle the shape this machine's
 cost profile chooses) interleaved with plain decoding prompt by prompt, greedy, 128 new tokens, float32. Each
 method's default tree (`--tree` without a size) is the fastest tree found here; whether a tree
 beats the chain at all is the other thing it shows.
@@ -38,8 +39,12 @@ def main(count: int = 8, seed: int = 779, configs: str = FIRST_ROUND, dtype: str
             engines[f"{method} (default: {tree})"] = build_engine(target, method)
             continue
         settings = None if tree == "chain" else TreeSettings(*map(int, tree.split("x")))
-        k = int(k) if k else METHODS[method].default_k
-        engines[f"{method} k={k} {tree}"] = build_engine(target, method, DraftOptions(k=k, tree=settings))
+        spec = METHODS[method]
+        if spec.trained_kind not in (None, method):  # behind a lookup: K is the model's depth
+            options = DraftOptions(k=spec.default_k, tree=settings, model_k=int(k) if k else None)
+        else:
+            options = DraftOptions(k=int(k) if k else spec.default_k, tree=settings)
+        engines[f"{method} k={k or spec.default_k} {tree}"] = build_engine(target, method, options)
     compare(engines, prompts)
 
 

@@ -146,7 +146,7 @@ def test_compare_prints_the_change(tiny_dir, questions, tmp_path, capsys):
 
 
 DEFAULT_SET = {"hf", "ar", "auto", "pld", "hf-pld", "early-exit", "hf-early-exit", "lookahead", "eagle",
-               "eagle-pld",
+               "eagle-pld", "eagle-suffix",
                "eagle3", "medusa", "draft", "self-int4", "self-int8", "self-bf16", "self-int4-pld", "suffix",
                "block"}
 

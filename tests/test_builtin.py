@@ -121,9 +121,11 @@ def test_builtin_int4_drafter_is_small(smollm):
 
 
 def test_eagles_shape_is_chosen_by_this_machines_profile(smollm, prompt_ids, monkeypatch):
-    """Without --tree or --k, `eagle`, `eagle-pld` and `eagle3` draft the shape the cost profile makes
-    fastest: a tree where verifying its rows costs what one row does, the chain where every row
-    costs a fifth of a forward; an explicit k, tree or drafter is the user's. Either way exact."""
+    """Without --tree, --k or --model-k, `eagle`, `eagle-pld`, `eagle-suffix` and `eagle3` draft
+    the shape the cost profile makes fastest: a tree where verifying its rows costs what one row
+    does (eagle-suffix's trees gain too little there: its chain), a one-token chain where every
+    row costs a fifth of a forward (eagle3 has no such shape measured: its chain); an explicit k,
+    tree or drafter is the user's. Either way exact."""
     from verispec import methods
     from verispec.drafters.auto import CostProfile, DrafterCost
 
@@ -138,18 +140,25 @@ def test_eagles_shape_is_chosen_by_this_machines_profile(smollm, prompt_ids, mon
             return profiles[kind]
         return fake
 
-    def tree_of(engine):
+    def shape_of(engine):
+        """(the tree, the depth EAGLE drafts: its own k, or the most it drafts behind a lookup)"""
         drafter = engine.speculation.drafter
-        return getattr(drafter, "model", drafter).tree
+        depth = getattr(drafter, "model_k", engine.speculation.policy.k)
+        return getattr(drafter, "model", drafter).tree, depth
 
     reference = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW).token_ids
-    for kind, expected in (("flat", TreeSettings(2, 4)), ("steep", None)):
+    expected = {"flat": {"eagle": (TreeSettings(2, 4), 2), "eagle-pld": (TreeSettings(2, 4), 2),
+                         "eagle-suffix": (None, 2), "eagle3": (TreeSettings(2, 4), 2)},
+                "steep": {"eagle": (None, 1), "eagle-pld": (None, 1), "eagle-suffix": (None, 1),
+                          "eagle3": (None, 2)}}
+    for kind, shapes in expected.items():
         monkeypatch.setattr(methods, "cost_profile", profile_of(kind))
-        for method in ("eagle", "eagle-pld", "eagle3"):
+        for method, shape in shapes.items():
             engine = build_engine(smollm, method)
-            assert tree_of(engine) == expected, (kind, method)
+            assert shape_of(engine) == shape, (kind, method)
             result = engine.generate(SequenceSpec(prompt_ids, StoppingRules.build(NEW, smollm.eos_token_ids)))
             assert result.token_ids == reference, (kind, method)
         for options in (DraftOptions(k=2), DraftOptions(tree=TreeSettings(3, 5))):
-            assert tree_of(build_engine(smollm, "eagle", options)) == options.tree
-    assert asked == [["eagle"], ["eagle"], ["eagle3"]] * 2  # the target's and its drafter's, per engine
+            assert shape_of(build_engine(smollm, "eagle", options)) == (options.tree, 2)
+        assert shape_of(build_engine(smollm, "eagle-suffix", DraftOptions(model_k=3))) == (None, 3)
+    assert asked == [["eagle"], ["eagle"], ["eagle"], ["eagle3"]] * 2  # per engine: target and drafter

@@ -37,6 +37,7 @@ from verispec.drafters.hybrid import LookupThenModel
 from verispec.drafters.learned import Int8Linear, ReducedHead, load_drafter, target_identity
 from verispec.drafters.medusa import MedusaDrafter, MedusaNet, medusa_settings
 from verispec.drafters.ngram import PromptLookupDrafter
+from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
 from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.methods import METHODS, build_engine
 from verispec.model.cached_model import CachedModel
@@ -281,6 +282,8 @@ def _drafters(loaded, trained):
                                             TreeSettings(4, 12), [[0.5, 0.3, 0.1, 0.1]] * 3),
         "eagle-pld": LookupThenModel(PromptLookupDrafter(3, 1), EagleDrafter.load(trained["eagle"], model),
                                      3),
+        "eagle-suffix": LookupThenModel(SuffixDrafter(SuffixSettings()),
+                                        EagleDrafter.load(trained["eagle"], model), 1),
         "random-eagle-pld": LookupThenModel(
             PromptLookupDrafter(2, 1), EagleDrafter(model, random_eagle, ReducedHead(model, vocab_ids)), 2),
         "mid-eagle": EagleDrafter(model, mid_eagle, ReducedHead(model, vocab_ids)),
@@ -573,7 +576,7 @@ def test_bench_runs_trained_drafters_by_default(loaded, trained, tmp_path):
                          max_new_tokens=10, warmup=0, exit_layer=1,
                          trained=[str(trained[k]) for k in ("eagle", "medusa", "draft")])
     summaries = {s.label: s for s in summarize(run_bench(config, progress=False).runs)}
-    for label in ("eagle", "medusa", "early-exit", "draft", "eagle-pld"):
+    for label in ("eagle", "medusa", "early-exit", "draft", "eagle-pld", "eagle-suffix"):
         assert summaries[label].overall.identical == "1/1", label
     with pytest.raises(VerispecError, match="not a trained verispec drafter"):
         run_bench(BenchConfig(model=loaded.name, out=tmp_path / "x", trained=[str(tmp_path)]))

@@ -20,6 +20,8 @@ coin): scripts/mutate.py plants each and shows which test fails.
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -28,8 +30,9 @@ from tests.distribution import POWER, Sampled, assert_follows, exact_marginals, 
 from tests.tiny import tiny_llama
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.tree import TreeSettings
-from verispec.core.types import SamplingParams
+from verispec.core.types import Proposal, SamplingParams
 from verispec.decoding.engine import SpeculativeEngine
+from verispec.drafters.base import Drafter, DraftRequest
 from verispec.drafters.block import BlockDrafter, BlockNet, block_settings
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
 from verispec.drafters.eagle3 import Eagle3Drafter, Eagle3Net, eagle3_settings
@@ -42,6 +45,7 @@ from verispec.drafters.medusa import MedusaDrafter, MedusaNet, medusa_settings
 from verispec.drafters.mtp import MTPDrafter, MTPNet, mtp_settings
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import SelfDrafter, SelfSettings
+from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
 from verispec.model.kernels import rows
 from verispec.model.loading import LoadedModel
 
@@ -87,15 +91,30 @@ TREE_PROMPT = [1, 5, 9, 2, 5, 9, 3, 5, 9]  # "5 9" went on three ways: prompt lo
 MEDUSA_RANKS = [[0.5, 0.3, 0.1, 0.1]] * 3  # the heads' rank accuracies a Medusa tree is built from
 
 
+class CountingLookupThenModel(LookupThenModel):
+    """LookupThenModel counting, over every instance, the drafts each side proposed."""
+
+    proposed: collections.Counter = collections.Counter()
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        proposal = super().propose(request)
+        if proposal.tokens.numel():
+            self.proposed["lookup" if self.last is self.lookup else "model"] += 1
+        return proposal
+
+
 def drafter_factory(kind: str, target: torch.nn.Module):
     """A function making fresh drafters of `kind` for `target` (one per row of a batch), all
     sharing one set of random weights. "-tree": drafting TREE-shaped token trees."""
     tree = TREE if kind.endswith("-tree") else None
     kind = kind.removesuffix("-tree")
-    if kind == "eagle-pld":  # lookup drafts where the prompt repeats, EAGLE elsewhere
+    if kind in ("eagle-pld", "eagle-suffix"):  # a lookup drafts where the text repeats, EAGLE elsewhere
         net = _randomised(EagleNet(**eagle_settings(target)))
-        return lambda: LookupThenModel(PromptLookupDrafter(3, 1),
-                                       EagleDrafter(target, net, ReducedHead(target, REDUCED)), 2)
+
+        def lookup() -> Drafter:
+            return PromptLookupDrafter(3, 1) if kind == "eagle-pld" else SuffixDrafter(SuffixSettings())
+        return lambda: CountingLookupThenModel(
+            lookup(), EagleDrafter(target, net, ReducedHead(target, REDUCED)), 2)
     if kind == "eagle":  # heads of 16 values: its layer runs in rows.cpp's loop where it can
         net = _randomised(EagleNet(**{**eagle_settings(target), "heads": 2}))
 
@@ -185,13 +204,17 @@ def test_token_trees_sample_the_targets_distribution(target, exact, skew, kind):
     assert_follows(sampled, exact(sampling, TREE_PROMPT), kind, skew)
 
 
+@pytest.mark.parametrize("kind", ["eagle-pld", "eagle-suffix"])
 @pytest.mark.parametrize("skew", POWER)
-def test_eagle_behind_prompt_lookup_samples_the_targets_distribution(target, exact, skew):
-    """eagle-pld: a deterministic lookup draft where the context repeats, EAGLE's sampled draft
-    elsewhere, in the same run."""
-    sampled = run(target, exact, "eagle-pld", SAMPLING, skew)
+def test_eagle_behind_a_lookup_samples_the_targets_distribution(target, exact, skew, kind):
+    """eagle-pld, eagle-suffix: a deterministic lookup draft (prompt lookup, suffix decoding)
+    where the context repeats, EAGLE's sampled draft elsewhere, both in the same run."""
+    CountingLookupThenModel.proposed.clear()
+    sampled = run(target, exact, kind, SAMPLING, skew)
     sampled.check_drafting(positions=2)
-    assert_follows(sampled, exact(SAMPLING), "eagle-pld", skew)
+    proposed = CountingLookupThenModel.proposed
+    assert min(proposed["lookup"], proposed["model"]) > 0.05 * sampled.runs, proposed
+    assert_follows(sampled, exact(SAMPLING), kind, skew)
 
 
 @pytest.mark.parametrize("skew", POWER)

@@ -130,12 +130,14 @@ def _lookahead(target: LoadedModel, options: DraftOptions) -> Drafter:
                             options.lookahead_pool_context)
 
 
-def _lookup_then(method: str) -> Callable[[LoadedModel, DraftOptions], Drafter]:
-    """A builder for prompt lookup backed by `method`'s drafter (drafting up to its default k)."""
+def _lookup_then(method: str, lookup: Callable[[LoadedModel, DraftOptions], Drafter]
+                 ) -> Callable[[LoadedModel, DraftOptions], Drafter]:
+    """A builder for `lookup`'s drafter backed by `method`'s (drafting up to options.model_k
+    tokens where the lookup has none, default its k)."""
     def build(target: LoadedModel, options: DraftOptions) -> Drafter:
         spec = METHODS[method]
-        return LookupThenModel(_prompt_lookup(target, options), spec.build(target, options),
-                               spec.default_k)
+        depth = spec.default_k if options.model_k is None else options.model_k
+        return LookupThenModel(lookup(target, options), spec.build(target, options), depth)
     return build
 
 
@@ -215,13 +217,15 @@ def _dtype_name(target: LoadedModel) -> str:
 
 @dataclass(frozen=True)
 class Shape:
-    """A way a trained method drafts (a chain, or a tree of `tree`'s size, depth the method's k)
-    and the tokens a step it gained with the drafter shipped for the built-in model on held-out
-    prompts (docs/tuning.md, "Since EAGLE drafts in 8 bits": scripts/tune_trees.py, seed 785,
-    the mean over the 4-bit and float32 targets, whose τ agree within 0.08)."""
+    """A way a trained method drafts (a chain, or a tree of `tree`'s size, of depth `k`, None:
+    its drafter's k) and the tokens a step it gained with the drafter shipped for the built-in
+    model on held-out prompts (docs/tuning.md, "Since EAGLE drafts in 8 bits" and "EAGLE behind
+    suffix decoding": scripts/tune_trees.py, seed 785, the mean over the 4-bit and float32
+    targets, whose τ agree within 0.08)."""
 
     tree: TreeSettings | None
     tau: float
+    k: int | None = None
 
 
 # A tree's level costs this many of a chain's drafted tokens (its nodes go through the drafter
@@ -243,23 +247,28 @@ def shaped(target: LoadedModel, method: str, options: DraftOptions) -> DraftOpti
     spec = METHODS[method]
     kind = spec.trained_kind
     if (not spec.shapes or options.tree is not None or options.k is not None or options.draft is not None
-            or target.model.device.type != "cpu" or _trained(target, options, kind) is None):
+            or options.model_k is not None or target.model.device.type != "cpu"
+            or _trained(target, options, kind) is None):
         return options  # the shapes' τ are the shipped drafter's (none ships for other targets)
     chain = replace(options, tree=None)
     profile = cost_profile(target, {kind: lambda: METHODS[kind].build(target, chain)},
                            {kind: METHODS[kind].default_k})
-    drafter, k = profile.drafters[kind], METHODS[kind].default_k
+    drafter = profile.drafters[kind]
 
     def speed(shape: Shape) -> float:
-        rows = 1 + (k if shape.tree is None else shape.tree.nodes)
-        drafting = drafter.seconds(k if shape.tree is None else TREE_LEVEL * k)
+        depth = METHODS[kind].default_k if shape.k is None else shape.k
+        rows = 1 + (depth if shape.tree is None else shape.tree.nodes)
+        drafting = drafter.seconds(depth if shape.tree is None else TREE_LEVEL * depth)
         return shape.tau / (profile.forward_seconds(rows) + drafting)
 
     chains = [shape for shape in spec.shapes if shape.tree is None]
     best = max(spec.shapes, key=speed)
-    if best.tree is not None and chains and speed(best) < TREE_MARGIN * speed(chains[0]):
-        best = chains[0]
-    return replace(options, tree=best.tree)
+    if best.tree is not None and chains and speed(best) < TREE_MARGIN * max(map(speed, chains)):
+        best = max(chains, key=speed)
+    if best.k is None:
+        return replace(options, tree=best.tree)
+    # the depth is the method's k where the drafter is the method, else the model's behind a lookup
+    return replace(options, tree=best.tree, **{"k" if method == kind else "model_k": best.k})
 
 
 class Needs(Enum):
@@ -340,16 +349,25 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "n-gram pool whose n-grams after the last token are the draft", 2, _lookahead,
            "any model, no training, where a wider forward costs little (GPU); about break-even "
            "on a 2-core CPU"),
+    Method("eagle-suffix", "suffix decoding where the text repeats, the EAGLE drafter elsewhere",
+           16, _lookup_then("eagle", lambda target, options: _suffix(target, options, "eagle-suffix")),
+           "the fastest trained drafter on the built-in model's 4-bit target", Needs.TRAINED,
+           EagleDrafter.kind, trees=True,
+           shapes=(Shape(None, 2.00), Shape(None, 1.86, 1), Shape(TreeSettings(2, 3), 1.99),
+                   Shape(TreeSettings(2, 4), 2.08))),
     Method("eagle-pld", "prompt lookup where the context repeats, the EAGLE drafter elsewhere", 7,
-           _lookup_then("eagle"), "the fastest trained drafter on the built-in model",
+           _lookup_then("eagle", _prompt_lookup),
+           "the fastest trained drafter on the built-in model in float32",
            Needs.TRAINED, EagleDrafter.kind, trees=True, default_tree=TreeSettings(2, 3),
-           shapes=(Shape(None, 1.94), Shape(TreeSettings(2, 3), 2.06), Shape(TreeSettings(2, 4), 2.11))),
+           shapes=(Shape(None, 1.94), Shape(None, 1.82, 1), Shape(TreeSettings(2, 3), 2.06),
+                   Shape(TreeSettings(2, 4), 2.11))),
     Method("eagle", "one trained decoder layer that predicts the target's next hidden state "
            "(EAGLE)", 2, _learned(EagleDrafter.kind, lambda path, target, options: EagleDrafter.load(
                path, target.model, options.confidence_threshold, options.tree)),
            "answers that do not copy the prompt, when a trained drafter exists", Needs.TRAINED,
            EagleDrafter.kind, trees=True, default_tree=TreeSettings(2, 3),
-           shapes=(Shape(None, 1.66), Shape(TreeSettings(2, 3), 1.80), Shape(TreeSettings(2, 4), 1.85))),
+           shapes=(Shape(None, 1.66), Shape(None, 1.49, 1), Shape(TreeSettings(2, 3), 1.80),
+                   Shape(TreeSettings(2, 4), 1.85))),
     Method("eagle3", "EAGLE-3: three target layers fused, a reduced-vocabulary head", 2,
            _learned(Eagle3Drafter.kind, lambda path, target, options: Eagle3Drafter.load(
                path, target.model, options.confidence_threshold, options.tree)),
@@ -453,10 +471,10 @@ def speculation_for_checked(target: LoadedModel, method: str, options: DraftOpti
     """How sequences speculate with `method` on `target` (a drafter, a way to make more, the
     draft-length policy, the acceptance rule); checks nothing: the options are `resolve`'s."""
     spec = METHODS[method]
-    k = spec.default_k if options.k is None else options.k
-    if spec.build is None or k == 0:
+    if spec.build is None or options.k == 0:
         return Speculation(acceptance=options.acceptance)
     options = shaped(target, method, options)
+    k = spec.default_k if options.k is None else options.k
     return Speculation(spec.build(target, options), SCHEDULES[options.schedule](k), options.acceptance,
                        lambda: spec.build(target, options))
 

@@ -67,6 +67,9 @@ class DraftOptions:
     schedule: str = option("constant", Flag(
         "draft length: constant k, or heuristic (Hugging Face's: +2 after a full accept, -1 "
         "otherwise)", str, tuple(SCHEDULES)))
+    model_k: int | None = option(None, Flag(
+        "eagle-pld, eagle-suffix: the most tokens EAGLE drafts where the lookup offers none "
+        "(default: the depth this machine's cost profile makes fastest, else EAGLE's k)", int))
     confidence_threshold: float | None = option(None, Flag(
         "model drafters stop drafting when their probability for the drafted token falls below "
         "this", float))
@@ -83,8 +86,8 @@ class DraftOptions:
     tree: TreeSettings | str | None = option(None, Flag(
         "draft a token tree of depth k instead of a chain (TOPKxNODES, e.g. 4x16: top-k children "
         "per expanded node, NODES draft nodes in all); alone: the method's default tree; unset "
-        "(and no --k), eagle, eagle-pld and eagle3 with their shipped drafter draft the chain or tree "
-        "this machine's cost profile makes fastest",
+        "(and no --k), eagle, eagle-pld, eagle-suffix and eagle3 with their shipped drafter draft the "
+        "chain (and its depth) or tree this machine's cost profile makes fastest",
         parse_tree, metavar="TOPKxNODES", bare=DEFAULT_TREE))
     acceptance: str = option("exact", Flag(
         "exact (default, lossless); typical: Medusa's typical acceptance, LOSSY under sampling; "

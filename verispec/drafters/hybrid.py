@@ -1,4 +1,5 @@
-"""Prompt lookup where the text repeats itself, a learned drafter everywhere else.
+"""A lookup (prompt lookup, suffix decoding) where the text repeats itself, a learned drafter
+everywhere else.
 
 Copying from the context is nearly free and, when an n-gram matches, usually right (summaries,
 retrieval answers, code edits); a learned drafter costs a little per token and helps where
@@ -13,18 +14,18 @@ from dataclasses import replace
 
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
-from verispec.drafters.ngram import PromptLookupDrafter
 
 
 class LookupThenModel(Drafter):
-    """Proposes the prompt-lookup draft (up to request.k tokens) when the context's last n-gram
-    occurred before, else the model drafter's (up to min(request.k, model_k) tokens).
+    """Proposes the lookup's draft (up to request.k tokens) where it has one (prompt lookup: the
+    context's last n-gram occurred before; suffix decoding: a continuation likely enough), else
+    the model drafter's (up to min(request.k, model_k) tokens).
 
     A model drafter with its own state (EAGLE's KV cache) catches up on the steps it sat out at
     its next proposal, from the committed tokens and hidden states the engine hands over.
     """
 
-    def __init__(self, lookup: PromptLookupDrafter, model: Drafter, model_k: int) -> None:
+    def __init__(self, lookup: Drafter, model: Drafter, model_k: int) -> None:
         self.lookup = lookup
         self.model = model
         self.model_k = model_k
