@@ -270,8 +270,9 @@ def test_a_method_registered_once_runs_through_generate_the_cli_and_the_bench(
 
 def every_field_set() -> DraftOptions:
     """DraftOptions with every field away from its default."""
-    changed = {"k": 3, "schedule": "heuristic", "confidence_threshold": 0.25, "draft": "some/dir",
-               "exit_layer": 1, "max_ngram": 5, "min_ngram": 1, "tree": TreeSettings(2, 3),
+    changed = {"k": 3, "model_k": 1, "schedule": "heuristic", "confidence_threshold": 0.25,
+               "draft": "some/dir", "exit_layer": 1, "max_ngram": 5, "min_ngram": 1,
+               "tree": TreeSettings(2, 3),
                "acceptance": "typical", "group": 64, "skip_layers": (1,), "lookahead_window": 3,
                "lookahead_ngram": 4, "lookahead_guesses": 3, "lookahead_pool_context": False,
                "suffix_factor": 2.0, "suffix_min_prob": 0.2, "suffix_cache_tokens": 1000}

@@ -46,6 +46,7 @@ def test_generate_colours_tokens_by_fate(tiny_dir, capsys):
     (["--prompt", "w5", "--temperature", "1", "--top-p", "1.1"], "top_p"),
     (["--prompt", "w5", "--top-k", "-1"], "top_k"),
     (["--prompt", "w5", "--method", "pld", "--k", "-1"], "k must be an integer >= 0"),
+    (["--prompt", "w5", "--method", "pld", "--model-k", "0"], "model_k must be an integer >= 1"),
     (["--prompt", "w5", "--method", "draft"], "needs a draft model"),
     (["--prompt", "w5", "--max-new-tokens", "1000"], "exceeds the model's context"),
     (["--prompt", " ".join(["w5"] * 600)], "exceeds the model's context"),

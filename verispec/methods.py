@@ -456,6 +456,9 @@ def resolve(method: str, options: DraftOptions = DraftOptions()) -> DraftOptions
     k = options.k
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
         raise VerispecError(f"draft length k must be an integer >= 0 (0: no drafting), got {k!r}", field="k")
+    depth = options.model_k
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+        raise VerispecError(f"model_k must be an integer >= 1, got {depth!r}", field="model_k")
     if options.schedule not in SCHEDULES:
         raise VerispecError(
             f"unknown draft-length schedule {options.schedule!r}; choose from {', '.join(SCHEDULES)}")

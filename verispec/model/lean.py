@@ -346,9 +346,8 @@ class LeanWeights:
             # the head reads the most bytes (Gemma 3's: 671 MB in float32): fewer rows
             self.paired = frozenset(role for role in ROLES if lone_row_differs(
                 products[role], widths[role], dtype, 16 if role == "head" else 64))
-            self.min_rows = {role: 2 if role in self.paired else 1 for role in ROLES}
-            if wide_pays(self, widths):
-                self.min_rows = dict.fromkeys(ROLES, WIDE_ROWS)
+            self.min_rows = (dict.fromkeys(ROLES, WIDE_ROWS) if wide_pays(self, widths)
+                             else {role: 2 if role in self.paired else 1 for role in ROLES})
         # A 4-bit target's prompts go through bfloat16 copies of its layers: torch's int4 kernel is
         # a matrix-vector kernel, slow on many rows. Plain and speculative decoding both prefill
         # that way, so the guarantee holds; it costs 2 bytes a weight. The row kernel
