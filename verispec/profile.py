@@ -182,7 +182,7 @@ def cost_profile(target: LoadedModel, drafters: dict[str, Callable[[], Drafter]]
             profile = measure(target, lm, drafters, limits)
         if not steady(profile):
             why = f"timings varied by {100 * profile.noise:.0f}% between repeats (a busy machine?)"
-        elif crowded(others.cores, profile):
+        elif crowded(others, profile):
             why = f"other processes kept {others.cores:.1f} cores busy while it was measured"
         else:
             why = None
@@ -235,13 +235,12 @@ class OthersLoad:
             self.cores = max(0.0, others / (wall - self._start[2]))
 
 
-def crowded(others: float | None, timed: CostProfile) -> bool:
+def crowded(others: OthersLoad, timed: CostProfile) -> bool:
     """Whether other processes took cores this process's threads needed while `timed` was
     measured (more than CROWDED beyond the spare ones); a tiny model's is not judged (steady)."""
-    if others is None or timed.forward[0] < STEADY_FLOOR:
+    if others.cores is None or timed.forward[0] < STEADY_FLOOR:
         return False
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return others > max(0, cpus - torch.get_num_threads()) + CROWDED
+    return others.cores > max(0, len(others.cpus) - torch.get_num_threads()) + CROWDED
 
 
 def read_profile(path: Path, key: dict) -> CostProfile | None:
