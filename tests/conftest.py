@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.tiny import TINY_RECIPE, save_tiny, tiny_llama
+from verispec.core.cores import usable_cores
 
 
 def pytest_configure(config) -> None:
@@ -23,10 +24,16 @@ def pytest_configure(config) -> None:
         # thread on two cores), as are the CLI commands it starts, or the workers' threads contend
         # and the suite runs several times slower. The tiny models gain nothing from a second
         # thread; that a forward's bits do not depend on the thread count is a test of its own.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores // workers)
+        # The cores are those a CPU quota allows, where a container has one (its host's are all
+        # visible there).
+        threads = max(1, usable_cores() // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: a worker per core this process may use (a CPU quota's, in a container)."""
+    return usable_cores()
 
 
 def pytest_unconfigure(config) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from verispec.core.cores import OthersLoad
 from verispec.core.files import write_json
 from verispec.core.stopping import StoppingRules
 from verispec.decoding.engine import SpeculativeEngine
@@ -64,7 +65,8 @@ STEADY_FLOOR = 0.002  # seconds: a forward faster than this (a tiny model's) is 
 # A steady load (another job keeping the cores busy throughout) times steadily and slowly, which
 # the repeats cannot see: a profile is not cached either where other processes kept more than
 # this many cores busy on average, beyond those this process's threads leave spare, while it was
-# measured (read from /proc/stat, less this process's own CPU time; hypervisor steal counts).
+# measured (verispec.core.cores: /proc/stat, or the cgroup's CPU time under a quota, less this
+# process's own CPU time; hypervisor steal counts).
 CROWDED = 0.25
 
 # model -> {(its linear weights' fingerprint, threads, drafters): profile}
@@ -201,46 +203,12 @@ def steady(timed: CostProfile | ForwardCost) -> bool:
     return timed.noise <= NOISY or timed.forward[0] < STEADY_FLOOR
 
 
-def busy_seconds(cpus: set[int]) -> float | None:
-    """CPU seconds every process (and the hypervisor's other guests: steal) has spent so far on
-    these CPUs, from /proc/stat; None where there is none (not Linux)."""
-    try:
-        lines = Path("/proc/stat").read_text().splitlines()
-    except OSError:
-        return None
-    ticks = 0
-    for line in lines:
-        name, *fields = line.split()
-        if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cpus:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
-            ticks += user + nice + system + irq + softirq + steal
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-class OthersLoad:
-    """How many of this process's CPUs other processes kept busy, on average, while the block ran
-    (`cores`; None where the machine does not say): all the CPUs' busy time less this process's
-    own (every thread of it)."""
-
-    def __enter__(self) -> OthersLoad:
-        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-        self.cores: float | None = None
-        self._start = (busy_seconds(self.cpus), time.process_time(), time.perf_counter())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        busy, own, wall = busy_seconds(self.cpus), time.process_time(), time.perf_counter()
-        if busy is not None and self._start[0] is not None and wall > self._start[2]:
-            others = (busy - self._start[0]) - (own - self._start[1])
-            self.cores = max(0.0, others / (wall - self._start[2]))
-
-
 def crowded(others: OthersLoad, timed: CostProfile) -> bool:
     """Whether other processes took cores this process's threads needed while `timed` was
     measured (more than CROWDED beyond the spare ones); a tiny model's is not judged (steady)."""
     if others.cores is None or timed.forward[0] < STEADY_FLOOR:
         return False
-    return others.cores > max(0, len(others.cpus) - torch.get_num_threads()) + CROWDED
+    return others.cores > max(0.0, others.capacity - torch.get_num_threads()) + CROWDED
 
 
 def read_profile(path: Path, key: dict) -> CostProfile | None:

@@ -1,0 +1,103 @@
+"""The cores this process may use and the load other processes put on them: /proc/stat on a plain
+machine, a cgroup's quota and CPU time in a container (v1 and v2 trees built here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from verispec.core import cores
+
+HOST = set(range(16))  # a container's view: the host's CPUs, all visible
+
+
+def fake_cgroup(tmp_path: Path, monkeypatch, line: str, files: dict[str, str]) -> Path:
+    """A cgroup tree under tmp_path with `files` (paths below the mount) and /proc/self/cgroup's
+    `line`; the process sees 16 CPUs."""
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "self-cgroup").write_text(line + "\n")
+    monkeypatch.setattr(cores, "CGROUP", root)
+    monkeypatch.setattr(cores, "PROC_CGROUP", tmp_path / "self-cgroup")
+    monkeypatch.setattr(cores, "affinity", lambda: HOST)
+    return root
+
+
+def test_a_v2_quota_anywhere_up_the_tree_bounds_the_cores_and_its_usage_is_read(tmp_path, monkeypatch):
+    root = fake_cgroup(tmp_path, monkeypatch, "0::/jobs/ci", {
+        "jobs/cpu.max": "200000 100000\n", "jobs/cpu.stat": "usage_usec 5000000\nuser_usec 1\n",
+        "jobs/ci/cpu.max": "max 100000\n", "jobs/ci/cpu.stat": "usage_usec 1000000\n"})
+    quota, used = cores.cgroup_quota()
+    assert quota == 2.0 and used() == 5.0  # the limiting folder's CPU time
+    assert cores.usable_cores() == 2
+    (root / "jobs/ci/cpu.max").write_text("50000 100000\n")  # tighter below: it wins
+    quota, used = cores.cgroup_quota()
+    assert quota == 0.5 and used() == 1.0 and cores.usable_cores() == 1
+
+
+def test_a_v1_quota_seen_from_inside_the_container_is_read_at_the_mount(tmp_path, monkeypatch):
+    # the path names the host's folder; the container sees its own cgroup at the mount's root
+    fake_cgroup(tmp_path, monkeypatch, "4:cpu,cpuacct:/docker/abc", {
+        "cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n",
+        "cpuacct/cpuacct.usage": "2500000000\n"})
+    quota, used = cores.cgroup_quota()
+    assert quota == 3.0 and used() == 2.5 and cores.usable_cores() == 3
+
+
+def test_no_quota_leaves_the_cpus(tmp_path, monkeypatch):
+    fake_cgroup(tmp_path, monkeypatch, "4:cpu,cpuacct:/\n0::/", {
+        "cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n", "cpu.max": "max 100000\n"})
+    assert cores.cgroup_quota() is None and cores.usable_cores() == len(HOST)
+
+
+def test_under_a_quota_the_others_load_is_the_cgroups_time_and_an_impossible_reading_is_none(
+        tmp_path, monkeypatch):
+    """Under a 2-core quota on a 16-CPU host, the others' load is the cgroup's CPU time less this
+    process's (the host's /proc/stat would count every tenant); a reading above the cores there
+    are is not this machine's: None."""
+    root = fake_cgroup(tmp_path, monkeypatch, "0::/", {"cpu.max": "200000 100000\n"})
+    host_reads = []
+    monkeypatch.setattr(cores, "busy_seconds", lambda cpus: host_reads.append(cpus))
+    def used(others: float) -> None:  # the cgroup's time: this process's own and the others'
+        (root / "cpu.stat").write_text(f"usage_usec {int(1e6 * (others + time.process_time()))}\n")
+
+    for gained in (0.3, 100.0):
+        used(0.0)
+        with cores.OthersLoad() as load:
+            started = time.perf_counter()
+            time.sleep(0.3)
+            used(gained)
+            wall = time.perf_counter() - started
+        assert load.capacity == 2.0 and not host_reads
+        if gained > load.capacity:
+            assert load.cores is None
+        else:
+            assert 0.2 < load.cores <= 1.05 * gained / wall
+
+
+@pytest.mark.skipif(cores.busy_seconds({0}) is None, reason="no /proc/stat here")
+def test_other_processes_load_is_measured_and_this_ones_own_work_is_not():
+    """OthersLoad sees a process burning a core beside it, and leaves out this process's own work
+    (which the machine's busy time includes)."""
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # running
+        with cores.OthersLoad() as beside:
+            time.sleep(0.6)
+    finally:
+        burner.kill()
+        burner.wait()
+    assert beside.cores is not None and beside.cores >= 0.5  # a core's worth, less a share
+    with cores.OthersLoad() as own:
+        started, wall = own.busy(), time.perf_counter()
+        until = time.perf_counter() + 0.6
+        while time.perf_counter() < until:  # this process's own work
+            pass
+        everyone = (own.busy() - started) / (time.perf_counter() - wall)
+    assert everyone - own.cores >= 0.7  # about the core this process kept busy, left out
