@@ -14,7 +14,7 @@ from verispec.drafters.early_exit import early_exit_model
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.trained_exit import trained_exit_drafter
 from verispec.methods import build_engine
-from verispec.model.loading import cache_root
+from verispec.model.loading import DEFAULT_MODEL, builtin_gguf, cache_root, convert_gguf
 from verispec.options import DraftOptions
 
 NEW = 24
@@ -56,6 +56,17 @@ def test_demo_runs(capsys):
 def test_cache_respects_xdg_cache_home(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache_root() == tmp_path / "verispec" / "models"
+
+
+@pytest.mark.slow  # a conversion: ~15 s
+def test_a_conversion_another_process_finished_first_is_kept(tmp_path):
+    """Two processes converting the same GGUF at once (two test workers on a fresh machine): the
+    one that finishes second finds the folder there, keeps it and does not fail."""
+    out_dir = tmp_path / "converted"
+    out_dir.mkdir()
+    (out_dir / "config.json").write_text("{}")  # the other process's copy, landed meanwhile
+    convert_gguf(builtin_gguf(DEFAULT_MODEL), out_dir)
+    assert [p.name for p in out_dir.iterdir()] == ["config.json"] and not list(tmp_path.glob("*.tmp*"))
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa", "early-exit", "draft", "hydra", "mtp", "block"])
