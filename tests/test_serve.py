@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,7 @@ BAD = [
     ({"messages": [{"role": "user", "content": "w5"}], "method": "eagle"}, "is not served here"),
     ({"messages": [{"role": "user", "content": "w5"}], "method": "pld", "k": -1}, "k"),
     ({"messages": [{"role": "user", "content": "w5"}], "method": "pld", "k": 65}, "k"),
+    ({"messages": [{"role": "user", "content": "w5"}], "method": "pld", "model_k": 0}, "model_k"),
     ({"messages": [{"role": "user", "content": "w5"}], "top_k": -1}, "top_k"),
     ({"messages": [{"role": "user", "content": "w5"}], "method": "pld", "tree": "bushy"}, "TOPKxNODES"),
     ({"messages": [{"role": "user", "content": "w5"}], "method": "ar", "tree": "2x4"}, "chains only"),
@@ -437,7 +439,7 @@ def test_the_servers_drafting_options_are_each_requests_defaults(loaded):
     request's own k and tree override them, and a chain-only method gets no tree."""
     from verispec.core.tree import TreeSettings
     from verispec.options import DraftOptions
-    from verispec.server.requests import ChatBody, parse_body, to_request
+    from verispec.server.requests import ChatBody, CompletionBody, parse_body, to_request
 
     defaults = DraftOptions(k=3, tree=TreeSettings(2, 3), max_ngram=3)
 
@@ -450,3 +452,7 @@ def test_the_servers_drafting_options_are_each_requests_defaults(loaded):
     assert request(method="pld", k=5, tree="4x8").options == DraftOptions(k=5, tree=TreeSettings(4, 8),
                                                                           max_ngram=3)
     assert request(method="lookahead").options.tree is None
+    # EAGLE's depth behind a lookup: the body's, else the server's
+    assert request(method="pld", model_k=2).options == replace(defaults, model_k=2)
+    assert to_request(parse_body(json.dumps({"prompt": "w5", "max_tokens": 2}).encode(), CompletionBody),
+                      loaded, ["pld"], 4, replace(defaults, model_k=3)).options.model_k == 3

@@ -125,6 +125,8 @@ class Common(_Body):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     method: str | None = None  # verispec: the speculation method (default: the server's first)
     k: Annotated[int, Field(ge=0, le=MAX_K)] | None = None  # verispec: draft length (default: the method's)
+    # verispec: EAGLE's depth behind a lookup (eagle-pld, eagle-suffix; default: the profile's)
+    model_k: Annotated[int, Field(ge=1, le=MAX_K)] | None = None
     tree: Annotated[str, Field(max_length=32)] | None = None  # verispec: TOPKxNODES or "default"
     prediction: Prediction | None = None  # OpenAI's predicted outputs
     response_format: ResponseFormat | None = None  # OpenAI's structured output
@@ -264,7 +266,7 @@ def to_request(body: Common, target: LoadedModel, methods: list[str], max_n: int
                defaults: DraftOptions = DraftOptions()) -> Request:
     """The request a parsed body asks for (verispec.request.build_request validates it); a
     BadRequest naming the body field at fault. methods: those served, the first the default;
-    defaults: the server's drafting options, which a body's k and tree override."""
+    defaults: the server's drafting options, which a body's k, model_k and tree override."""
     method = body.method or methods[0]
     if body.n > max_n:
         raise BadRequest(f"n is at most {max_n} (the server's --max-batch), got {body.n}", "n")
@@ -292,7 +294,8 @@ def to_request(body: Common, target: LoadedModel, methods: list[str], max_n: int
             raise VerispecError(f"a stop string has at most {MAX_STOP_CHARS} characters", field="stop")
         request = build_request(
             target, prompt_ids, method=method,
-            options=replace(defaults, k=defaults.k if body.k is None else body.k, tree=tree),
+            options=replace(defaults, k=defaults.k if body.k is None else body.k, tree=tree,
+                            model_k=defaults.model_k if body.model_k is None else body.model_k),
             sampling=SamplingParams.of(body.temperature, body.top_k, body.top_p),
             max_new_tokens=max_tokens, stop_strings=body.stop, seed=body.seed, sequences=body.n,
             prediction=None if body.prediction is None else body.prediction.text(),

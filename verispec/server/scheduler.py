@@ -19,6 +19,7 @@ import psutil
 
 from verispec.core.errors import VerispecError
 from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
 from verispec.core.types import Step
 from verispec.decoding.engine import RowFailure
 from verispec.decoding.sequence import Speculation
@@ -29,9 +30,11 @@ from verispec.request import Request
 from verispec.server.metrics import Metrics
 
 log = logging.getLogger("verispec.server")
-# Ways of speculating (method, k, tree) one server holds at most: each keeps a pool of drafters, so
-# past this the least recently used one that no sequence uses is dropped (the methods the server
-# was started with stay).
+# A way of speculating: (method, k, model_k, tree).
+Way = tuple[str, int | None, int | None, TreeSettings | None]
+# Ways of speculating one server holds at most: each keeps a pool of drafters, so past this the
+# least recently used one that no sequence uses is dropped (the methods the server was started
+# with stay).
 MAX_SPECULATIONS = 32
 # Idle drafters kept for a way of speculating a client chose (the --method defaults keep as many as
 # ran at once, up to --max-batch): more are built again when needed.
@@ -152,8 +155,8 @@ class Scheduler:
         self.max_kv_tokens = max_kv_tokens or default_kv_tokens(target, max_batch)
         self._engine = build_engine(target, PLAIN)
         # Least recently used first; those the server was started with are pinned.
-        self._speculations: OrderedDict[tuple[str, int | None, object], Speculation] = OrderedDict()
-        self._pinned: set[tuple[str, int | None, object]] = set()
+        self._speculations: OrderedDict[Way, Speculation] = OrderedDict()
+        self._pinned: set[Way] = set()
         self._waiting: deque[Ticket] = deque()
         self._rows: dict[int, tuple[Ticket, int, int]] = {}  # row id -> ticket, index, tokens so far
         self._sequences = 0  # sequences running (under the lock: submit reads it)
@@ -249,9 +252,9 @@ class Scheduler:
 
     def speculation(self, method: str, options: DraftOptions) -> Speculation:
         """The Speculation of (method, options) with options `resolve` has checked: one per
-        (method, k, tree), so drafters are built once and reused; past
+        (method, k, model_k, tree), so drafters are built once and reused; past
         MAX_SPECULATIONS the least recently used one no sequence uses is dropped with its pool."""
-        key = (method, options.k, options.tree)
+        key = (method, options.k, options.model_k, options.tree)
         if key in self._speculations:
             self._speculations.move_to_end(key)
             return self._speculations[key]
@@ -260,7 +263,7 @@ class Scheduler:
                            if k not in self._pinned and self._engine.forget(how)), None)
             if unused is None:
                 raise VerispecError(f"this server holds {MAX_SPECULATIONS} ways of speculating "
-                                    "(method, k, tree), all in use; use the method's default k and tree")
+                                    "(method, k, model_k, tree), all in use; use the method's defaults")
             del self._speculations[unused]
         self._speculations[key] = how = speculation_for_checked(self.target, method, options)
         if self._pinned:  # one a client chose (not a --method default): keep one idle drafter
