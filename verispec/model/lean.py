@@ -333,8 +333,8 @@ class LeanWeights:
         # ones is probed here, per role, on this model's shapes (drafters need no invariance).
         self.paired: frozenset[str] = frozenset()
         # The fewest rows an invariant pass multiplies through each product (fewer are padded
-        # with zero rows): two where a lone row differs, WIDE_ROWS where that streams faster.
-        self.min_rows = dict.fromkeys(ROLES, 1)
+        # with zero rows): the narrow ones, or WIDE_ROWS where that streams faster.
+        self.min_rows = self.narrow_rows
         if on_cpu and linear == Linear.fuse:
             first = self.layers[0]
             products = {"qkv": first.qkv, "out": first.out, "gate_up": first.gate_up,
@@ -346,8 +346,7 @@ class LeanWeights:
             # the head reads the most bytes (Gemma 3's: 671 MB in float32): fewer rows
             self.paired = frozenset(role for role in ROLES if lone_row_differs(
                 products[role], widths[role], dtype, 16 if role == "head" else 64))
-            self.min_rows = (dict.fromkeys(ROLES, WIDE_ROWS) if wide_pays(self, widths)
-                             else {role: 2 if role in self.paired else 1 for role in ROLES})
+            self.min_rows = dict.fromkeys(ROLES, WIDE_ROWS) if wide_pays(self, widths) else self.narrow_rows
         # A 4-bit target's prompts go through bfloat16 copies of its layers: torch's int4 kernel is
         # a matrix-vector kernel, slow on many rows. Plain and speculative decoding both prefill
         # that way, so the guarantee holds; it costs 2 bytes a weight. The row kernel
@@ -359,6 +358,12 @@ class LeanWeights:
             self.prompt_layers = stack(bfloat16_copy)
         # The layer loop in one C++ call where the layers allow it (4-bit, GGUF, bfloat16 targets).
         self.native = native_layers(self)
+
+    @property
+    def narrow_rows(self) -> dict[str, int]:
+        """The fewest rows an invariant pass can multiply through each product: two where a lone
+        row differs (`paired`), else one."""
+        return {role: 2 if role in self.paired else 1 for role in ROLES}
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> LeanWeights:
@@ -397,9 +402,8 @@ def wide_pays(w: LeanWeights, widths: dict[str, int], rounds: int = 3) -> bool:
             product(x[role][:, :rows[role]])
         return time.perf_counter() - started
 
-    narrow = {role: 2 if role in w.paired else 1 for role in ROLES}
     wide = dict.fromkeys(ROLES, WIDE_ROWS)
-    times = [(seconds(narrow), seconds(wide)) for _ in range(1 + rounds)][1:]  # the first warms up
+    times = [(seconds(w.narrow_rows), seconds(wide)) for _ in range(1 + rounds)][1:]  # the first warms up
     fastest_narrow, fastest_wide = min(t[0] for t in times), min(t[1] for t in times)
     return fastest_narrow >= WIDE_FLOOR and fastest_wide <= WIDE_MARGIN * fastest_narrow
 
