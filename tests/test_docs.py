@@ -33,6 +33,7 @@ import pytest
 import torch
 
 import verispec
+from verispec import profile
 from verispec.cli import build_parser, main
 from verispec.methods import METHODS, PLAIN
 from verispec.model import loading
@@ -280,6 +281,21 @@ def run_dirs(tmp_path_factory):
                 (made[doc] / name).write_text(text)
         return made[doc]
     return of
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(autouse=True)
+def brief_profiles(profiles, monkeypatch):
+    """Cost profiles measured briefly (a doc's command is checked to run here, not timed: Gemma 3's
+    full profile took 40 of its command's 53 s on one thread), in a folder of this file's own, so
+    no other test reads one."""
+    monkeypatch.setattr(profile, "REPEATS", 1)
+    monkeypatch.setattr(profile, "DRAFT_TOKENS", 16)
+    monkeypatch.setattr(profile, "cache_dir", lambda: profiles)
 
 
 @pytest.mark.parametrize("command", RUNS)
