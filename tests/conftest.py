@@ -8,16 +8,20 @@ import pytest
 import torch
 
 from tests.tiny import TINY_RECIPE, save_tiny, tiny_llama
+from verispec import profile
 from verispec.core.cores import usable_cores
 
 
 def pytest_configure(config) -> None:
     """Cost profiles measured during the suite (of its throwaway tiny models, and of the built-in
     model under test code) go to a folder of the run's own, inherited by the CLI subprocesses, and
-    leave nothing in the user's cache."""
+    leave nothing in the user's cache; they are measured briefly."""
     if "VERISPEC_PROFILE_DIR" not in os.environ:
         config._verispec_profiles = tempfile.mkdtemp(prefix="verispec-profiles-")
         os.environ["VERISPEC_PROFILE_DIR"] = config._verispec_profiles
+    # Measured briefly: tests check what a command does, never its speed (the profile's own tests
+    # set these themselves); a full profile of the built-in model took 29 s of test_demo_runs.
+    profile.REPEATS, profile.DRAFT_TOKENS = 1, 16
     workers = getattr(config, "workerinput", {}).get("workercount")
     if workers:
         # `make test` runs one pytest-xdist worker per core: each on its share of the cores (one

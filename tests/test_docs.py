@@ -33,7 +33,6 @@ import pytest
 import torch
 
 import verispec
-from verispec import profile
 from verispec.cli import build_parser, main
 from verispec.methods import METHODS, PLAIN
 from verispec.model import loading
@@ -260,7 +259,9 @@ def budget_for(args: list[str], run_dir: Path) -> dict[str, object]:
 
 
 def case(command: Command):
-    marks = [pytest.mark.slow] if command.args[0] in RUN_SLOW else []
+    # Gemma 3 270M's commands load 1.1 GB of float32 weights and profile them (45-65 s each on
+    # one thread): slow, as test_families' checks of it are (tiny Gemma 3 models run by default)
+    marks = [pytest.mark.slow] if command.args[0] in RUN_SLOW or "gemma3-270m" in command.args else []
     return pytest.param(command, marks=marks, id=command.id)
 
 
@@ -281,21 +282,6 @@ def run_dirs(tmp_path_factory):
                 (made[doc] / name).write_text(text)
         return made[doc]
     return of
-
-
-@pytest.fixture(scope="module")
-def profiles(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("profiles")
-
-
-@pytest.fixture(autouse=True)
-def brief_profiles(profiles, monkeypatch):
-    """Cost profiles measured briefly (a doc's command is checked to run here, not timed: Gemma 3's
-    full profile took 40 of its command's 53 s on one thread), in a folder of this file's own, so
-    no other test reads one."""
-    monkeypatch.setattr(profile, "REPEATS", 1)
-    monkeypatch.setattr(profile, "DRAFT_TOKENS", 16)
-    monkeypatch.setattr(profile, "cache_dir", lambda: profiles)
 
 
 @pytest.mark.parametrize("command", RUNS)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
+from verispec.core.cores import usable_cores
 from verispec.core.errors import VerispecError
 
 # Each subcommand (its module, verispec.cli.<name>) and the line `verispec --help` shows for it.
@@ -35,10 +37,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def fit_threads() -> None:
+    """torch starts as many threads as the machine shows cores; in a container held to fewer by a
+    CPU quota the extra threads only queue for the quota's time, and a product waits for its
+    slowest thread: hold them to the quota's cores, unless the user chose (OMP_NUM_THREADS)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    cores = usable_cores()
+    if torch.get_num_threads() > cores:
+        torch.set_num_threads(cores)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     named = next((arg for arg in argv if not arg.startswith("-")), "")  # no option comes before it
     args = build_parser(named if named in COMMANDS else "").parse_args(argv)
+    fit_threads()
     try:
         return args.func(args)
     except VerispecError as error:

@@ -47,20 +47,21 @@ def cgroup_quota() -> tuple[float, Callable[[], float | None]] | None:
     text = _read(PROC_CGROUP)
     if text is None:
         return None
+    paths = {name: path for line in text.splitlines()
+             for _, names, path in [line.split(":", 2)] for name in names.split(",")}
     found: list[tuple[float, Callable[[], float | None]]] = []
-    for line in text.splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # cgroup v2: one tree
-            for folder in _folders(CGROUP, path):
-                fields = (_read(folder / "cpu.max") or "max").split()
-                if fields[0] != "max":
-                    found.append((int(fields[0]) / int(fields[1]), lambda f=folder: _v2_seconds(f)))
-        elif "cpu" in controllers.split(","):  # cgroup v1: cpu beside cpuacct
-            for folder in _folders(CGROUP / "cpu", path):
-                quota, period = _read(folder / "cpu.cfs_quota_us"), _read(folder / "cpu.cfs_period_us")
-                if quota and period and int(quota) > 0:
-                    usage = CGROUP / "cpuacct" / folder.relative_to(CGROUP / "cpu") / "cpuacct.usage"
-                    found.append((int(quota) / int(period), lambda u=usage: _v1_seconds(u)))
+    if "" in paths:  # cgroup v2: one tree, cpu.max and cpu.stat side by side
+        for folder in _folders(CGROUP, paths[""]):
+            fields = (_read(folder / "cpu.max") or "max").split()
+            if fields[0] != "max":
+                found.append((int(fields[0]) / int(fields[1]), lambda f=folder: _v2_seconds(f)))
+    if "cpu" in paths:  # cgroup v1: the quota in cpu's tree, the CPU time in cpuacct's
+        accounted = _folders(CGROUP / "cpuacct", paths.get("cpuacct", "/"))[:1]
+        for folder in _folders(CGROUP / "cpu", paths["cpu"]):
+            quota, period = _read(folder / "cpu.cfs_quota_us"), _read(folder / "cpu.cfs_period_us")
+            if quota and period and int(quota) > 0:
+                found.append((int(quota) / int(period), lambda: _v1_seconds(
+                    accounted[0] / "cpuacct.usage") if accounted else None))
     return min(found, key=lambda pair: pair[0]) if found else None
 
 
