@@ -9,7 +9,7 @@ import torch
 
 from tests.tiny import TINY_RECIPE, save_tiny, tiny_llama
 from verispec import profile
-from verispec.core.cores import usable_cores
+from verispec.core.cores import affinity, cgroup_quota, usable_cores
 
 
 def pytest_configure(config) -> None:
@@ -33,6 +33,13 @@ def pytest_configure(config) -> None:
         threads = max(1, usable_cores() // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+
+
+def pytest_report_header(config) -> str:
+    """The cores the run may use, heading its output (CI's machine is seen only through it)."""
+    quota = cgroup_quota()
+    return (f"cores: {usable_cores()} usable ({len(affinity())} CPUs visible, CPU quota "
+            f"{'none' if quota is None else f'{quota[0]:g} cores'}); torch threads {torch.get_num_threads()}")
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
