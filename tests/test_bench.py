@@ -12,6 +12,7 @@ from verispec.bench import runner
 from verispec.bench.report import results_json
 from verispec.bench.runner import BenchConfig, choose_methods, run_bench
 from verispec.cli import main
+from verispec.core.cores import usable_cores
 from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
 from verispec.methods import METHODS, Method, resolve
@@ -68,6 +69,7 @@ def test_bench_writes_every_field_report_and_plots(tiny_dir, questions, tmp_path
     report = (out / "report.md").read_text()
     assert "pld k=4" in report and "hf-pld" in report
     assert "## Drafters and memory" in report and "avx" in on_disk["machine"]["processor"].lower()
+    assert on_disk["machine"]["usable_cores"] == usable_cores()  # a container's quota, not its host's CPUs
     # which path ran: the lean forward of the Llama family, row-invariant, its kernel named
     assert on_disk["config"]["path"] == "lean (llama)" and "**forward**: lean (llama)" in report
     assert on_disk["config"]["invariance"] == "row-attention" and "prepacked" in on_disk["config"]["kernel"]

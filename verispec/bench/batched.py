@@ -241,7 +241,7 @@ def write_batched_report(results: dict, out: Path) -> Path:
              f"Model {results['config']['model']} ({results['config']['dtype']}), "
              f"{results['config']['num_prompts']} prompts, up to {results['config']['max_new_tokens']} new "
              f"tokens, {decoding_words(results['config'])}; {results['machine']['processor']}, "
-             f"{results['machine']['cpu_count']} cores.",
+             f"{results['machine'].get('usable_cores', results['machine']['cpu_count'])} cores.",
              "Generated tokens per second over all rows (× hf batched at the same size; τ for "
              "speculative methods; under greedy decoding, rows identical to ar).", "",
              "| method | " + " | ".join(f"batch {s}" for s in sizes) + " |",

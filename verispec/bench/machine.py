@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from verispec.bench.records import ForwardTimings
+from verispec.core.cores import usable_cores
 from verispec.model.cached_model import CachedModel
 from verispec.model.loading import LoadedModel
 from verispec.model.packed import packed_view
@@ -80,7 +81,9 @@ def machine_info(device: str) -> dict:
     import transformers  # seconds to import: not for `verispec bench --help`
 
     info = {"platform": platform.platform(), "processor": cpu_description(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            # the cores it may use: a container shows its host's CPUs (cpu_count), runs on its quota's
+            "cpu_count": os.cpu_count(), "usable_cores": usable_cores(),
+            "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__}
     if device.startswith("cuda") and torch.cuda.is_available():
