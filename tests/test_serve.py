@@ -244,6 +244,17 @@ def test_ways_of_speculating_are_bounded_least_recently_used_dropped(loaded, mon
         assert len(held) == 3
 
 
+def test_a_requests_model_k_is_its_own_way_of_speculating(loaded):
+    """Two requests differing only in model_k get a speculation each (the key holds it), not the
+    first one's drafters."""
+    body = {"messages": [{"role": "user", "content": CHAT}], "temperature": 0, "max_tokens": 2,
+            "method": "pld"}
+    with LiveServer(create_app(loaded, ["pld"])) as live:
+        for model_k in (2, 3, 2):
+            assert live.request("/v1/chat/completions", body | {"model_k": model_k})[0] == 200
+        assert sorted(key[2] for key in live.scheduler._speculations if key[2]) == [2, 3]
+
+
 def test_models_health_and_metrics(server):
     _, _, models = server.request("/v1/models")
     assert models["data"][0]["verispec"] == {"methods": METHODS, "default_method": "pld"}

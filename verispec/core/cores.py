@@ -78,12 +78,20 @@ def _v1_seconds(usage: Path) -> float | None:
     return int(text) / 1e9 if text else None
 
 
-def usable_cores() -> int:
-    """The cores this process's threads can keep busy at once: its CPUs, or fewer where a cgroup
-    quota holds it to fewer (at least one)."""
-    cpus = len(affinity())
+def capacity() -> tuple[float, Callable[[], float | None]]:
+    """The cores this process may keep busy (its CPUs, or a cgroup quota's where fewer) and a
+    reader of the CPU seconds spent on them so far by every process (/proc/stat on the CPUs, or
+    the cgroup's own time under the quota: the host's other tenants do not take its cores)."""
+    cpus = affinity()
     quota = cgroup_quota()
-    return max(1, min(cpus, int(quota[0])) if quota else cpus)
+    if quota and quota[0] < len(cpus):
+        return quota
+    return float(len(cpus)), lambda: busy_seconds(cpus)
+
+
+def usable_cores() -> int:
+    """The whole cores this process's threads can keep busy at once (at least one)."""
+    return max(1, int(capacity()[0]))
 
 
 def busy_seconds(cpus: set[int]) -> float | None:
@@ -108,12 +116,7 @@ class OthersLoad:
     process's own (every thread of it)."""
 
     def __enter__(self) -> OthersLoad:
-        cpus = affinity()
-        quota = cgroup_quota()
-        if quota and quota[0] < len(cpus):
-            self.capacity, self.busy = quota[0], quota[1]
-        else:
-            self.capacity, self.busy = float(len(cpus)), lambda: busy_seconds(cpus)
+        self.capacity, self.busy = capacity()
         self.cores: float | None = None
         self._start = (self.busy(), time.process_time(), time.perf_counter())
         return self
