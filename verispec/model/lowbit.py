@@ -251,14 +251,17 @@ class RowsInt4Kernel(RowKernel):
 
 
 class RowsInt8Kernel(RowKernel):
-    """Group-wise 8-bit weights (Int8Groups) through verispec's row kernel: one byte a weight
-    plus its group's scale, float32 out."""
+    """8-bit weights through verispec's row kernel: one byte a weight plus its group's scale
+    (Int8Groups) or its row's (Int8Channels: the row's scale repeated over groups of 32, the same
+    weights), float32 out."""
 
-    def __init__(self, weight: Int8Groups) -> None:
-        self.product = rows.CodesProduct(weight.codes, weight.scales, None, bits=8)
+    def __init__(self, weight: Int8Groups | Int8Channels) -> None:
+        scales = weight.scales if isinstance(weight, Int8Groups) else weight.scales[:, None]
+        self.product = rows.CodesProduct(weight.codes, scales, None, bits=8)
         self.nbytes = self.product.nbytes
-        group = weight.codes.shape[1] // weight.scales.shape[1]
-        self.name = f"int8 g{group} ({rows.name()}, bfloat16 activations)"
+        group = (f"g{weight.codes.shape[1] // scales.shape[1]}" if isinstance(weight, Int8Groups)
+                 else "per row")
+        self.name = f"int8 {group} ({rows.name()}, bfloat16 activations)"
 
 
 class RowsDenseKernel(RowKernel):
@@ -450,14 +453,26 @@ def candidates(fmt: str, device: torch.device) -> dict[str, Callable[[Quantized]
         found["int4-bf16"] = lambda w: Int4Kernel(w, bf16)
         found["int4-f32"] = lambda w: Int4Kernel(w, torch.float32)
     elif fmt == "int8":
+        if rows.available():
+            found["int8-rows"] = lambda w: (RowsInt8Kernel(w) if rows.fits(*w.codes.shape)
+                                            else Int8Kernel(w, bf16))
         found["int8-bf16"] = lambda w: Int8Kernel(w, bf16)
         found["int8-f32"] = lambda w: Int8Kernel(w, torch.float32)
     elif fmt != "bf16":
         raise VerispecError(f"unknown weight format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if rows.available():
+        found["bf16-rows"] = lambda w: _bf16_rows(dequantize(w))
     if cpu_packs(bf16):  # the same values rounded to bfloat16 (twice the int8 bytes)
         found["bf16-packed"] = lambda w: DenseKernel(dequantize(w), bf16, True)
     found["bf16"] = lambda w: DenseKernel(dequantize(w), bf16, False)
     return found
+
+
+def _bf16_rows(weight: torch.Tensor) -> Kernel:
+    """weight [out, in] rounded to bfloat16, through the row kernel where its shape fits."""
+    if rows.fits(*weight.shape):
+        return RowsDenseKernel(weight.to(torch.bfloat16))
+    return DenseKernel(weight, torch.bfloat16, cpu_packs(torch.bfloat16))
 
 
 # Weights the probe cycles through, so that they come from memory as in a real model, not cache.
