@@ -11,9 +11,10 @@ Formats (the values a weight holds):
 - int8: one scale per output row: w = code * scale, code in -127..127.
 - bf16: the weight rounded to bfloat16.
 
-Kernels (how a product runs) depend on the machine: torch's CPU integer kernels are fast with
-bfloat16 activations where the CPU has native bfloat16, and several times slower than float32
-with float32 activations. `choose_kernel` times the candidates on weights of the model's shapes
+Kernels (how a product runs) depend on the machine: verispec's row kernels (kernels/rows.cpp:
+every format, `int4-rows`, `int8-rows`, `bf16-rows`) where they run; torch's CPU integer kernels,
+fast with bfloat16 activations where the CPU has native bfloat16 and several times slower with
+float32 ones; oneDNN's bfloat16. `choose_kernel` times the candidates on weights of the model's shapes
 and keeps the fastest, once per machine: the choice is cached beside the row kernels' (keyed by
 CPU model and flags, torch, the kernels' build, threads and the shapes); `Kernel.name` says
 which ran.
