@@ -78,8 +78,8 @@ def test_every_kernel_multiplies_by_the_stored_weight(fmt):
     stored = quantize(weight, fmt, 32)
     expected = x @ (stored.float() if fmt == "bf16" else stored.dequantize()).T
     found = candidates(fmt, torch.device("cpu"))
-    if rows.available():  # every format has a row kernel among its candidates where they run
-        assert f"{fmt}-rows" in found and "bf16-rows" in found
+    if rows.available():  # every format has its row kernel among its candidates where they run
+        assert f"{fmt}-rows" in found
     for label, build in found.items():
         kernel = build(stored)
         out = kernel(x)

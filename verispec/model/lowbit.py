@@ -461,7 +461,7 @@ def candidates(fmt: str, device: torch.device) -> dict[str, Callable[[Quantized]
         found["int8-f32"] = lambda w: Int8Kernel(w, torch.float32)
     elif fmt != "bf16":
         raise VerispecError(f"unknown weight format {fmt!r}; choose from {', '.join(FORMATS)}")
-    if rows.available():
+    if fmt == "bf16" and rows.available():
         found["bf16-rows"] = lambda w: _bf16_rows(dequantize(w))
     if cpu_packs(bf16):  # the same values rounded to bfloat16 (twice the int8 bytes)
         found["bf16-packed"] = lambda w: DenseKernel(dequantize(w), bf16, True)
