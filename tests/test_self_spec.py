@@ -187,6 +187,32 @@ def test_self_drafters_match_plain_decoding(loaded, references, k):
             assert result.token_ids == truth, f"self {name} with k={k} diverged from plain decoding"
 
 
+@pytest.mark.skipif(not rows.available(), reason="the row kernels do not run here")
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
+def test_self_drafters_on_the_row_kernels_match_plain_decoding(loaded, references, fmt, monkeypatch,
+                                                                 tmp_path):
+    """Each format's drafter with its row kernel chosen (whatever this machine's timing would
+    pick on a tiny model) drafts through it, and greedy outputs are plain decoding's."""
+    from verispec.core.policies import ConstantK
+    from verispec.decoding.engine import SpeculativeEngine
+    from verispec.model import lowbit
+
+    monkeypatch.setattr(rows, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(lowbit, "time_kernels", lambda *args: f"{fmt}-rows")
+    choose_kernel.cache_clear()
+    try:
+        drafter = SelfDrafter(loaded, SelfSettings(fmt, rescore=0))
+    finally:
+        choose_kernel.cache_clear()
+    expected = {"int4": "int4 g32", "int8": "int8 per row", "bf16": "bfloat16"}[fmt]
+    assert drafter.weights.names["layers"].startswith(expected) and "verispec rows" in drafter.describe()
+    engine = SpeculativeEngine(loaded.model, drafter, ConstantK(4))
+    for prompt, truth in zip(PROMPTS, references):
+        result = engine.generate(SequenceSpec(prompt, StoppingRules.build(NEW)))
+        assert result.token_ids == truth, f"self-{fmt} on the row kernels diverged from plain decoding"
+        assert sum(result.stats.drafted_by_position) > 0 and result.stats.target_forwards < NEW
+
+
 @pytest.mark.parametrize("method", ["self-int4", "self-int8", "self-bf16", "self-int4-pld"])
 def test_registered_methods_match_plain_decoding(loaded, references, method):
     engine = build_engine(loaded, method, DraftOptions(k=5))

@@ -257,12 +257,13 @@ class RowsInt8Kernel(RowKernel):
     weights), float32 out."""
 
     def __init__(self, weight: Int8Groups | Int8Channels) -> None:
-        scales = weight.scales if isinstance(weight, Int8Groups) else weight.scales[:, None]
+        if isinstance(weight, Int8Groups):
+            scales, grouping = weight.scales, f"g{weight.codes.shape[1] // weight.scales.shape[1]}"
+        else:
+            scales, grouping = weight.scales[:, None], "per row"  # one group as wide as the row
         self.product = rows.CodesProduct(weight.codes, scales, None, bits=8)
         self.nbytes = self.product.nbytes
-        group = (f"g{weight.codes.shape[1] // scales.shape[1]}" if isinstance(weight, Int8Groups)
-                 else "per row")
-        self.name = f"int8 {group} ({rows.name()}, bfloat16 activations)"
+        self.name = f"int8 {grouping} ({rows.name()}, bfloat16 activations)"
 
 
 class RowsDenseKernel(RowKernel):
@@ -416,10 +417,10 @@ def int4_target(model: nn.Module, gguf: Path | None) -> str:
 
 def bfloat16_kernel(weight: torch.Tensor) -> Kernel:
     """The fastest product over a bfloat16 weight [out, in] here: the row kernel where it runs and
-    fits the shape, else oneDNN prepacked."""
+    fits the shape, else oneDNN (prepacked where this CPU packs bfloat16)."""
     if rows.available() and rows.fits(*weight.shape):
         return RowsDenseKernel(weight)
-    return DenseKernel(weight, torch.bfloat16, True)
+    return DenseKernel(weight, torch.bfloat16, cpu_packs(torch.bfloat16))
 
 
 def weight_format(model: nn.Module) -> str:
@@ -462,18 +463,11 @@ def candidates(fmt: str, device: torch.device) -> dict[str, Callable[[Quantized]
     elif fmt != "bf16":
         raise VerispecError(f"unknown weight format {fmt!r}; choose from {', '.join(FORMATS)}")
     if fmt == "bf16" and rows.available():
-        found["bf16-rows"] = lambda w: _bf16_rows(dequantize(w))
+        found["bf16-rows"] = lambda w: bfloat16_kernel(dequantize(w))
     if cpu_packs(bf16):  # the same values rounded to bfloat16 (twice the int8 bytes)
         found["bf16-packed"] = lambda w: DenseKernel(dequantize(w), bf16, True)
     found["bf16"] = lambda w: DenseKernel(dequantize(w), bf16, False)
     return found
-
-
-def _bf16_rows(weight: torch.Tensor) -> Kernel:
-    """weight [out, in] rounded to bfloat16, through the row kernel where its shape fits."""
-    if rows.fits(*weight.shape):
-        return RowsDenseKernel(weight.to(torch.bfloat16))
-    return DenseKernel(weight, torch.bfloat16, cpu_packs(torch.bfloat16))
 
 
 # Weights the probe cycles through, so that they come from memory as in a real model, not cache.
