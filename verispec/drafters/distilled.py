@@ -17,9 +17,10 @@ from torch import nn
 
 from verispec.core.tree import TreeSettings
 from verispec.drafters.early_exit import early_exit_model
-from verispec.drafters.learned import load_drafter
+from verispec.drafters.learned import drafter_files, load_drafter
 from verispec.drafters.model import ModelDrafter
 from verispec.model.lowbit import QuantLinear
+from verispec.model.packed import per_target
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -73,8 +74,12 @@ def draft_settings(num_layers: int = 2) -> dict:
 def distilled_drafter(path: str | Path, target: PreTrainedModel, vocab_size: int,
                       confidence_threshold: float | None = None,
                       tree: TreeSettings | None = None) -> ModelDrafter:
-    config, weights = load_drafter(path, target, DraftStudent.kind)
-    student = DraftStudent(target, config["settings"]["num_layers"])
-    student.load_state_dict({k.removeprefix("student."): v for k, v in weights.items()})
-    student.to(device=target.device, dtype=target.dtype).eval()
-    return ModelDrafter(student.lm, vocab_size, confidence_threshold, tree)
+    def read() -> PreTrainedModel:
+        config, weights = load_drafter(path, target, DraftStudent.kind)
+        student = DraftStudent(target, config["settings"]["num_layers"])
+        student.load_state_dict({k.removeprefix("student."): v for k, v in weights.items()})
+        return student.to(device=target.device, dtype=target.dtype).eval().lm
+
+    files = drafter_files(path)  # read once per file as it is, shared by the drafters built from it
+    lm = read() if files is None else per_target(target, ("draft", files[0]), read, files[1])
+    return ModelDrafter(lm, vocab_size, confidence_threshold, tree)

@@ -14,6 +14,7 @@ import torch
 from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
 from verispec.drafters.model import ModelDrafter
+from verispec.model.packed import per_target
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -64,4 +65,6 @@ def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
 def early_exit_drafter(target: PreTrainedModel, num_layers: int, vocab_size: int,
                        confidence_threshold: float | None = None,
                        tree: TreeSettings | None = None) -> ModelDrafter:
-    return ModelDrafter(early_exit_model(target, num_layers), vocab_size, confidence_threshold, tree)
+    """A ModelDrafter over the target's first num_layers layers (one view per depth, shared)."""
+    view = per_target(target, ("early-exit", num_layers), lambda: early_exit_model(target, num_layers))
+    return ModelDrafter(view, vocab_size, confidence_threshold, tree)

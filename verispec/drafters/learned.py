@@ -30,6 +30,7 @@ from verispec.model.packed import (
     packed_linear,
     packed_view,
     per_model,
+    per_target,
     replace_linears,
 )
 
@@ -121,14 +122,36 @@ def load_drafter(path: str | Path, target: PreTrainedModel,
     return config, weights
 
 
+def drafter_files(path: str | Path) -> tuple[str, tuple[int, ...]] | None:
+    """A trained drafter directory and its files' version (each one's inode, size and times): what
+    drafters built from it share (packed.per_target) until a file is written again. None where
+    a file is missing (load_drafter says what is wrong)."""
+    directory = Path(path).resolve()
+    stamps = []
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (directory / name).is_file():
+            return None
+        stat = (directory / name).stat()
+        stamps += [stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+    return str(directory), tuple(stamps)
+
+
 def load_net(path: str | Path, target: PreTrainedModel, kind: str, net_class: Callable[..., nn.Module]
              ) -> tuple[nn.Module, dict, dict[str, torch.Tensor]]:
     """A trained drafter's network, built from its settings with its `net.` weights loaded, and
-    its config and weights (for what else the drafter keeps there, e.g. vocab_ids)."""
-    config, weights = load_drafter(path, target, kind)
-    net = net_class(**config["settings"])
-    net.load_state_dict({k.removeprefix("net."): v for k, v in weights.items() if k.startswith("net.")})
-    return net, config, weights
+    its config and weights (for what else the drafter keeps there, e.g. vocab_ids). Read once per
+    file and target (drafters only read the network: they share it, and its drafting view)."""
+    def read() -> tuple[nn.Module, dict, dict[str, torch.Tensor]]:
+        config, weights = load_drafter(path, target, kind)
+        net = net_class(**config["settings"])
+        net.load_state_dict({k.removeprefix("net."): v for k, v in weights.items() if k.startswith("net.")})
+        return net, config, weights
+
+    files = drafter_files(path)
+    if files is None:
+        return read()
+    directory, version = files
+    return per_target(target, ("net", kind, net_class, directory), read, version)
 
 
 # A drafter's arithmetic is not the target's: it changes which tokens are drafted, never which are

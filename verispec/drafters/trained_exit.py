@@ -16,9 +16,10 @@ from torch import nn
 
 from verispec.core.tree import TreeSettings
 from verispec.drafters.early_exit import early_exit_model
-from verispec.drafters.learned import load_drafter
+from verispec.drafters.learned import drafter_files, load_drafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.nn import ResBlock, RMSNorm
+from verispec.model.packed import per_target
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -59,11 +60,18 @@ def trained_exit_drafter(path: str | Path, target: PreTrainedModel, vocab_size: 
     """A ModelDrafter over the target's first L layers whose final norm is the trained exit."""
     config, weights = load_drafter(path, target, ExitAdapter.kind)
     settings = config["settings"]
-    adapter = ExitAdapter(settings["hidden"], settings["eps"])
-    adapter.load_state_dict({k.removeprefix("adapter."): v for k, v in weights.items()})
-    shallow = early_exit_model(target, settings["exit_layer"])
-    # Only the shallow view's norm changes; the target keeps its own.
-    shallow.model.norm = adapter.to(device=target.device, dtype=target.dtype).eval()
-    drafter = ModelDrafter(shallow, vocab_size, confidence_threshold, tree)
+
+    def view() -> PreTrainedModel:
+        adapter = ExitAdapter(settings["hidden"], settings["eps"])
+        adapter.load_state_dict({k.removeprefix("adapter."): v for k, v in weights.items()})
+        shallow = early_exit_model(target, settings["exit_layer"])
+        # Only the shallow view's norm changes; the target keeps its own.
+        shallow.model.norm = adapter.to(device=target.device, dtype=target.dtype).eval()
+        return shallow
+
+    directory, version = drafter_files(path)  # load_drafter read them: they are there
+    # one view per drafter file as it is now, shared by the drafters built from it
+    drafter = ModelDrafter(per_target(target, ("trained-exit", directory), view, version), vocab_size,
+                           confidence_threshold, tree)
     drafter.exit_layer = settings["exit_layer"]
     return drafter
