@@ -388,11 +388,12 @@ def test_profile_command_prints_the_table_and_draws_the_plot(tiny_dir, cache, tm
 
 def auto_engine(loaded: LoadedModel, costs: CostProfile,
                 settings: SelfSettings = SelfSettings("int8")) -> SpeculativeEngine:
-    """An engine whose auto drafter decides by the given costs (not measured ones)."""
-    limits = {"pld": 7, "suffix": 8, "self-int8": 8}
+    """An engine whose auto drafter decides by the given costs (not measured ones), its
+    self-drafter staged behind prompt lookup as verispec.methods makes it."""
+    limits = {"pld": 7, "suffix": 8, "self-int8-pld": 8}
 
     def make() -> AutoDrafter:
-        models = {"self-int8": SelfDrafter(loaded, settings)}
+        models = {"self-int8-pld": SelfDrafter(loaded, settings, lookup=PromptLookupDrafter(3, 1))}
         # in order of preference, as verispec.methods gives them
         lookups = {"suffix": SuffixDrafter(SuffixSettings(cache_tokens=0)), "pld": PromptLookupDrafter(3, 1)}
         return AutoDrafter(costs, lookups, models, limits, PLAIN)
@@ -405,8 +406,12 @@ def methods_chosen(results) -> set[str]:
 
 def test_auto_as_measured_gives_ar_tokens_and_says_what_it_chose(loaded, references, cache):
     engine = build_engine(loaded, "auto")
+    [(name, model)] = engine.drafter.models.items()
     kept = [settings.fmt for settings, copies in _WEIGHTS.items() if loaded.model in copies]
-    assert kept == [engine.drafter.models[next(iter(engine.drafter.models))].weights.settings.fmt]
+    assert kept == [model.weights.settings.fmt]
+    # the fastest format, staged behind prompt lookup, priced as the format alone
+    assert name == f"self-{model.weights.settings.fmt}-pld" and model.lookup is not None
+    assert engine.drafter.profile.drafters[name] == engine.drafter.profile.drafters[name.removesuffix("-pld")]
     results = [engine.generate(SequenceSpec(p, StoppingRules.build(NEW))) for p in PROMPTS]
     assert [r.token_ids for r in results] == references
     for result in results:
@@ -422,11 +427,11 @@ def test_auto_as_measured_gives_ar_tokens_and_says_what_it_chose(loaded, referen
 
 @pytest.mark.parametrize("costs, expected", [
     (fake_profile(pld=DrafterCost(0.0, 0.0), suffix=DrafterCost(0.0, 0.0),
-                  **{"self-int8": DrafterCost(0.0, 0.0001, 0.95)}), {"self-int8"}),
+                  **{"self-int8-pld": DrafterCost(0.0, 0.0001, 0.95)}), {"self-int8-pld"}),
     (fake_profile(pld=DrafterCost(0.0, 0.0, 0.95), suffix=DrafterCost(0.0, 0.0, 0.95),
-                  **{"self-int8": DrafterCost(0.0, 0.05)}), {"pld", "suffix", PLAIN}),
+                  **{"self-int8-pld": DrafterCost(0.0, 0.05)}), {"pld", "suffix", PLAIN}),
     (fake_profile(pld=DrafterCost(0.1, 0.0), suffix=DrafterCost(0.1, 0.0),
-                  **{"self-int8": DrafterCost(0.0, 0.05)}), {PLAIN}),
+                  **{"self-int8-pld": DrafterCost(0.0, 0.05)}), {PLAIN}),
 ], ids=["self-drafter", "lookups-and-plain", "plain"])
 def test_whatever_auto_chooses_the_tokens_are_ar_s(loaded, references, costs, expected):
     engine = auto_engine(loaded, costs)
@@ -435,7 +440,7 @@ def test_whatever_auto_chooses_the_tokens_are_ar_s(loaded, references, costs, ex
     chosen = methods_chosen(results)
     # A self-drafter's fake cost is far below what its steps take here: auto learns the slowdown
     # as it drafts, and may then turn to the lookups.
-    learned = {"pld", "suffix"} if expected == {"self-int8"} else set()
+    learned = {"pld", "suffix"} if expected == {"self-int8-pld"} else set()
     assert expected <= chosen and chosen <= expected | {PLAIN} | learned
     if chosen == {PLAIN}:
         assert all(step.num_drafted == 0 for r in results for step in r.steps)
@@ -447,10 +452,10 @@ def test_in_a_batch_auto_decides_by_the_batch_and_stays_exact(loaded, references
     says, by an amount that depends on the machine's load, and learning that is tested apart.)"""
     monkeypatch.setattr(auto_module, "COST_DECAY", 1.0)
     costs = fake_profile(2, pld=DrafterCost(0.1, 0.0), suffix=DrafterCost(0.1, 0.0),
-                         **{"self-int8": DrafterCost(0.0, 0.0001, 0.9)})
+                         **{"self-int8-pld": DrafterCost(0.0, 0.0001, 0.9)})
     engine = auto_engine(loaded, costs)
     alone = engine.generate(SequenceSpec(PROMPTS[1], StoppingRules.build(NEW)))
-    assert methods_chosen([alone]) == {"self-int8"}
+    assert methods_chosen([alone]) == {"self-int8-pld"}
     batch = engine.generate_batch([SequenceSpec(p, StoppingRules.build(NEW)) for p in PROMPTS])
     assert [r.token_ids for r in batch] == references
     assert alone.token_ids == references[1]
@@ -477,13 +482,13 @@ def test_auto_samples_the_target_distribution(skew):
     # a forward costs the same at any width: drafting pays in the samples' batch of 500 too
     costs = CostProfile((0.01,) * 17, 300, 1e4, {"pld": DrafterCost(0.0, 0.0, 0.95),
                                                  "suffix": DrafterCost(0.0, 0.0, 0.95),
-                                                 "self-int8": DrafterCost(0.0, 0.0, 0.9)})
+                                                 "self-int8-pld": DrafterCost(0.0, 0.0, 0.9)})
     # rescoring needs a vocabulary of 8 tokens
     engine = auto_engine(loaded, costs, SelfSettings("int8", skip=(1,), rescore=0))
     sampling = SamplingParams(True, 1.5)
     exact = exact_marginals(model, prompt, 3, sampling)
     sampled = sample_runs(engine, prompt, 3, sampling, runs_for(exact, skew))
-    assert {"self-int8"} < methods_chosen(sampled.results) <= {"pld", "suffix", "self-int8"}
+    assert {"self-int8-pld"} < methods_chosen(sampled.results) <= {"pld", "suffix", "self-int8-pld"}
     sampled.check_drafting(positions=2)
     assert_follows(sampled, exact, "auto", skew)
 
@@ -583,12 +588,12 @@ def test_a_seed_pins_autos_sampled_output_whatever_the_load(loaded):
     """Two seeded sampling runs, one after auto learnt that the self-drafter runs a hundred times
     slower than profiled (as under a passing load), choose alike and sample the same tokens."""
     costs = fake_profile(4, pld=DrafterCost(0.1, 0.0), suffix=DrafterCost(0.1, 0.0),
-                         **{"self-int8": DrafterCost(0.0, 0.0001, 0.9)})
+                         **{"self-int8-pld": DrafterCost(0.0, 0.0001, 0.9)})
     spec = SequenceSpec(PROMPTS[1], StoppingRules.build(NEW), SamplingParams(True, 0.9), seed=7)
     calm, loaded_down = auto_engine(loaded, costs), auto_engine(loaded, costs)
-    loaded_down.drafter.slowdown["self-int8"] = 100.0
+    loaded_down.drafter.slowdown["self-int8-pld"] = 100.0
     first, second = calm.generate(spec), loaded_down.generate(spec)
-    assert methods_chosen([first]) == {"self-int8"}
+    assert methods_chosen([first]) == {"self-int8-pld"}
     assert first.token_ids == second.token_ids and first.stats.choices == second.stats.choices
 
 

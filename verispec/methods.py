@@ -172,8 +172,7 @@ def _auto_candidates(target: LoadedModel, options: DraftOptions
             names.append(name)
         except VerispecError:
             pass
-    limits = {name: METHODS[name].default_k if options.k is None else min(METHODS[name].default_k, options.k)
-              for name in names}
+    limits = {name: _limit(name, options) for name in names}
     builders = {name: partial(METHODS[name].build, target, chains) for name in names}
     builders["suffix"] = partial(_suffix, target, chains, "auto")  # auto's answers feed only auto's
     return builders, limits
@@ -189,7 +188,8 @@ def auto_profile(target: LoadedModel, options: DraftOptions = DraftOptions(),
 
 def _auto(target: LoadedModel, options: DraftOptions) -> Drafter:
     """The profile's choice every step among the lookups, the target's own weights in the format
-    the profile finds fastest (where the target can draft for itself), and plain decoding."""
+    the profile finds fastest (where the target can draft for itself), staged behind prompt
+    lookup, and plain decoding."""
     builders, limits = _auto_candidates(target, options)
     profile = cost_profile(target, builders, limits)
     selves = [name for name in builders if name in AUTO_SELF]
@@ -198,12 +198,25 @@ def _auto(target: LoadedModel, options: DraftOptions) -> Drafter:
         alone = {name: best_choice(profile, {name: _prior(profile, name)}, {name: limits[name]})
                  for name in selves}
         fastest = max(selves, key=lambda name: alone[name].tokens_per_second)
-        models = {fastest: builders[fastest]()}
+        # Staged (self-FMT-pld): where prompt lookup guesses right, one pass of the drafter checks
+        # the guesses instead of a pass a token. Priced as the drafter alone, an upper bound that
+        # the drafting time auto observes brings down (AutoDrafter's slowdown); on the built-in
+        # model's development questions auto 2.84x -> 4.54x `ar` (docs/tuning.md, "Staged").
+        staged = f"{fastest}-pld"
+        models = {staged: METHODS[staged].build(target, replace(options, tree=None))}
+        limits[staged] = _limit(staged, options)
+        profile = replace(profile, drafters={**profile.drafters, staged: profile.drafters[fastest]})
         # the other formats' copies were made for timing only
         forget_weights(target.model, SelfSettings(fastest.removeprefix("self-"), options.group,
                                                   tuple(options.skip_layers)))
     return AutoDrafter(profile, {name: builders[name]() for name in AUTO_LOOKUPS}, models, limits,
                        PLAIN)
+
+
+def _limit(name: str, options: DraftOptions) -> int:
+    """The most `auto` lets method `name` draft: its default k, within --k."""
+    k = METHODS[name].default_k
+    return k if options.k is None else min(k, options.k)
 
 
 def _prior(profile: CostProfile, name: str) -> float:
