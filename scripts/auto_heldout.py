@@ -30,7 +30,7 @@ from verispec.methods import auto_profile, build_engine
 from verispec.model.loading import DEFAULT_MODEL
 from verispec.profile import profile_table
 
-FIXED = ("pld", "suffix", "self-int4", "self-int8", "self-bf16", "self-int4-pld")
+FIXED = ("pld", "suffix", "self-int4", "self-int8", "self-bf16", "self-int4-pld", "self-int8-pld")
 PER_PROMPT_BAR = 0.97  # auto / ar on every prompt, at least
 BEST_BAR = 0.95  # auto / the best fixed method overall, at least
 

@@ -200,8 +200,8 @@ def _auto(target: LoadedModel, options: DraftOptions) -> Drafter:
         fastest = max(selves, key=lambda name: alone[name].tokens_per_second)
         # Staged (self-FMT-pld): where prompt lookup guesses right, one pass of the drafter checks
         # the guesses instead of a pass a token. Priced as the drafter alone, an upper bound that
-        # the drafting time auto observes brings down (AutoDrafter's slowdown); on the built-in
-        # model's development questions auto 2.84x -> 4.54x `ar` (docs/tuning.md, "Staged").
+        # the drafting time auto observes brings down (AutoDrafter's slowdown). Held out, float32:
+        # 1.06x auto unstaged (docs/tuning.md, "auto's self-drafter staged").
         staged = f"{fastest}-pld"
         models = {staged: METHODS[staged].build(target, replace(options, tree=None))}
         limits[staged] = _limit(staged, options)
@@ -347,8 +347,8 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "the reference, or a baseline to compare with"),
     Method("auto", "each step, the drafter and k with the most expected tokens per second by this "
            "machine's cost profile (`verispec profile`) and the acceptance seen so far: suffix "
-           "decoding where the text repeats, the target's own low-precision weights elsewhere, "
-           "plain decoding where nothing pays", 16, _auto,
+           "decoding where the text repeats, the target's own low-precision weights (behind prompt "
+           "lookup) elsewhere, plain decoding where nothing pays", 16, _auto,
            "the default: any model, no training; measures the machine once (seconds, cached)"),
     *_self_methods(),
     Method("pld", "prompt lookup: the tokens that followed the context's last n-gram where it "

@@ -81,5 +81,5 @@ def distilled_drafter(path: str | Path, target: PreTrainedModel, vocab_size: int
         return student.to(device=target.device, dtype=target.dtype).eval().lm
 
     files = drafter_files(path)  # read once per file as it is, shared by the drafters built from it
-    lm = read() if files is None else per_target(target, ("draft", files[0]), read, files[1])
+    lm = read() if files is None else per_target(target, ("student", files[0]), read, files[1])
     return ModelDrafter(lm, vocab_size, confidence_threshold, tree)

@@ -66,5 +66,5 @@ def early_exit_drafter(target: PreTrainedModel, num_layers: int, vocab_size: int
                        confidence_threshold: float | None = None,
                        tree: TreeSettings | None = None) -> ModelDrafter:
     """A ModelDrafter over the target's first num_layers layers (one view per depth, shared)."""
-    view = per_target(target, ("early-exit", num_layers), lambda: early_exit_model(target, num_layers))
+    view = per_target(target, ("first layers", num_layers), lambda: early_exit_model(target, num_layers))
     return ModelDrafter(view, vocab_size, confidence_threshold, tree)
