@@ -140,6 +140,21 @@ def test_repeats_keep_the_median_and_every_round_drafts_from_the_same_outputs(ti
     assert "**repeats**: 3" in report and "| spread |" in report
 
 
+def test_a_method_at_two_ks_never_drafts_the_others_answer_to_the_same_question(tiny_dir, questions,
+                                                                               tmp_path):
+    """`--k 4,8` runs suffix decoding twice on each question, both variants sharing its cache of
+    earlier answers: each drafts as it does when it runs alone (the same target forwards on every
+    question), neither from the other's answer to the question both answer."""
+    def forwards(ks: list[int], out: str) -> dict[tuple[int | None, int], int | None]:
+        results = run_bench(config(tiny_dir, questions, tmp_path / out, methods=["suffix"], ks=ks),
+                            progress=False)
+        return {(run.k, run.question_id): run.target_forwards for run in results.runs
+                if run.method == "suffix"}
+
+    both = forwards([4, 8], "both")
+    assert len(both) == 4 and both == forwards([4], "four") | forwards([8], "eight")
+
+
 def test_compare_prints_the_change(tiny_dir, questions, tmp_path, capsys):
     out = tmp_path / "one"
     run_bench(config(tiny_dir, questions, out, methods=["pld"]), progress=False)

@@ -35,7 +35,7 @@ from verispec.decoding.engine import SpeculativeEngine
 from verispec.drafters.learned import shipped_drafter
 from verispec.drafters.self_spec import SelfSettings
 from verispec.drafters.self_spec import check as check_self
-from verispec.drafters.suffix import forget_outputs, forget_outputs_since, outputs_mark
+from verispec.drafters.suffix import add_outputs, forget_outputs, outputs_mark, take_outputs_since
 from verispec.methods import Method, Needs, engine_for_checked, resolve_tree
 from verispec.model.cached_model import CachedModel
 from verispec.model.loading import LoadedModel, load_model
@@ -344,24 +344,28 @@ def run_question(question: Question, prompt_ids: list[int], contenders: list[Con
     """Every contender on one question, config.repeats rounds, each round starting one contender
     further on from contenders[first] (the order rotates), its record (with repeats, the run of
     median seconds, and every run's seconds); each output compared token for token with the
-    contender labelled `reference`'s (None: none, under sampling). Every round drafts from the
-    same earlier outputs: what a round adds to the suffix caches is dropped before the next. A
-    contender whose child process crashed has no record."""
+    contender labelled `reference`'s (None: none, under sampling). Every run drafts from the
+    same earlier outputs: what a run adds to the suffix caches is held back until the question's
+    last round ends (a repeated round, or the same method at another k, which shares its cache,
+    would draft this question's answer back). A contender whose child process crashed has no
+    record."""
     rounds: dict[Contender, list[Outcome]] = {}
     where = f"on {question.task} #{question.question_id}"
     for repeat in range(config.repeats):
-        marks = outputs_mark(target.model)
         turn = (first + repeat) % len(contenders)
+        answers: list[dict[str, list[list[int]]]] = []  # what each run added to the suffix caches
         for contender in contenders[turn:] + contenders[:turn]:
             bar.set_postfix_str(f"{question.task} #{question.question_id} {contender.label}")
+            marks = outputs_mark(target.model)
             with PeakResident() as memory:
                 outcome = attempt(contender, prompt_ids, where, crashed)
+            answers.append(take_outputs_since(target.model, marks))
             if outcome is not None:  # a baseline's child process measured its own peak
                 outcome.peak_rss_mib = outcome.peak_rss_mib or memory.peak
                 rounds.setdefault(contender, []).append(outcome)
             bar.update()
-        if repeat < config.repeats - 1:
-            forget_outputs_since(target.model, marks)
+    for added in answers:  # the last round's answers feed the next questions' drafts
+        add_outputs(target.model, added)
     outputs = {contender: median_run(runs) for contender, runs in rounds.items()}
     baseline = next((o.tokens for c, o in outputs.items() if c.label == reference), None)
     records = []

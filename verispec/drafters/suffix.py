@@ -103,12 +103,16 @@ class SuffixIndex:
         with self._lock:
             return self._next
 
-    def forget_since(self, mark: int) -> None:
-        """Drop every sequence started at or after `mark` (a benchmark's repeated run of a
-        question must not draft from the answer its earlier run left)."""
+    def take_since(self, mark: int) -> list[list[int]]:
+        """Remove every sequence started at or after `mark`, and return them (oldest first): a
+        benchmark holds back what each run of a question added, so that no run drafts from
+        another's answer to the same question."""
         with self._lock:
-            for seq in [seq for seq in self._sequences if seq >= mark]:
+            taken = [seq for seq in self._sequences if seq >= mark]
+            sequences = [self._sequences[seq] for seq in sorted(taken)]
+            for seq in taken:
                 self._evict(seq)
+        return sequences
 
     def _evict(self, seq: int) -> None:
         sequence = self._sequences.pop(seq)
@@ -205,10 +209,18 @@ def outputs_mark(model: torch.nn.Module) -> dict[str, int]:
     return {owner: cache.mark() for owner, cache in _caches_of(model).items()}
 
 
-def forget_outputs_since(model: torch.nn.Module, marks: dict[str, int]) -> None:
-    """Drop what `model`'s shared caches took in since `marks` (a cache made since: all of it)."""
-    for owner, cache in _caches_of(model).items():
-        cache.forget_since(marks.get(owner, 0))
+def take_outputs_since(model: torch.nn.Module, marks: dict[str, int]) -> dict[str, list[list[int]]]:
+    """Remove what `model`'s shared caches took in since `marks` (a cache made since: all of it)
+    and return it by owner (add_outputs puts it back)."""
+    return {owner: cache.take_since(marks.get(owner, 0)) for owner, cache in _caches_of(model).items()}
+
+
+def add_outputs(model: torch.nn.Module, outputs: dict[str, list[list[int]]]) -> None:
+    """Put sequences take_outputs_since removed back into `model`'s caches, as new."""
+    for owner, sequences in outputs.items():
+        cache = _caches_of(model).get(owner)
+        for sequence in sequences if cache is not None else ():
+            cache.start(sequence)
 
 
 def forget_outputs(model: torch.nn.Module) -> None:
