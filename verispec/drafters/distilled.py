@@ -80,6 +80,9 @@ def distilled_drafter(path: str | Path, target: PreTrainedModel, vocab_size: int
         student.load_state_dict({k.removeprefix("student."): v for k, v in weights.items()})
         return student.to(device=target.device, dtype=target.dtype).eval().lm
 
-    files = drafter_files(path)  # read once per file as it is, shared by the drafters built from it
-    lm = read() if files is None else per_target(target, ("student", files[0]), read, files[1])
-    return ModelDrafter(lm, vocab_size, confidence_threshold, tree)
+    files = drafter_files(path)
+    if files is None:
+        return ModelDrafter(read(), vocab_size, confidence_threshold, tree)  # read() says what is wrong
+    directory, version = files  # read once per file as it is, shared by the drafters built from it
+    return ModelDrafter(per_target(target, ("student", directory), read, version), vocab_size,
+                        confidence_threshold, tree)

@@ -217,10 +217,10 @@ def take_outputs_since(model: torch.nn.Module, marks: dict[str, int]) -> dict[st
 
 def add_outputs(model: torch.nn.Module, outputs: dict[str, list[list[int]]]) -> None:
     """Put sequences take_outputs_since removed back into `model`'s caches, as new."""
+    caches = _caches_of(model)
     for owner, sequences in outputs.items():
-        cache = _caches_of(model).get(owner)
-        for sequence in sequences if cache is not None else ():
-            cache.start(sequence)
+        for sequence in sequences:
+            caches[owner].start(sequence)
 
 
 def forget_outputs(model: torch.nn.Module) -> None:
