@@ -1,6 +1,7 @@
-"""Hold `auto` to the fixed methods: `ar`, `auto` and every fixed method that needs no training,
-interleaved, greedy, on held-out prompts of the training family (verispec.training.prompts with a
-seed no drafter was trained with; never the Spec-Bench questions).
+"""Hold `auto` to the fixed methods: `ar`, `auto` and every fixed method that needs no training
+or whose trained drafter ships for the target, interleaved, greedy, on held-out prompts of the
+training family (verispec.training.prompts with a seed no drafter was trained with; never the
+Spec-Bench questions).
 
     OMP_NUM_THREADS=2 PYTHONPATH=$PWD python scripts/auto_heldout.py --dtype float32
 
@@ -30,7 +31,8 @@ from verispec.methods import auto_profile, build_engine
 from verispec.model.loading import DEFAULT_MODEL
 from verispec.profile import profile_table
 
-FIXED = ("pld", "suffix", "self-int4", "self-int8", "self-bf16", "self-int4-pld", "self-int8-pld")
+FIXED = ("pld", "suffix", "self-int4", "self-int8", "self-bf16", "self-int4-pld", "self-int8-pld",
+         "eagle", "eagle-pld", "eagle-suffix")
 PER_PROMPT_BAR = 0.97  # auto / ar on every prompt, at least
 BEST_BAR = 0.95  # auto / the best fixed method overall, at least
 

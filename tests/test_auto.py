@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.distribution import POWER, assert_follows, exact_marginals, runs_for, sample_runs
-from tests.tiny import plain_greedy, tiny_foreign, tiny_llama, tiny_loaded
-from verispec import profile
+from tests.tiny import VOCAB, plain_greedy, tiny_foreign, tiny_llama, tiny_loaded
+from verispec import methods, profile
 from verispec.cli import main
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
@@ -34,12 +34,14 @@ from verispec.drafters.auto import (
     expected_tokens,
 )
 from verispec.drafters.base import Drafter, DraftRequest
+from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
+from verispec.drafters.learned import ReducedHead
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import _WEIGHTS, SelfDrafter, SelfSettings
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
 from verispec.methods import PLAIN, _auto_candidates, auto_profile, build_engine
 from verispec.model.cached_model import CachedModel
-from verispec.model.loading import LoadedModel
+from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.model.lowbit import int4_target
 from verispec.options import DraftOptions
 
@@ -554,6 +556,106 @@ def test_a_drafter_priced_out_by_a_stretch_of_load_comes_back():
         plain += 1
         assert plain < 200, auto.slowdown
     assert plain > 10 and auto.slowdown["model"] < 100
+
+
+def test_a_drafter_priced_out_by_refusals_comes_back_at_longer_and_longer_intervals(monkeypatch):
+    """Refusals in a row price a model drafter below plain decoding; its acceptance drifts back
+    to the prior at each step it sits out, so auto tries it again instead of decoding plainly for
+    the rest of the answer (EAGLE sat out 110 of 128 tokens so, on the 4-bit target). A return
+    refused at once halves that drift: a drafter refused every time is tried ever more rarely
+    (with a prior of 0.9 it took two steps of three without the halving). (Its slowdown is held at
+    1: the fake drafter takes no time, which would price it in.)"""
+    monkeypatch.setattr(auto_module, "COST_DECAY", 1.0)
+    costs = fake_profile(4, model=DrafterCost(0.0, 0.001, 0.9))
+    auto = AutoDrafter(costs, {}, {"model": CatchingUp()}, {"model": 3}, PLAIN)
+    request = DraftRequest(torch.zeros(10, dtype=torch.int64), 3, SamplingParams(), None)
+    chosen = []
+    for _ in range(300):
+        chosen.append(auto.propose(request).choice != (PLAIN, 0))
+        auto.commit(0)  # every draft refused
+    first_out = chosen.index(False)
+    returns = [i for i in range(first_out, len(chosen)) if chosen[i] and not chosen[i - 1]]
+    gaps = [later - earlier for earlier, later in zip(returns, returns[1:])]
+    assert len(returns) >= 4 and sum(chosen[first_out:]) < 0.15 * (len(chosen) - first_out), returns
+    assert gaps[-1] > 2 * gaps[0], gaps
+    # a return whose draft is kept puts the drift back
+    assert auto.acceptance["model"].recovery < 1 - auto_module.RECOVERY
+    while auto.propose(request).choice == (PLAIN, 0):
+        auto.commit(0)
+    auto.commit(3)
+    assert auto.acceptance["model"].recovery == 1 - auto_module.RECOVERY
+
+
+class Watched(EagleDrafter):
+    """An EAGLE drafter noting the target's hidden states it was handed, by context length."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.seen: dict[int, torch.Tensor] = {}
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        self.seen[request.tokens.shape[0]] = request.target_hidden.clone()
+        return super().propose(request)
+
+
+def test_a_trained_drafter_among_autos_candidates_reads_the_targets_hidden_states(loaded, references):
+    """EAGLE as one of auto's model drafters: the engine hands auto the target's hidden states
+    (those of the target's own forward over the text, computed apart), EAGLE is chosen again
+    after stretches it sat out (and catches up on them), and the tokens are ar's, alone and in a
+    batch."""
+    torch.manual_seed(3)
+    net = EagleNet(**eagle_settings(loaded.model))
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    head = ReducedHead(loaded.model, torch.arange(3, VOCAB - 13))
+    costs = fake_profile(4, suffix=DrafterCost(0.0, 0.0), eagle=DrafterCost(0.0, 0.0001, 0.9))
+
+    def make() -> AutoDrafter:
+        return AutoDrafter(costs, {"suffix": SuffixDrafter(SuffixSettings(cache_tokens=0))},
+                           {"eagle": Watched(loaded.model, net, head)}, {"suffix": 8, "eagle": 2}, PLAIN)
+    engine = SpeculativeEngine(loaded.model, make(), ConstantK(16), spawn=make, load_cap=LoadCap(()))
+    assert engine.drafter.needs_hidden and engine.drafter.hidden_layers == ()
+    results = [engine.generate(SequenceSpec(p, StoppingRules.build(NEW))) for p in PROMPTS]
+    assert [r.token_ids for r in results] == references
+    stretches = [[method for _, method, _ in r.stats.choices] for r in results]
+    assert all(methods.count("eagle") >= 2 for methods in stretches), stretches  # chosen again
+    watched = engine.drafter.models["eagle"]
+    for prompt, reference in zip(PROMPTS, references):
+        watched.seen.clear()
+        engine.generate(SequenceSpec(prompt, StoppingRules.build(NEW)))
+        with torch.no_grad():  # the target's final hidden states over the whole text, computed apart
+            text = torch.tensor([prompt + reference])
+            truth = loaded.model(text, output_hidden_states=True).hidden_states[-1][0]  # [len, hidden]
+        assert len(watched.seen) >= 3 and max(watched.seen) > len(prompt) + 3
+        for length, states in watched.seen.items():  # [length - 1, hidden]
+            torch.testing.assert_close(states, truth[: length - 1], rtol=0, atol=1e-5)
+    batch = engine.generate_batch([SequenceSpec(p, StoppingRules.build(NEW)) for p in PROMPTS])
+    assert [r.token_ids for r in batch] == references
+
+
+@pytest.fixture(scope="module")
+def builtin_int4():
+    return load_model(DEFAULT_MODEL, "int4")
+
+
+@pytest.mark.parametrize("free_rows, depth", [(4, 2), (1, 1)])
+def test_the_shipped_eagle_is_a_candidate_drafting_chains_as_deep_as_its_shapes_pay(
+        builtin_int4, monkeypatch, free_rows, depth):
+    """On the built-in model auto also chooses the EAGLE drafter shipped for it (not one given
+    with --draft: that is the user's method), drafting chains of the depth its measured shapes
+    make fastest by the profile: 2 where verifying rows is free, 1 where each row costs a
+    forward."""
+    builders, _ = _auto_candidates(builtin_int4, DraftOptions())
+    assert "eagle" in builders
+    builders, _ = _auto_candidates(builtin_int4, DraftOptions(draft="elsewhere"))
+    assert "eagle" not in builders
+    costs = CostProfile(flat_then_linear(free_rows=free_rows), 300, 1e4, {
+        "suffix": DrafterCost(0.0, 0.0), "self-int8": DrafterCost(0.0, 0.05, 0.9),
+        "self-bf16": DrafterCost(0.0, 0.08, 0.9), "eagle": DrafterCost(0.0, 0.0001, 0.4)})
+    monkeypatch.setattr(methods, "cost_profile", lambda *args, **kwargs: costs)
+    drafter = methods._auto(builtin_int4, DraftOptions())
+    assert isinstance(drafter.models["eagle"], EagleDrafter) and drafter.needs_hidden
+    assert drafter.limits["eagle"] == depth
 
 
 class Slow(Drafter):

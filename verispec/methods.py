@@ -150,17 +150,22 @@ def _self(fmt: str, staged: bool) -> Callable[[LoadedModel, DraftOptions], Draft
     return build
 
 
-# What `auto` chooses among: drafters that need no training (lookups, then the target's own weights).
-# Prompt lookup is no candidate: behind suffix decoding it never drafted a token on the held-out
-# prompts of all seven targets measured (docs/tuning.md), and asking it cost ~0.05 ms every step.
+# What `auto` chooses among: lookups, the target's own weights, and a trained drafter where one
+# ships for the target. Prompt lookup is no candidate: behind suffix decoding it never drafted a
+# token on the held-out prompts of all seven targets measured (docs/tuning.md), and asking it cost
+# ~0.05 ms every step.
 AUTO_LOOKUPS = ("suffix",)  # in order of preference (verispec.drafters.auto)
 AUTO_SELF = tuple(f"self-{fmt}" for fmt in FORMATS)
+# EAGLE: the trained drafter that paid best behind suffix decoding on the 4-bit target (eagle-suffix,
+# docs/tuning.md); only the shipped one (a drafter given with --draft is the user's method, not auto's).
+AUTO_TRAINED = ("eagle",)
 
 
 def _auto_candidates(target: LoadedModel, options: DraftOptions
                      ) -> tuple[dict[str, Callable[[], Drafter]], dict[str, int]]:
     """`auto`'s candidates on `target` (name -> a builder of its drafter, drafting chains) and
-    the most each may draft: the lookups, and each self format the target can draft in."""
+    the most each may draft: the lookups, each self format the target can draft in, and the
+    trained drafters shipped for it."""
     chains = replace(options, tree=None)
     names = list(AUTO_LOOKUPS)
     # A copy in the target's own format drafts at a target forward a token: never a candidate.
@@ -172,6 +177,9 @@ def _auto_candidates(target: LoadedModel, options: DraftOptions
             names.append(name)
         except VerispecError:
             pass
+    if options.draft is None:
+        names += [name for name in AUTO_TRAINED
+                  if shipped_drafter(target.model, METHODS[name].trained_kind) is not None]
     limits = {name: _limit(name, options) for name in names}
     builders = {name: partial(METHODS[name].build, target, chains) for name in names}
     builders["suffix"] = partial(_suffix, target, chains, "auto")  # auto's answers feed only auto's
@@ -189,7 +197,7 @@ def auto_profile(target: LoadedModel, options: DraftOptions = DraftOptions(),
 def _auto(target: LoadedModel, options: DraftOptions) -> Drafter:
     """The profile's choice every step among the lookups, the target's own weights in the format
     the profile finds fastest (where the target can draft for itself), staged behind prompt
-    lookup, and plain decoding."""
+    lookup, the trained drafters shipped for the target, and plain decoding."""
     builders, limits = _auto_candidates(target, options)
     profile = cost_profile(target, builders, limits)
     selves = [name for name in builders if name in AUTO_SELF]
@@ -209,6 +217,15 @@ def _auto(target: LoadedModel, options: DraftOptions) -> Drafter:
         # the other formats' copies were made for timing only
         forget_weights(target.model, SelfSettings(fastest.removeprefix("self-"), options.group,
                                                   tuple(options.skip_layers)))
+    for name in (name for name in AUTO_TRAINED if name in builders):
+        # Chains as deep as its measured shapes make fastest here (`shaped`): auto's running
+        # acceptance, up after a few kept drafts, chose 2 tokens where 1 pays on the 4-bit target
+        # (held out, 0.96x against 0.98x eagle-suffix's speed with the depth so bounded).
+        chains = [shape for shape in METHODS[name].shapes if shape.tree is None]
+        if chains:
+            best = max(chains, key=partial(_shape_speed, profile, name))
+            limits[name] = min(limits[name], METHODS[name].default_k if best.k is None else best.k)
+        models[name] = builders[name]()
     return AutoDrafter(profile, {name: builders[name]() for name in AUTO_LOOKUPS}, models, limits,
                        PLAIN)
 
@@ -250,6 +267,15 @@ TREE_LEVEL = 1.3
 TREE_MARGIN = 1.05
 
 
+def _shape_speed(profile: CostProfile, kind: str, shape: Shape) -> float:
+    """Tokens a second of `shape` drafted by `kind`'s drafter: its τ over T(1 + nodes) for the
+    verify plus the drafter's cost by the profile."""
+    depth = METHODS[kind].default_k if shape.k is None else shape.k
+    rows = 1 + (depth if shape.tree is None else shape.tree.nodes)
+    drafting = profile.drafters[kind].seconds(depth if shape.tree is None else TREE_LEVEL * depth)
+    return shape.tau / (profile.forward_seconds(rows) + drafting)
+
+
 def shaped(target: LoadedModel, method: str, options: DraftOptions) -> DraftOptions:
     """`options` with the tree chosen from this machine's cost profile where the user chose
     neither a tree nor k and the method drafts with its shipped drafter on a CPU: each measured
@@ -266,14 +292,7 @@ def shaped(target: LoadedModel, method: str, options: DraftOptions) -> DraftOpti
     chain = replace(options, tree=None)
     profile = cost_profile(target, {kind: lambda: METHODS[kind].build(target, chain)},
                            {kind: METHODS[kind].default_k})
-    drafter = profile.drafters[kind]
-
-    def speed(shape: Shape) -> float:
-        depth = METHODS[kind].default_k if shape.k is None else shape.k
-        rows = 1 + (depth if shape.tree is None else shape.tree.nodes)
-        drafting = drafter.seconds(depth if shape.tree is None else TREE_LEVEL * depth)
-        return shape.tau / (profile.forward_seconds(rows) + drafting)
-
+    speed = partial(_shape_speed, profile, kind)
     chains = [shape for shape in spec.shapes if shape.tree is None]
     best = max(spec.shapes, key=speed)
     if best.tree is not None and chains and speed(best) < TREE_MARGIN * max(map(speed, chains)):

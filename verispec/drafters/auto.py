@@ -10,7 +10,8 @@ always a candidate: E = 1, T(batch) / batch.
 
 Candidates are lookups (suffix decoding, prompt lookup: nearly free, drafting only where the
 context repeats, so a lookup is a candidate only on steps where it offers a draft) and model
-drafters (the target's own weights in low precision: a draft every step at a cost per token).
+drafters (the target's own weights in low precision, a trained drafter shipped for the target:
+a draft every step at a cost per token).
 Acceptance starts from a prior (the profile's measurement on this target, else a default) and
 follows the text as exponentially weighted counts. A model drafter has one per-token rate (the
 model above), judged when it drafted, and drafts the k that pays best. A lookup's offer is
@@ -43,8 +44,10 @@ from verispec.drafters.base import Drafter, DraftRequest
 
 DECAY = 0.9  # weight of the acceptance seen one step earlier (a memory of about ten steps)
 COST_DECAY = 0.5  # weight of a model drafter's slowdown seen one step earlier (a few steps)
-# share of a model drafter's slowdown beyond 1 kept at each step it sits out (halved in about 14
-# steps): a stretch of load on the machine does not price it out for good
+# share of a model drafter's slowdown beyond 1, and of its acceptance's departure from the prior,
+# kept at each step it sits out (halved in about 14 steps): a stretch of load on the machine, or of
+# text it drafted badly, does not price it out for the rest of the answer (a few refusals in a row
+# put EAGLE below plain decoding on the 4-bit target, where it then sat out 110 of 128 tokens)
 RECOVERY = 0.95
 PRIOR_WEIGHT = 1.0  # the prior counts as this many refusals (and the accepted tokens they imply)
 MOST_PRIOR = 0.97  # a prior above this is taken as this: a few refusals then tell
@@ -168,12 +171,36 @@ class Acceptance:
 
     def __init__(self, prior: float) -> None:
         prior = min(max(prior, 0.01), MOST_PRIOR)
-        self.kept, self.refused = PRIOR_WEIGHT * prior / (1.0 - prior), PRIOR_WEIGHT
+        self.prior = (PRIOR_WEIGHT * prior / (1.0 - prior), PRIOR_WEIGHT)  # (kept, refused)
+        self.kept, self.refused = self.prior
+        # the share of the counts' distance from the prior's closed at a step sat out: halved by
+        # each return after plain steps whose first token is refused, where the prior says that
+        # is the rarer outcome (above 0.5), so that a drafter that fails again and again is tried
+        # at ever longer intervals (with a prior of 0.9, a few times in an answer instead of every
+        # other step); back to 1 - RECOVERY at a return that keeps a token. (Halving after any
+        # refused return cost EAGLE, kept 39% of the time, 0.1 of its tau on the 4-bit target.)
+        self.rarely_refused = prior > 0.5
+        self.recovery = 1.0 - RECOVERY
+        self.rested = False
 
     def observe(self, judged: int, kept: int) -> None:
         """`kept` of the `judged` leading draft tokens matched (judged > kept: one was refused)."""
+        if self.rested:
+            if kept:
+                self.recovery = 1.0 - RECOVERY
+            elif self.rarely_refused:
+                self.recovery /= 2
+            self.rested = False
         self.kept = DECAY * self.kept + kept
         self.refused = DECAY * self.refused + (1.0 if kept < judged else 0.0)
+
+    def rest(self, priced_out: bool) -> None:
+        """A step without drafting: the counts drift back towards the prior's. priced_out: the
+        step was a plain one (no candidate paid), so the next draft is a return to be judged;
+        a step another drafter took says nothing against this one."""
+        self.kept += self.recovery * (self.prior[0] - self.kept)
+        self.refused += self.recovery * (self.prior[1] - self.refused)
+        self.rested = self.rested or priced_out
 
     @property
     def rate(self) -> float:
@@ -233,6 +260,13 @@ class AutoDrafter(Drafter):
         self.profile, self.lookups, self.models, self.limits = profile, lookups, models, limits
         self.plain = plain
         self.adopts_prefill = any(drafter.adopts_prefill for drafter in candidates.values())
+        # A drafter that reads the target's hidden states (EAGLE) gets them every step, chosen or
+        # not, and catches up on the stretches it sat out when it is next chosen.
+        readers = {drafter.hidden_layers for drafter in candidates.values() if drafter.needs_hidden}
+        if len(readers) > 1:
+            raise VerispecError("auto's candidates read different layers' hidden states")
+        self.needs_hidden = bool(readers)
+        self.hidden_layers = next(iter(readers), ())
         self.priors = {name: LOOKUP_PRIOR if name in lookups else MODEL_PRIOR for name in candidates}
         # name -> drafting seconds as taken / as the profile predicts them, weighted to the latest
         # steps in the flow of drafting (not those that catch up on a stretch the drafter sat out,
@@ -336,9 +370,10 @@ class AutoDrafter(Drafter):
             predicted = self.profile.drafters[self.chosen].seconds(self.drafted)
             self.slowdown[self.chosen] = (COST_DECAY * self.slowdown[self.chosen]
                                           + (1 - COST_DECAY) * taken / max(predicted, 1e-6))
-        for name in self.models:  # the others drift back to the profile's figure
+        for name in self.models:  # the others drift back to the profile's figures
             if name != self.chosen:
                 self.slowdown[name] = 1 + (self.slowdown[name] - 1) * RECOVERY
+                self.acceptance[name].rest(priced_out=self.chosen is None)
 
     def describe(self) -> str:
         names = ", ".join([*self.lookups, *self.models])
