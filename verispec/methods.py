@@ -367,7 +367,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("auto", "each step, the drafter and k with the most expected tokens per second by this "
            "machine's cost profile (`verispec profile`) and the acceptance seen so far: suffix "
            "decoding where the text repeats, the target's own low-precision weights (behind prompt "
-           "lookup) elsewhere, plain decoding where nothing pays", 16, _auto,
+           "lookup) or a shipped EAGLE drafter elsewhere, plain decoding where nothing pays", 16, _auto,
            "the default: any model, no training; measures the machine once (seconds, cached)"),
     *_self_methods(),
     Method("pld", "prompt lookup: the tokens that followed the context's last n-gram where it "
