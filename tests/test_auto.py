@@ -495,6 +495,35 @@ def test_auto_samples_the_target_distribution(skew):
     assert_follows(sampled, exact, "auto", skew)
 
 
+@pytest.mark.parametrize("skew", POWER)
+def test_auto_with_eagle_samples_the_target_distribution(skew):
+    """Sampling (temperature 1.5) with EAGLE among auto's candidates (a random one, so that it is
+    refused at times), sitting out the steps where suffix decoding's offer is chosen and catching
+    up after them: the first three tokens follow the target's exact marginals, EAGLE drafted at
+    both positions, some drafts kept and some refused."""
+    model = tiny_llama(seed=2, vocab=6, layers=2)
+    torch.manual_seed(4)
+    net = EagleNet(**eagle_settings(model))
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    head = ReducedHead(model, torch.arange(6))
+    prompt = [1, 3, 4, 5, 2]
+    costs = CostProfile((0.01,) * 17, 300, 1e4, {"suffix": DrafterCost(0.0, 0.0, 0.95),
+                                                 "eagle": DrafterCost(0.0, 0.0, 0.9)})
+
+    def make() -> AutoDrafter:
+        return AutoDrafter(costs, {"suffix": SuffixDrafter(SuffixSettings(cache_tokens=0))},
+                           {"eagle": EagleDrafter(model, net, head)}, {"suffix": 8, "eagle": 2}, PLAIN)
+    engine = SpeculativeEngine(model, make(), ConstantK(16), spawn=make, load_cap=LoadCap(()))
+    sampling = SamplingParams(True, 1.5)
+    exact = exact_marginals(model, prompt, 3, sampling)
+    sampled = sample_runs(engine, prompt, 3, sampling, runs_for(exact, skew))
+    chosen = methods_chosen(sampled.results)
+    assert "eagle" in chosen and chosen <= {"suffix", "eagle", PLAIN}
+    sampled.check_drafting(positions=2)
+    assert_follows(sampled, exact, "auto with eagle", skew)
+
+
 def test_a_drafter_slower_than_its_profile_says_loses_its_place():
     """What auto saw a model drafter's steps take (its slowdown against the profile) enters the
     choice: the same figures choose the self-drafter at its profiled cost, plain decoding at ten
