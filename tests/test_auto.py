@@ -748,7 +748,7 @@ def test_profiles_go_where_verispec_profile_dir_says(monkeypatch, tmp_path):
 
 
 def test_measuring_a_profile_shows_a_bar_at_a_terminal_and_nothing_in_a_log(monkeypatch):
-    """A first command waits on the profile (about 16 s for the built-in model on 2 cores): at a
+    """A first command waits on the profile (13-18 s for the built-in model on 2 cores): at a
     terminal a bar names the target and the part being timed; piped to a log, stderr stays quiet."""
     import io
 

@@ -1,7 +1,8 @@
 """The cost profile of a target on this machine: its forward over 1..17 rows with a fixed context
 cached, its prefill rate, and what each candidate drafter costs per proposal and per drafted
 token (with the acceptance it reached), all in seconds, measured once (medians of few repeats;
-about 16 seconds for the built-in model in float32 on 2 cores, most of it the drafters' runs) and
+about 13 seconds for the built-in model in float32 on 2 cores, most of it the drafters' runs, 3.5
+of them EAGLE's, whose few tokens a step take many target forwards) and
 cached as JSON under $VERISPEC_PROFILE_DIR if set, else
 $XDG_CACHE_HOME/verispec/profiles/ (default ~/.cache), keyed by the CPU (model
 name and flags, and the instruction sets torch and oneDNN are held to), torch's version, the
@@ -249,7 +250,7 @@ def measure(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[
     ATTEMPTS times: a second or two each), then each drafter once in a short generation (most of
     the time: a busy machine shows in the forward's repeats, and is not cached)."""
     prompt = _prompt(target, torch.Generator().manual_seed(0))
-    # At a terminal, a bar: a first command waits on this (about 16 s for the built-in model).
+    # At a terminal, a bar: a first command waits on this (13-18 s for the built-in model).
     with tqdm(total=1 + len(drafters), desc=f"verispec: measuring {target.name}'s cost profile once",
               unit="part", file=sys.stderr, disable=None, leave=False) as bar:
         for _ in range(ATTEMPTS):
