@@ -179,7 +179,6 @@ class Acceptance:
         # at ever longer intervals (with a prior of 0.9, a few times in an answer instead of every
         # other step); back to 1 - RECOVERY at a return that keeps a token. (Halving after any
         # refused return cost EAGLE, kept 39% of the time, 0.1 of its tau on the 4-bit target.)
-        self.rarely_refused = prior > 0.5
         self.recovery = 1.0 - RECOVERY
         self.rested = False
 
@@ -188,7 +187,7 @@ class Acceptance:
         if self.rested:
             if kept:
                 self.recovery = 1.0 - RECOVERY
-            elif self.rarely_refused:
+            elif self.prior[0] > self.prior[1]:  # the prior above 0.5: a refusal is the rarer outcome
                 self.recovery /= 2
             self.rested = False
         self.kept = DECAY * self.kept + kept
