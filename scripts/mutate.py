@@ -47,6 +47,7 @@ class Mutant:
     replace: str
     tests: tuple[str, ...]
     bug: str
+    env: tuple[tuple[str, str], ...] = ()  # its tests' extra environment
 
 
 DRAFTERS = "tests/test_sampling_drafters.py"
@@ -60,6 +61,9 @@ MTP_GRADIENTS = "tests/test_hydra_mtp.py::test_mtp_head_by_head_backward_gives_t
 # The AVX2 class's invariance cases (tests/test_invariance.py builds them where AVX2 is not the
 # process's own class, as on an AVX-512 machine).
 AVX2_BLOCKS = "tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps"
+# The AMX class's cases, on any CPU with AVX512-BF16: its tiles emulated (build.py).
+AMX_EMULATED = (("VERISPEC_AMX_EMULATED", "1"),)
+AMX_BLOCKS = (f"{AVX2_BLOCKS}[tiny-int4-cpu-amx-bf16]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-amx-bf16]")
 MTP_ORDER = "tests/test_hydra_mtp.py::test_mtp_training_backpropagates_head_by_head"
 EXPORT_IDS = "tests/test_eagle3.py::test_exported_aux_ids_point_the_engine_at_the_layers_the_drafter_reads"
 GREEDY = "tests/test_greedy_equality.py::test_every_drafter_matches_plain_decoding[4]"
@@ -323,6 +327,25 @@ MUTANTS = (
            ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each",
             f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx2]"),
            "the AVX2 class's block rows attend with a scale one ulp off a one-token step's"),
+    Mutant("row-kernel-amx-lone-row-order", "verispec/model/kernels/rows.cpp",
+           "          __m512 a = _mm512_fmadd_ps(_mm512_load_ps(sums + r * TILE), s, "
+           "_mm512_load_ps(acc + r * TILE));\n"
+           "          if constexpr (MINS) a = ",
+           "          __m512 a = _mm512_load_ps(acc + r * TILE);\n"
+           "          if (MINS && rows == 1) a = "
+           "_mm512_fmadd_ps(_mm512_set1_ps(xsum[(r0 + r) * groups + g]), m, a);\n"
+           "          a = _mm512_fmadd_ps(_mm512_load_ps(sums + r * TILE), s, a);\n"
+           "          if (MINS && rows > 1) a = ",
+           ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits", *AMX_BLOCKS),
+           "the AMX class: a tile holding one row adds its group's minimum term first, a fuller one last",
+           AMX_EMULATED),
+    Mutant("row-kernel-amx-dense-tiles-not-zeroed", "verispec/model/kernels/rows.cpp",
+           "      TILE_ZERO(0);\n      for (int64_t c = 0; c < chunks; ++c) {",
+           "      for (int64_t c = 0; c < chunks; ++c) {",
+           ("tests/test_row_kernels.py::test_products_compute_the_weights_they_stand_for",
+            "tests/test_row_kernels.py::test_products_give_each_row_its_own_bits", *AMX_BLOCKS),
+           "the AMX class's dense product starts a tile of rows from the previous tile's sums",
+           AMX_EMULATED),
     Mutant("row-norm-lone-row-order", "verispec/model/kernels/rows.cpp",
            "    for (int width = 8; width >= 1; width /= 2)",
            "    if (r1 - r0 == 1) std::swap(lanes[0], lanes[15]);\n"
@@ -508,11 +531,13 @@ class Outcome:
     seconds: float
 
 
-def run_tests(copy: Path, tests: list[str], timeout: float) -> Outcome:
-    """Run `tests` in the copy; what passed, what failed by an assertion, what failed otherwise."""
+def run_tests(copy: Path, tests: list[str], timeout: float,
+              extra: tuple[tuple[str, str], ...] = ()) -> Outcome:
+    """Run `tests` in the copy (`extra`: environment besides); what passed, what failed by an
+    assertion, what failed otherwise."""
     report = copy / "mutate-junit.xml"
     report.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1", **dict(extra)}
     started = time.perf_counter()
     try:
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -566,22 +591,25 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="verispec-mutate-") as tmp:
         copy = Path(tmp)
         copy_tree(ROOT, copy)
-        guards = list(dict.fromkeys(t for m in mutants for t in m.tests))
-        print(f"baseline: {len(guards)} guarding test selections on the unmutated copy ...", flush=True)
-        baseline = run_tests(copy, guards, args.timeout)
-        if baseline.timed_out or baseline.killed_by or baseline.other or not baseline.passed:
-            failing = baseline.killed_by + baseline.other
-            print(f"the guarding tests do not all pass on the unmutated code ({baseline.seconds:.0f} s; "
-                  f"timed out: {baseline.timed_out}): {failing}", file=sys.stderr)
-            return 2
-        print(f"baseline: {len(baseline.passed)} tests pass ({baseline.seconds:.0f} s)\n", flush=True)
+        for env in dict.fromkeys(m.env for m in mutants):  # one baseline per environment
+            guards = list(dict.fromkeys(t for m in mutants if m.env == env for t in m.tests))
+            named = " ".join(f"{key}={value}" for key, value in env)
+            print(f"baseline: {len(guards)} guarding test selections on the unmutated copy {named}...",
+                  flush=True)
+            baseline = run_tests(copy, guards, args.timeout, env)
+            if baseline.timed_out or baseline.killed_by or baseline.other or not baseline.passed:
+                failing = baseline.killed_by + baseline.other
+                print(f"the guarding tests do not all pass on the unmutated code ({baseline.seconds:.0f} s; "
+                      f"timed out: {baseline.timed_out}): {failing}", file=sys.stderr)
+                return 2
+            print(f"baseline: {len(baseline.passed)} tests pass ({baseline.seconds:.0f} s)\n", flush=True)
         rows = []
         for m in mutants:
             path = copy / m.path
             original = path.read_text()
             path.write_text(original.replace(m.search, m.replace, 1))
             try:
-                outcome = run_tests(copy, list(m.tests), args.timeout)
+                outcome = run_tests(copy, list(m.tests), args.timeout, m.env)
             finally:
                 path.write_text(original)
             if outcome.killed_by:

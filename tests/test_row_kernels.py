@@ -9,9 +9,11 @@ AVX512-BF16, no compiler)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from torch.nn import functional as F
 from tests.tiny import tiny_llama
 from verispec.model.cached_model import CachedModel
 from verispec.model.gguf_blocks import RowsBlocksKernel
-from verispec.model.kernels import rows
+from verispec.model.kernels import build, rows
 from verispec.model.lean import LeanDecoder, LeanWeights, rotate
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.model.lowbit import Int4Groups, Int8Groups, RowsInt4Kernel, RowsInt8Kernel, int4_target
@@ -338,6 +340,28 @@ def test_a_tiny_int4_target_computes_its_weights():
                 plain.get_submodule(name).weight.copy_(module.weight)
         reference = plain(tokens[None]).logits[0]
     assert (logits - reference).abs().max() < 0.02 * reference.abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("avx512-bf16" not in rows.supported(),
+                    reason="needs AVX512-BF16 (avx512-bf16): the tiles' emulation is AVX-512 code")
+def test_the_amx_class_passes_its_tests_with_the_tiles_emulated():
+    """The AMX class's own code (its tile layouts, padding to 16 rows, loops), on any CPU with
+    AVX512-BF16: its product, attention and invariance cases (the built-in model's included) in a
+    process whose library emulates the tile instructions (build.py's VERISPEC_AMX_EMULATED), every
+    case run, none skipped for want of the class. A CPU with AMX runs the same cases on its tiles
+    in the suite itself."""
+    env = {key: value for key, value in os.environ.items() if key != "VERISPEC_KERNELS"}
+    env[build.EMULATED] = "1"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                          "-m", "slow or not slow", "-k", "amx and not emulated",
+                          "tests/test_row_kernels.py", "tests/test_invariance.py"],
+                         env=env, cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                         text=True, timeout=1800)
+    assert run.returncode == 0, run.stdout[-4000:]
+    passed = re.search(r"(\d+) passed", run.stdout)
+    assert passed and int(passed.group(1)) >= 30, run.stdout[-2000:]
+    assert "this CPU lacks it" not in run.stdout
 
 
 @pytest.mark.skipif(len(set(rows.SAME_BITS) & set(rows.supported())) < 2,

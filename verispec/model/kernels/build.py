@@ -32,10 +32,23 @@ def cache_dir() -> Path:
 # -ffp-contract=off: the compiler fuses no multiply and add on its own, so a row's arithmetic is
 # exactly the instructions rows.cpp spells, whatever function it was inlined into.
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+# VERISPEC_AMX_EMULATED=1, for the tests only: a library of its own whose amx-bf16 class runs on
+# any CPU with AVX512-BF16, the tile instructions spelt in AVX-512 (rows.cpp's AMX section), so
+# that the class's code is tested on machines without AMX. Slow: never for decoding.
+EMULATED = "VERISPEC_AMX_EMULATED"
+
+
+def emulated() -> bool:
+    """Whether this process builds and loads the library with the AMX tiles emulated."""
+    return os.environ.get(EMULATED, "") not in ("", "0")
+
+
+def flags() -> list[str]:
+    return FLAGS + ([f"-D{EMULATED}"] if emulated() else [])
 
 
 def library_name() -> str:
-    digest = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode())
+    digest = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags()).encode())
     return f"verispec_rows_{digest.hexdigest()[:12]}"
 
 
@@ -45,7 +58,7 @@ def _build(name: str, directory: Path) -> ModuleType:
     directory.mkdir(parents=True, exist_ok=True)
     print(f"verispec: building the row kernels once (cached in {directory})", file=sys.stderr)
     return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
-                              extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                              extra_cflags=flags(), extra_ldflags=["-fopenmp"],
                               verbose=False)
 
 

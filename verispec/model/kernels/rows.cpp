@@ -49,7 +49,12 @@
 #endif
 
 // AMX where the compiler has its intrinsics (GCC 11+, clang); elsewhere the class is left out.
-#if VERISPEC_X86 && (defined(__clang__) || __GNUC__ >= 11)
+// VERISPEC_AMX_EMULATED (build.py, for the tests only) runs the same class with the tile
+// instructions emulated in AVX-512 on a CPU without AMX: see the AMX section.
+#if VERISPEC_X86 && defined(VERISPEC_AMX_EMULATED)
+#define VERISPEC_AMX 1
+#define AMX_BF16 AVX512_BF16
+#elif VERISPEC_X86 && (defined(__clang__) || __GNUC__ >= 11)
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -92,7 +97,9 @@ bool avx2() {
 // AMX-BF16 tiles, with the process's permission to use them (Linux grants tile state on request:
 // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once).
 bool amx_bf16() {
-#if VERISPEC_AMX
+#if defined(VERISPEC_AMX_EMULATED)
+  return avx512_bf16();  // the emulation's tiles are AVX-512 code
+#elif VERISPEC_AMX
   static const bool granted = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
@@ -702,6 +709,89 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+#if defined(VERISPEC_AMX_EMULATED)
+// The tile instructions spelt in AVX-512, so that the tests run this class's own code (its
+// layouts, padding and loops) on a CPU without AMX; built only for them (build.py), ~100 times
+// slower than the hardware. tdpbf16ps as Intel's intrinsics guide writes it: per row, for each
+// pair k, sum += a[2k] * b[k][2n], then sum += a[2k+1] * b[k][2n+1], each rounded to nearest even
+// (a product of two bfloat16 values is exact in float32: one FMA each), denormal inputs read as
+// zero and denormal results flushed (MXCSR's DAZ and FTZ while it runs). The hardware may order
+// its sums otherwise, so the emulation checks the kernels, not AMX's bits.
+namespace emulated {
+
+struct Tiles {
+  alignas(64) uint8_t data[8][16 * 64];
+  uint8_t rows[8];
+  uint16_t colsb[8];
+};
+thread_local Tiles tiles;
+
+inline void load_config(const TileConfig* config) {  // as ldtilecfg: every tile zeroed
+  for (int t = 0; t < 8; ++t) tiles.rows[t] = config->rows[t], tiles.colsb[t] = config->colsb[t];
+  std::memset(tiles.data, 0, sizeof(tiles.data));
+}
+
+inline void zero(int t) { std::memset(tiles.data[t], 0, sizeof(tiles.data[t])); }
+
+inline void load(int t, const void* base, int64_t stride) {
+  zero(t);
+  for (int r = 0; r < tiles.rows[t]; ++r)
+    std::memcpy(tiles.data[t] + r * 64, static_cast<const uint8_t*>(base) + r * stride, tiles.colsb[t]);
+}
+
+inline void store(int t, void* base, int64_t stride) {
+  for (int r = 0; r < tiles.rows[t]; ++r)
+    std::memcpy(static_cast<uint8_t*>(base) + r * stride, tiles.data[t] + r * 64, tiles.colsb[t]);
+}
+
+AVX512_BF16 inline float bits_float(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+AVX512_BF16 inline void dpbf16ps(int c, int a, int b) {
+  const int pairs = tiles.colsb[a] / 4;
+  check(pairs == tiles.rows[b] && tiles.colsb[b] == 64 && tiles.colsb[c] == 64 && tiles.rows[a] == tiles.rows[c],
+        "emulated tdpbf16ps: the tiles' shapes disagree");
+  const unsigned mxcsr = _mm_getcsr();
+  _mm_setcsr(mxcsr | 0x8040);  // FTZ and DAZ
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int m = 0; m < tiles.rows[c]; ++m) {
+    float* sums = reinterpret_cast<float*>(tiles.data[c] + m * 64);
+    const uint8_t* row = tiles.data[a] + m * 64;
+    __m512 acc = _mm512_load_ps(sums);
+    for (int k = 0; k < pairs; ++k) {
+      uint32_t pair;
+      std::memcpy(&pair, row + 4 * k, 4);
+      const __m512i weights = _mm512_load_si512(tiles.data[b] + k * 64);  // 16 outputs' pair k
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(bits_float(pair << 16)),
+                            _mm512_castsi512_ps(_mm512_slli_epi32(weights, 16)), acc);
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(bits_float(pair & 0xFFFF0000u)),
+                            _mm512_castsi512_ps(_mm512_and_si512(weights, high)), acc);
+    }
+    _mm512_store_ps(sums, acc);
+  }
+  _mm_setcsr(mxcsr);
+}
+
+}  // namespace emulated
+
+#define TILE_LOADCONFIG(config) emulated::load_config(config)
+#define TILE_ZERO(t) emulated::zero(t)
+#define TILE_LOAD(t, base, stride) emulated::load(t, base, stride)
+#define TILE_STORE(t, base, stride) emulated::store(t, base, stride)
+#define TILE_DPBF16PS(c, a, b) emulated::dpbf16ps(c, a, b)
+#define TILE_RELEASE() ((void)0)
+#else
+#define TILE_LOADCONFIG(config) _tile_loadconfig(config)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
+#define TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+#define TILE_RELEASE() _tile_release()
+#endif
+
 AMX_BF16 void configure_tiles() {
   TileConfig config;
   config.colsb[0] = 64, config.rows[0] = 16;  // sums: 16 rows x 16 float32
@@ -709,7 +799,7 @@ AMX_BF16 void configure_tiles() {
   config.colsb[2] = 64, config.rows[2] = 16;  // weights: 16 pairs x 16 outputs x 2
   config.colsb[3] = 32, config.rows[3] = 16;  // rows: 16 x 16 bfloat16 (groups of 16)
   config.colsb[4] = 64, config.rows[4] = 8;   // weights: 8 pairs
-  _tile_loadconfig(&config);
+  TILE_LOADCONFIG(&config);
 }
 
 // xb: [Mp, K] bfloat16, Mp = M rounded up to 16, padding rows zero.
@@ -735,17 +825,17 @@ AMX_BF16 void codes_tiles_amx(const uint16_t* xb, const float* xsum, int64_t M, 
         __m512bh w[P];
         unpack<P, NIBBLES>(codes + tg * BYTES, w);
         for (int p = 0; p < P; ++p) _mm512_store_si512(weights + 32 * p, (__m512i)w[p]);
-        _tile_zero(0);
+        TILE_ZERO(0);
         if constexpr (G == 32) {
-          _tile_loadd(1, xb + r0 * K + g * G, K * 2);
-          _tile_loadd(2, weights, 64);
-          _tile_dpbf16ps(0, 1, 2);
+          TILE_LOAD(1, xb + r0 * K + g * G, K * 2);
+          TILE_LOAD(2, weights, 64);
+          TILE_DPBF16PS(0, 1, 2);
         } else {
-          _tile_loadd(3, xb + r0 * K + g * G, K * 2);
-          _tile_loadd(4, weights, 64);
-          _tile_dpbf16ps(0, 3, 4);
+          TILE_LOAD(3, xb + r0 * K + g * G, K * 2);
+          TILE_LOAD(4, weights, 64);
+          TILE_DPBF16PS(0, 3, 4);
         }
-        _tile_stored(0, sums, 64);
+        TILE_STORE(0, sums, 64);
         const __m512 s = load_scales<HALF>(scales, tg * TILE);
         __m512 m = _mm512_setzero_ps();
         if constexpr (MINS) m = load_scales<HALF>(mins, tg * TILE);
@@ -759,7 +849,7 @@ AMX_BF16 void codes_tiles_amx(const uint16_t* xb, const float* xsum, int64_t M, 
         _mm512_storeu_ps(out + (r0 + r) * N + t * TILE, _mm512_load_ps(acc + r * TILE));
     }
   }
-  _tile_release();
+  TILE_RELEASE();
 }
 
 template <int G, bool NIBBLES>
@@ -777,16 +867,16 @@ AMX_BF16 void dense_tiles_amx(const uint16_t* xb, int64_t M, int64_t K, const ui
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t r0 = 0; r0 < M; r0 += 16) {
       const int64_t rows = std::min<int64_t>(16, M - r0);
-      _tile_zero(0);
+      TILE_ZERO(0);
       for (int64_t c = 0; c < chunks; ++c) {
         const uint16_t* tile = weight + (t * chunks + c) * (TILE * 32);
         for (int64_t line = 0; line < TILE * 32 * 2; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(tile) + PREFETCH + line, _MM_HINT_T0);
-        _tile_loadd(1, xb + r0 * K + c * 32, K * 2);
-        _tile_loadd(2, tile, 64);
-        _tile_dpbf16ps(0, 1, 2);
+        TILE_LOAD(1, xb + r0 * K + c * 32, K * 2);
+        TILE_LOAD(2, tile, 64);
+        TILE_DPBF16PS(0, 1, 2);
       }
-      _tile_stored(0, sums, 64);
+      TILE_STORE(0, sums, 64);
       for (int64_t r = 0; r < rows; ++r) {
         const __m512 a = _mm512_load_ps(sums + r * TILE);
         if constexpr (BF16_OUT) {
@@ -798,7 +888,7 @@ AMX_BF16 void dense_tiles_amx(const uint16_t* xb, int64_t M, int64_t K, const ui
       }
     }
   }
-  _tile_release();
+  TILE_RELEASE();
 }
 
 #endif  // VERISPEC_AMX

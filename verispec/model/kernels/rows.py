@@ -35,7 +35,7 @@ from torch.nn import functional as F
 
 from verispec.core.errors import VerispecError
 from verispec.core.files import write_json
-from verispec.model.kernels.build import cache_dir, library, library_name, load
+from verispec.model.kernels.build import cache_dir, emulated, library, library_name, load
 
 TILE = 16  # output columns per 512-bit lane set
 GROUPS = (16, 32)
@@ -48,6 +48,7 @@ CLASSES = {"amx-bf16": (2, "amx_bf16", "AMX-BF16"),
            "onednn-fixed16": (1, "avx512_bf16", "oneDNN bfloat16 at 16 rows"),
            "avx512-bf16": (1, "avx512_bf16", "AVX512-BF16"), "avx2": (0, "avx2", "AVX2/FMA")}
 ONEDNN = "onednn-fixed16"
+AMX = "amx-bf16"
 FIXED_ROWS = 16  # the oneDNN class's one shape: every call multiplies [16, in]
 # Classes that compute the same bits (rows.cpp: AVX2 spells vdpbf16ps); AMX's tiles have their own.
 SAME_BITS = ("avx512-bf16", "avx2")
@@ -165,7 +166,9 @@ def choice() -> Choice:
         label = CLASSES[forced][2]
         return (Choice(forced, f"forced (VERISPEC_KERNELS={forced})") if forced in names
                 else Choice(None, f"this CPU lacks {label} (VERISPEC_KERNELS={forced})"))
-    if ONEDNN in names and "amx-bf16" not in names:
+    if emulated() and AMX in names:
+        names.remove(AMX)  # the tests' emulation of the tiles runs only where forced
+    if ONEDNN in names and AMX not in names:
         names.remove(ONEDNN)  # oneDNN without AMX: the row kernels' own arithmetic, slower
     if not names:
         return Choice(None, "this CPU lacks AVX2 and AVX512-BF16")
@@ -198,7 +201,8 @@ def unavailable_reason() -> str:
 
 def name(kernel: str | None = None) -> str:
     """How stats name a kernel class (default: this process's)."""
-    return f"verispec rows, {CLASSES[kernel or choice().name][2]}"
+    chosen = kernel or choice().name
+    return f"verispec rows, {CLASSES[chosen][2]}" + (" (emulated)" if chosen == AMX and emulated() else "")
 
 
 def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
