@@ -85,6 +85,28 @@ def test_draft_vocabulary_unreadable_as_text_is_one_line_error(tiny_dir, tmp_pat
     assert code == 2 and "cannot read the target's tokenizer's tokens as text" in err
 
 
+def test_an_address_that_cannot_be_served_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """`verispec serve` on a port in use, out of range, or with a negative drain: a one-line error
+    and exit 2, with no model loaded (the model given does not exist: loading it would fail
+    otherwise), not uvicorn's traceback after the load."""
+    import socket
+
+    from verispec.cli import serve as serve_cli
+
+    monkeypatch.setattr(serve_cli, "load_model", lambda *args: pytest.fail("the model was loaded"))
+    missing = str(tmp_path / "missing")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code = main(["serve", "--model", missing, "--port", str(port)])
+        err = capsys.readouterr().err
+        assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err, err
+    for args, message in [(["--port", "65536"], "a port is 0..65535"),
+                          (["--drain-seconds", "-1"], "drain seconds must be a finite number >= 0")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "--model", missing, *args])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_unknown_method_is_refused(tiny_dir):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--model", str(tiny_dir), "--method", "magic", "--prompt", "w5"])
