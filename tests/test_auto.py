@@ -376,7 +376,7 @@ def test_a_profile_measured_beside_a_steady_load_is_not_cached(cache, monkeypatc
 
 
 def test_profile_command_prints_the_table_and_draws_the_plot(tiny_dir, cache, tmp_path, capsys):
-    plot = tmp_path / "profile.png"
+    plot = tmp_path / "new folder" / "profile.png"  # its folder made
     assert main(["profile", "--model", str(tiny_dir), "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "target forward, 300 tokens cached" in out and "prefill:" in out
@@ -384,6 +384,18 @@ def test_profile_command_prints_the_table_and_draws_the_plot(tiny_dir, cache, tm
     for name in ("suffix", "self-int4", "self-int8", "self-bf16"):
         assert f"\n{name} " in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [path.name for path in plot.parent.iterdir()] == ["profile.png"]  # written whole
+
+
+def test_a_plot_path_that_cannot_be_written_is_refused_before_measuring(tmp_path, capsys, monkeypatch):
+    from verispec.cli import profile as profile_cli
+
+    monkeypatch.setattr(profile_cli, "load_model", lambda *args: pytest.fail("the model was loaded"))
+    (tmp_path / "file").write_text("")
+    for plot, message in [(tmp_path, "is a directory"),
+                          (tmp_path / "file" / "x.png", "cannot make its folder")]:
+        assert main(["profile", "--plot", str(plot)]) == 2
+        assert message in capsys.readouterr().err
 
 
 # -- auto decodes exactly -------------------------------------------------------------------------

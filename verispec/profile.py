@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from verispec.core.cores import OthersLoad
-from verispec.core.files import write_json
+from verispec.core.files import write_json, write_whole
 from verispec.core.stopping import StoppingRules
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.sequence import SequenceSpec
@@ -389,5 +389,5 @@ def plot_profile(profile: CostProfile, path: Path, title: str) -> Path:
     axes.set_title(title, fontsize=10)
     axes.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path)
+    write_whole(path, lambda partial: figure.savefig(partial, format="png"))
     return path

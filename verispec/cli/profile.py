@@ -7,6 +7,7 @@ from pathlib import Path
 
 from verispec.cli import COMMANDS
 from verispec.cli.options import add_model_arguments
+from verispec.core.errors import VerispecError
 from verispec.methods import auto_profile
 from verispec.model.loading import load_model
 from verispec.profile import cache_dir, cpu_description, plot_profile, profile_table
@@ -26,7 +27,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     profile.set_defaults(func=run_command)
 
 
+def check_plot_path(path: Path) -> None:
+    """Before measuring (seconds): the plot's folder exists or is made, and the path is no folder."""
+    if path.is_dir():
+        raise VerispecError(f"--plot {path} is a directory: give a file name (a PNG)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise VerispecError(f"--plot {path}: cannot make its folder ({error.strerror or error})") from None
+
+
 def run_command(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        check_plot_path(args.plot)
     target = load_model(args.model, args.dtype, args.device)
     profile = auto_profile(target, refresh=args.refresh)
     print(f"{target.name}, {args.dtype}, on {cpu_description()} (cached in {cache_dir()})")
