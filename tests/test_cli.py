@@ -107,6 +107,19 @@ def test_an_address_that_cannot_be_served_is_refused_before_the_model_loads(tmp_
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["bench", "--questions", "q.jsonl"], ["train", "eagle"],
+                                     ["train", "data"], ["export", "--format", "vllm"]])
+def test_an_output_directory_that_cannot_be_made_is_refused_before_any_work(tmp_path, capsys, command):
+    """--out under a file, or a file itself: a usage error naming it as the flags are read (before
+    a model loads, questions are read or anything is measured), and nothing made."""
+    (tmp_path / "file").write_text("")
+    for out, message in [(tmp_path / "file" / "out", "cannot make"), (tmp_path / "file", "is a file")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, "--out", str(out)])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert [path.name for path in tmp_path.iterdir()] == ["file"]
+
+
 def test_unknown_method_is_refused(tiny_dir):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--model", str(tiny_dir), "--method", "magic", "--prompt", "w5"])

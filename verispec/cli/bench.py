@@ -9,7 +9,15 @@ from pathlib import Path
 
 from verispec.bench.baselines import BASELINES
 from verispec.cli import COMMANDS
-from verispec.cli.options import add_draft_options, add_model_arguments, comma_list, draft_options, list_of
+from verispec.cli.options import (
+    add_draft_options,
+    add_model_arguments,
+    as_argparse_type,
+    comma_list,
+    draft_options,
+    list_of,
+    output_dir,
+)
 from verispec.core.errors import VerispecError
 from verispec.decoding.beam import BeamSettings
 from verispec.methods import BATCH_BENCH
@@ -68,7 +76,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                             "(Hugging Face's; default 1.0)")
     bench.add_argument("--early-stopping", choices=["false", "true", "never"],
                        help="with --num-beams: Hugging Face's early_stopping (default false)")
-    bench.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
+    bench.add_argument("--out", default="bench-out", type=as_argparse_type(output_dir),
+                       help="output directory (default: bench-out)")
     bench.add_argument("--compare", nargs=2, metavar="RESULTS",
                        help="print the change between two results.json files instead of running")
     add_draft_options(bench, sweep=("k", "tree"), method_flag=False)

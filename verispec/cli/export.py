@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from verispec.cli import COMMANDS
-from verispec.cli.options import add_model_arguments
+from verispec.cli.options import add_model_arguments, as_argparse_type, output_dir
 from verispec.core.errors import VerispecError
 from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.methods import METHODS
@@ -23,7 +23,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--drafter", help=f"a trained {Eagle3Drafter.kind} drafter directory "
                         "(default: the one shipped for --model)")
     export.add_argument("--format", required=True, choices=["vllm", "sglang"])
-    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument("--out", required=True, type=as_argparse_type(output_dir), help="output directory")
     export.add_argument("--num-speculative-tokens", type=int,
                         help="draft length written into the config and launch line (default: "
                         "the method's)")

@@ -4,7 +4,9 @@ DraftOptions' declaration (verispec.options), so each setting is declared once."
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from verispec.core.errors import VerispecError
@@ -48,6 +50,20 @@ def as_argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(str(error)) from None
     convert.__name__ = getattr(parse, "__name__", "value")
     return convert
+
+
+def output_dir(text: str) -> str:
+    """An output directory that is one or can be made (the command makes it), checked as the
+    flags are read: before a model loads or anything runs, and without making anything."""
+    path = Path(text).absolute()
+    if path.exists() and not path.is_dir():
+        raise VerispecError(f"{text} is a file, not a directory")
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise VerispecError(f"cannot make {text}: {ancestor} is not a directory this process may write in")
+    return text
 
 
 def comma_list(text: str) -> list[str]:

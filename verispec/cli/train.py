@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from verispec.cli import COMMANDS
+from verispec.cli.options import as_argparse_type, output_dir
 from verispec.core.errors import VerispecError
 from verispec.model.loading import DEFAULT_MODEL, PRECISIONS, load_model
 
@@ -33,7 +34,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     train.add_argument("kind", choices=[*KINDS, BYTES_KIND, DATA_KIND])
     train.add_argument("--target", default=DEFAULT_MODEL,
                        help=f"the model to draft for ({BYTES_KIND}: the model whose answers it reads)")
-    train.add_argument("--out", required=True, help="output directory")
+    train.add_argument("--out", required=True, type=as_argparse_type(output_dir), help="output directory")
     train.add_argument("--data", help="data directory, shared between kinds; reused as it is once "
                        "complete (default: OUT/data)")
     add_data_engine_arguments(train)
