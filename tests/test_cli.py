@@ -100,6 +100,10 @@ def test_an_address_that_cannot_be_served_is_refused_before_the_model_loads(tmp_
         code = main(["serve", "--model", missing, "--port", str(port)])
         err = capsys.readouterr().err
         assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err, err
+    with socket.create_server(("::1", 0), family=socket.AF_INET6) as taken:  # an IPv6 host is checked as one
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", missing, "--host", "::1", "--port", str(port)]) == 2
+        assert f"cannot listen on ::1:{port}: Address already in use" in capsys.readouterr().err
     for args, message in [(["--port", "65536"], "a port is 0..65535"),
                           (["--drain-seconds", "-1"], "drain seconds must be a finite number >= 0")]:
         with pytest.raises(SystemExit) as exit_info:

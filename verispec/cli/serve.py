@@ -72,7 +72,8 @@ def check_listening(host: str, port: int) -> None:
     """Fail before the model loads (seconds) where the address cannot be served: in use, not
     this machine's, not an address."""
     try:
-        with socket.create_server((host, port)):
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        with socket.create_server((host, port), family=family):  # IPv6 hosts too
             pass
     except (OSError, OverflowError) as error:
         raise VerispecError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
