@@ -2,7 +2,8 @@
 
 Defaults are chosen on prompts from verispec.training.prompts with a seed the shipped drafters
 were not trained with (training used seed 0), never on the Spec-Bench questions, which are for
-evaluation only.
+evaluation only. A seed's prompts repeat seed 0's where a family runs out of new ones, so a
+trained drafter is measured on the `unseen` ones (verispec.training.sources.unseen_prompts).
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.suffix import forget_outputs
 from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load_model
 from verispec.request import encode_prompt
-from verispec.training.prompts import make_prompts
+from verispec.training.sources import unseen_prompts
 
 
 def held_out(count: int, seed: int, dtype: str = "float32", model: str = DEFAULT_MODEL
              ) -> tuple[LoadedModel, list[list[int]]]:
     """A built-in target (default: the default one) in `dtype` on CPU and `count` held-out
-    prompts, through its chat template where it has one (Gemma 3 270M, a base model, has none)."""
+    prompts of `seed` that the drafters' training prompts (seed 0's) do not hold, through its
+    chat template where it has one (Gemma 3 270M, a base model, has none). Before 2026-11-29
+    these were the seed's first `count`, and 15 of seed 785's first 20 are seed 0's too."""
     target = load_model(model, dtype, "cpu")
-    return target, [encode_prompt(target, p, chat=None) for p in make_prompts(count, seed)]
+    return target, [encode_prompt(target, p, chat=None) for p in unseen_prompts(count, seed)]
 
 
 def trained_arguments(doc: str) -> argparse.Namespace:

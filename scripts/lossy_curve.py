@@ -1,6 +1,7 @@
 """What lossy distance acceptance ("tv:X") costs in quality for what it gains in speed.
 
-Samples held-out prompts (verispec.training.prompts, never Spec-Bench) with the built-in float32
+Samples held-out prompts (verispec.training.sources.unseen_prompts: templated, none of the
+drafters' training prompts; never Spec-Bench) with the built-in float32
 target and one method, under exact acceptance and under tv:X for several X, interleaved prompt by
 prompt with the same seeds. Speed: seconds against exact sampling, and τ. Quality: the target's
 own mean log-probability per generated token of the outputs (its warped distribution, scored by
@@ -31,7 +32,7 @@ from verispec.methods import build_engine
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.options import DraftOptions
 from verispec.request import encode_prompt
-from verispec.training.prompts import make_prompts
+from verispec.training.sources import unseen_prompts
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -54,7 +55,7 @@ def log_likelihood(model: torch.nn.Module, prompt: list[int], output: list[int])
 
 def main(out_dir: str, method: str = "eagle", count: int = 8, seed: int = 797) -> None:
     target = load_model(DEFAULT_MODEL, "float32")
-    prompts = [encode_prompt(target, p, chat=True) for p in make_prompts(count, seed)]
+    prompts = [encode_prompt(target, p, chat=True) for p in unseen_prompts(count, seed)]
     engines = {rule: build_engine(target, method, DraftOptions(acceptance=rule)) for rule in RULES}
     engines["exact"].generate(SequenceSpec(prompts[0], StoppingRules.build(16), SAMPLING, 0))  # warm-up
     seconds, tokens, forwards, likelihood = Counter(), Counter(), Counter(), Counter()

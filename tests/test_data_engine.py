@@ -18,9 +18,17 @@ from verispec.core.errors import VerispecError
 from verispec.model.loading import load_model
 from verispec.training.data import answer, features, load_dataset
 from verispec.training.data_engine import HELD_OUT, build_data, shard_tokens, split_exchanges
+from verispec.training.prompts import make_prompts
 from verispec.training.recipes import train_drafter
 from verispec.training.shell import RecipeOptions
-from verispec.training.sources import exchanges_of, json_array_records, read_jsonl
+from verispec.training.sources import (
+    TEMPLATE_PROMPTS,
+    UNSEEN_DRAW,
+    exchanges_of,
+    json_array_records,
+    read_jsonl,
+    unseen_prompts,
+)
 from verispec.training.trainer import TrainConfig
 
 AUX = (0, 1, 2)
@@ -246,3 +254,13 @@ def test_a_conversation_is_held_out_whole(tmp_path):
     held, train = split_exchanges(exchanges, 0.1, seed=0)
     assert len({x.record for x in held}) == 3 and len(held) + len(train) == 120
     assert not {x.record for x in held} & {x.record for x in train}
+
+
+def test_unseen_templated_prompts_are_none_of_the_training_seeds():
+    """A seed's own prompts repeat seed 0's (the families that run out); the held-out prompts a
+    trained drafter is measured on are the seed's that seed 0's templated source does not hold."""
+    trained = set(make_prompts(TEMPLATE_PROMPTS, 0))
+    assert sum(p in trained for p in make_prompts(20, 785)) >= 10  # why the filter exists
+    unseen = unseen_prompts(20, 785)
+    assert len(set(unseen)) == 20 and not trained & set(unseen)
+    assert set(unseen) <= set(make_prompts(UNSEEN_DRAW * 20, 785)) and unseen == unseen_prompts(20, 785)

@@ -25,6 +25,7 @@ from verispec.training.prompts import make_prompts
 SHAREGPT = "sharegpt"
 TEMPLATES = "templates"
 TEMPLATE_PROMPTS = 20_000  # the templated source's size (fixed: its prompts depend on the count)
+UNSEEN_DRAW = 5  # unseen_prompts draws this many prompts for each one it returns (over 40% are unseen)
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
 
@@ -43,6 +44,21 @@ def read_source(source: str, seed: int = 0) -> list[Exchange]:
     if source == TEMPLATES:
         return [Exchange(p, None, i) for i, p in enumerate(make_prompts(TEMPLATE_PROMPTS, seed))]
     return read_jsonl(_source_file(source))
+
+
+def unseen_prompts(count: int, seed: int) -> list[str]:
+    """`count` templated prompts of `seed` that the templated source of seed 0 does not hold.
+
+    The generator's families are not equally varied: the short questions, letters and coding
+    tasks run out of new prompts within a few thousand, so another seed's prompts repeat seed 0's
+    (15 of seed 785's first 20). Every shipped drafter trained on seed-0 prompts (and the data
+    engine's templated source is seed 0's by default), so a drafter's held-out figure is measured
+    on these; the families that run out are missing from them, as they must be."""
+    trained = set(make_prompts(TEMPLATE_PROMPTS, 0))
+    unseen = [p for p in make_prompts(UNSEEN_DRAW * count, seed) if p not in trained]
+    if len(unseen) < count:
+        raise VerispecError(f"seed {seed} has only {len(unseen)} templated prompts unseen in training")
+    return unseen[:count]
 
 
 def source_id(source: str) -> str:
