@@ -52,19 +52,13 @@ DRAFT_TOKENS = 128
 TEXT = ("Write a short guide for a new gardener. Explain when to plant tomatoes, how often to "
         "water them, which soil they like, and how to keep pests away without chemicals. Then "
         "list three common mistakes beginners make and how to avoid each of them.")
-VERSION = 5  # of the file's layout and the way it is measured: a new one measures again
+VERSION = 4  # of the file's layout and the way it is measured: a new one measures again
 # A profile whose forward timings disagree between repeats by more than this (CostProfile.noise)
 # was measured on a busy machine: its forward is timed again, up to ATTEMPTS times, and if it never
 # agrees the profile is not cached (a test run beside a training run once cached T(8) = 14.8 T(1),
 # and `auto` chose by it for good). Only the forward is timed again: the drafters' runs are most
 # of a profile's time (the built-in model in float32 on 2 cores, under cProfile: 14.7 s of 20.3).
 NOISY = 0.25
-# Short of that, a forward whose repeats disagree by more than this is timed again (within
-# ATTEMPTS) and the steadiest attempt kept: auto's choice on a cheap target turns on T(2) / T(1),
-# and a profile with 10% noise put it at 1.20 where steady ones read 1.01-1.05 (the built-in 4-bit
-# target; auto then left EAGLE out and fell to 0.92x eagle-suffix, docs/tuning.md). An attempt is
-# a second or two (float32: ~2.5 s); a steady machine needs one.
-SETTLED = 0.05
 # The package's folders whose source runs a forward or a draft (profile_key's "code").
 CODE = ("model", "drafters")
 ATTEMPTS = 3
@@ -210,12 +204,6 @@ def steady(timed: CostProfile | ForwardCost) -> bool:
     return timed.noise <= NOISY or timed.forward[0] < STEADY_FLOOR
 
 
-def settled(timed: ForwardCost) -> bool:
-    """Whether the forward timings agreed closely enough that timing them again would not help
-    (a tiny model's are not judged, as in steady)."""
-    return timed.noise <= SETTLED or timed.forward[0] < STEADY_FLOOR
-
-
 def crowded(others: OthersLoad, timed: CostProfile) -> bool:
     """Whether other processes took cores this process's threads needed while `timed` was
     measured (more than CROWDED beyond the spare ones); a tiny model's is not judged (steady)."""
@@ -258,18 +246,17 @@ class ForwardCost:
 
 def measure(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[], Drafter]],
             limits: dict[str, int]) -> CostProfile:
-    """Time the target's forward by rows and prefill (again while the repeats disagree by more
-    than SETTLED, up to ATTEMPTS times: a second or two each; the steadiest attempt is kept), then
-    each drafter once in a short generation (most of the time: a busy machine shows in the
-    forward's repeats, and is not cached)."""
+    """Time the target's forward by rows and prefill (again while the repeats disagree, up to
+    ATTEMPTS times: a second or two each), then each drafter once in a short generation (most of
+    the time: a busy machine shows in the forward's repeats, and is not cached)."""
     prompt = _prompt(target, torch.Generator().manual_seed(0))
     # At a terminal, a bar: a first command waits on this (13-18 s for the built-in model).
     with tqdm(total=1 + len(drafters), desc=f"verispec: measuring {target.name}'s cost profile once",
               unit="part", file=sys.stderr, disable=None, leave=False) as bar:
-        attempts: list[ForwardCost] = []
-        while len(attempts) < ATTEMPTS and not (attempts and settled(attempts[-1])):
-            attempts.append(time_forward(target, lm, prompt))
-        timed = min(attempts, key=lambda attempt: attempt.noise)
+        for _ in range(ATTEMPTS):
+            timed = time_forward(target, lm, prompt)
+            if steady(timed):
+                break
         bar.update()
         costs = {}
         for name, build in drafters.items():
