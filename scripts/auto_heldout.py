@@ -1,7 +1,7 @@
 """Hold `auto` to the fixed methods: `ar`, `auto` and every fixed method that needs no training
 or whose trained drafter ships for the target, interleaved, greedy, on held-out prompts of the
-training family (verispec.training.prompts with a seed no drafter was trained with; never the
-Spec-Bench questions).
+training family (scripts/held_out.py: a seed's templated prompts that no drafter trained on;
+never the Spec-Bench questions).
 
     OMP_NUM_THREADS=2 PYTHONPATH=$PWD python scripts/auto_heldout.py --dtype float32
 
