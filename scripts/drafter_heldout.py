@@ -33,7 +33,7 @@ from verispec.methods import METHODS, build_engine
 from verispec.options import DraftOptions
 from verispec.request import encode_prompt
 from verispec.training.prompts import make_prompts
-from verispec.training.sources import TEMPLATE_PROMPTS, UNSEEN_DRAW
+from verispec.training.sources import UNSEEN_DRAW, trained_prompts
 
 
 def corpus_prompts(path: str, count: int) -> list[str]:
@@ -68,7 +68,7 @@ def main() -> None:
     target, templated = held_out(args.count, 785, args.dtype)
     sets = {"templated": templated}
     if args.seen:
-        trained = set(make_prompts(TEMPLATE_PROMPTS, 0))
+        trained = trained_prompts()
         seen = [p for p in make_prompts(UNSEEN_DRAW * args.count, 785) if p in trained][: args.count]
         sets["seen"] = [encode_prompt(target, p, chat=None) for p in seen]
     if args.corpus:

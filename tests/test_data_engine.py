@@ -16,19 +16,13 @@ from tests.tiny import save_tiny
 from verispec.cli import main
 from verispec.core.errors import VerispecError
 from verispec.model.loading import load_model
+from verispec.training import sources
 from verispec.training.data import answer, features, load_dataset
 from verispec.training.data_engine import HELD_OUT, build_data, shard_tokens, split_exchanges
 from verispec.training.prompts import make_prompts
 from verispec.training.recipes import train_drafter
 from verispec.training.shell import RecipeOptions
-from verispec.training.sources import (
-    TEMPLATE_PROMPTS,
-    UNSEEN_DRAW,
-    exchanges_of,
-    json_array_records,
-    read_jsonl,
-    unseen_prompts,
-)
+from verispec.training.sources import exchanges_of, json_array_records, read_jsonl
 from verispec.training.trainer import TrainConfig
 
 AUX = (0, 1, 2)
@@ -256,11 +250,17 @@ def test_a_conversation_is_held_out_whole(tmp_path):
     assert not {x.record for x in held} & {x.record for x in train}
 
 
-def test_unseen_templated_prompts_are_none_of_the_training_seeds():
+def test_unseen_templated_prompts_are_none_of_the_training_seeds(monkeypatch):
     """A seed's own prompts repeat seed 0's (the families that run out); the held-out prompts a
-    trained drafter is measured on are the seed's that seed 0's templated source does not hold."""
-    trained = set(make_prompts(TEMPLATE_PROMPTS, 0))
+    trained drafter is measured on are the seed's that seed 0's templated source does not hold,
+    and a seed that cannot give enough of them is an error, not a shorter set."""
+    trained = set(make_prompts(sources.TEMPLATE_PROMPTS, 0))
+    assert sources.trained_prompts() == trained
     assert sum(p in trained for p in make_prompts(20, 785)) >= 10  # why the filter exists
-    unseen = unseen_prompts(20, 785)
+    unseen = sources.unseen_prompts(20, 785)
     assert len(set(unseen)) == 20 and not trained & set(unseen)
-    assert set(unseen) <= set(make_prompts(UNSEEN_DRAW * 20, 785)) and unseen == unseen_prompts(20, 785)
+    assert set(unseen) <= set(make_prompts(sources.UNSEEN_DRAW * 20, 785))
+    assert unseen == sources.unseen_prompts(20, 785)
+    monkeypatch.setattr(sources, "UNSEEN_DRAW", 1)  # 20 drawn, fewer than 20 of them unseen
+    with pytest.raises(VerispecError, match="templated prompts unseen in training"):
+        sources.unseen_prompts(20, 785)
