@@ -28,12 +28,13 @@ from verispec.drafters.auto import (
     AutoDrafter,
     CostProfile,
     DrafterCost,
+    Pace,
     Survival,
     best_choice,
     expected_by_length,
     expected_tokens,
 )
-from verispec.drafters.base import Drafter, DraftRequest
+from verispec.drafters.base import Drafter, DraftRequest, Wrapper
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
 from verispec.drafters.learned import ReducedHead
 from verispec.drafters.ngram import PromptLookupDrafter
@@ -543,6 +544,96 @@ def test_a_drafter_slower_than_its_profile_says_loses_its_place():
     costs = fake_profile(4, **{"self-int8": DrafterCost(0.0, 0.002)})
     assert best_choice(costs, {"self-int8": 0.9}, {"self-int8": 3}).method == "self-int8"
     assert best_choice(costs, {"self-int8": 0.9}, {"self-int8": 3}, 1, {"self-int8": 10.0}).method is None
+
+
+def test_the_verify_is_priced_by_what_the_targets_forwards_took():
+    """A profile that read T(2) / T(1) = 1.2 prices a drafter kept 30% of the time out; forwards
+    seen to cost the same over two rows as over one bring it in (at k = 1: three rows, unseen,
+    take two rows' pace, and the profile's T(3) / T(2) stands)."""
+    costs = CostProfile((0.010, 0.012, 0.014, 0.016), 300, 1e4, {"model": DrafterCost(0.0, 0.0015)})
+    assert best_choice(costs, {"model": 0.3}, {"model": 3}).method is None
+    pace = Pace()
+    for _ in range(20):
+        pace.observe(1, 1.0)
+        pace.observe(2, 0.010 / 0.012)
+    assert pace(3) == pace(2) == pytest.approx(0.010 / 0.012, rel=0.01)
+    choice = best_choice(costs, {"model": 0.3}, {"model": 3}, pace=pace)
+    assert (choice.method, choice.k) == ("model", 1)
+    # auto prices by the pace it saw, but a seeded sequence by the profile alone
+    priced = dataclasses.replace(costs, drafters={"model": DrafterCost(0.0, 0.0015, 0.3)})
+    auto = AutoDrafter(priced, {}, {"model": Slow()}, {"model": 3}, PLAIN)
+    seeded, unseeded = (DraftRequest(torch.zeros(10, dtype=torch.int64), 3, SamplingParams(), None,
+                                     seeded=flag) for flag in (True, False))
+    assert auto.propose(unseeded).choice == (PLAIN, 0)
+    auto.commit(0)
+    auto.pace = pace
+    assert auto.propose(seeded).choice == (PLAIN, 0)
+    auto.commit(0)
+    assert auto.propose(unseeded).choice == ("model", 1)
+
+
+def test_the_pace_starts_at_the_profile_takes_the_nearest_row_count_seen_and_resists_a_pause():
+    pace = Pace()
+    assert pace(1) == pace(9) == 1.0
+    pace.observe(4, 0.5)  # one reading against the profile's prior weight
+    assert pace(4) == pytest.approx((0.9 * 1.0 + 0.5) / 1.9)
+    assert pace(1) == pace(8) == pace(4)  # nothing below 4 seen: the smallest above
+    pace.observe(2, 0.8)
+    assert pace(3) == pace(2) != pace(4) and pace(1) == pace(2) and pace(9) == pace(4)
+    before = pace(4)
+    pace.observe(4, 1000.0)  # a pause of the process: counted as twice the estimate at most
+    assert pace(4) == pytest.approx((0.9 * before * 1.9 + 2 * before) / (0.9 * 1.9 + 1))
+
+
+def test_auto_counts_one_forward_a_step_and_only_for_steps_it_proposed():
+    """A wrapper drafting a step itself (a prediction, a grammar) hands the forward on to auto,
+    which did not propose that step: not counted; nor is a second report of one step."""
+    costs = fake_profile(4, model=DrafterCost(0.0, 0.001, 0.9))
+    auto = AutoDrafter(costs, {}, {"model": Slow()}, {"model": 3}, PLAIN)
+    auto.observe_forward(1, 5.0)
+    assert auto.pace.counts == {}
+    auto.propose(DraftRequest(torch.zeros(10, dtype=torch.int64), 3, SamplingParams(), None))
+    auto.observe_forward(4, 0.005)
+    auto.observe_forward(4, 5.0)
+    auto.commit(3)
+    assert auto.pace(4) == pytest.approx((0.9 + 0.5) / 1.9)
+    wrapped = Wrapper(Recording())  # and a wrapper hands the forward on
+    wrapped.observe_forward(3, 0.1)
+    assert wrapped.drafter.forwards == [(3, 0.1)]
+
+
+class Recording(Drafter):
+    """Drafts three ones a step and records what each step's forward reported."""
+
+    def __init__(self) -> None:
+        self.forwards: list[tuple[int, float]] = []
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        return Proposal(torch.ones(request.k, dtype=torch.int64))
+
+    def observe_forward(self, rows: int, seconds: float) -> None:
+        self.forwards.append((rows, seconds))
+
+
+def test_the_engine_reports_each_forward_with_every_sequences_rows(loaded):
+    """Alone, a step's forward scores the last token and the draft; in a batch, every sequence's
+    rows: each drafter hears the whole pass, the size auto prices (T(batch * (k + 1)))."""
+    drafters: list[Recording] = []
+
+    def make() -> Recording:
+        drafters.append(Recording())
+        return drafters[-1]
+
+    engine = SpeculativeEngine(loaded.model, make(), ConstantK(3), spawn=make, load_cap=LoadCap(()))
+    alone = engine.generate(SequenceSpec(PROMPTS[1], StoppingRules.build(12)))
+    # (the last step has no room for a draft: the drafter is not asked, and hears nothing)
+    assert [rows for rows, _ in drafters[0].forwards] == [1 + step.num_drafted for step in alone.steps][:-1]
+    assert alone.steps[-1].num_drafted == 0
+    assert all(seconds > 0 for _, seconds in drafters[0].forwards)
+    drafters[0].forwards.clear()
+    engine.generate_batch([SequenceSpec(p, StoppingRules.build(12)) for p in PROMPTS[:2]])
+    firsts = [drafter.forwards[0][0] for drafter in drafters if drafter.forwards]
+    assert firsts == [8, 8]
 
 
 class CatchingUp(Drafter):

@@ -130,14 +130,16 @@ class SpeculativeEngine:
         outcomes: dict[int, Step | RowFailure] = dict(self._draft(rows, self.load_cap.k(len(rows))))
         live = [row for row in rows if id(row) not in outcomes]
         layers = tuple(sorted({layer for row in live for layer in row.layers}))
+        blocks = [row.block() for row in live]
         started = time.perf_counter()
-        outputs = forward_rows([row.target for row in live], [row.block() for row in live],
-                               [row.proposal.parents for row in live], layers,
-                               [row.proposal.side for row in live]) if live else []
+        outputs = forward_rows([row.target for row in live], blocks, [row.proposal.parents for row in live],
+                               layers, [row.proposal.side for row in live]) if live else []
         seconds = time.perf_counter() - started
+        rows_scored = sum(len(block) for block in blocks)
         for row, (logits, hidden) in zip(live, outputs):
             try:
-                outcomes[id(row)] = row.settle(logits, _own_layers(hidden, layers, row.layers), seconds)
+                outcomes[id(row)] = row.settle(logits, _own_layers(hidden, layers, row.layers), seconds,
+                                               rows_scored)
             except Exception as error:
                 outcomes[id(row)] = RowFailure(error)
         return [outcomes[id(row)] for row in rows]

@@ -179,10 +179,12 @@ class Row:
         return torch.cat([self.buffer[self.length - 1: self.length], self.proposal.tokens,
                           *(() if side is None else (side.tokens,))])
 
-    def settle(self, logits: torch.Tensor, block_hidden: torch.Tensor, forward_seconds: float) -> Step:
+    def settle(self, logits: torch.Tensor, block_hidden: torch.Tensor, forward_seconds: float,
+               forward_rows: int) -> Step:
         """Verify the draft against the target's logits [1 + k (+ m side rows), vocab]
         (block_hidden [1 + k (+ m), .]: the states this row's drafter reads), commit, rewind what
-        was refused."""
+        was refused. The target's forward scored `forward_rows` rows (every row's block) in
+        `forward_seconds`."""
         started = time.perf_counter()
         proposal = self.proposal
         if proposal.side is not None:  # side rows go back to the drafter, never to the verifier
@@ -195,6 +197,7 @@ class Row:
             self.hidden[self.length - 1: self.length + accepted] = block_hidden[rows]
         self.target.keep(self.length - 1, rows)
         if self.asked:
+            self.drafter.observe_forward(forward_rows, forward_seconds)
             self.drafter.commit(accepted)
             if proposal.source is DraftSource.DRAFTER:
                 self.policy.update(proposal.depth, accepted)

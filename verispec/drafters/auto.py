@@ -12,6 +12,8 @@ Candidates are lookups (suffix decoding, prompt lookup: nearly free, drafting on
 context repeats, so a lookup is a candidate only on steps where it offers a draft) and model
 drafters (the target's own weights in low precision, a trained drafter shipped for the target:
 a draft every step at a cost per token).
+The costs start from the profile and follow what this run's steps took: a model drafter's
+proposals (its slowdown) and the target's forwards over each number of rows (`Pace`).
 Acceptance starts from a prior (the profile's measurement on this target, else a default) and
 follows the text as exponentially weighted counts. A model drafter has one per-token rate (the
 model above), judged when it drafted, and drafts the k that pays best. A lookup's offer is
@@ -33,7 +35,7 @@ verifier; the choice depends only on what was already committed.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 
 import torch
@@ -135,13 +137,14 @@ def expected_by_length(acceptance: float | tuple[float, ...], k: int) -> float:
 
 def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float, ...]],
                 limits: dict[str, int], batch: int = 1, slowdown: dict[str, float] | None = None,
-                whole: Collection[str] = ()) -> Choice:
+                whole: Collection[str] = (), pace: Callable[[int], float] | None = None) -> Choice:
     """The candidate and draft length (1..limits[name]; exactly limits[name] for the names in
     `whole`) with the most expected tokens per second for each of `batch` sequences sharing the
     target pass; plain decoding when none beats it. acceptance: name -> a per-token rate or a
     survival curve (expected_by_length). slowdown: name -> how much longer its drafting has taken
-    than the profile says (default 1). A candidate displaces plain decoding only where its rate
-    beats plain decoding's by MARGIN.
+    than the profile says (default 1); pace: rows -> how much longer the target's forward over
+    that many rows has taken than the profile's T(rows) (default 1). A candidate displaces plain
+    decoding only where its rate beats plain decoding's by MARGIN.
 
     >>> profile = CostProfile((0.010, 0.011, 0.012, 0.013), 300, 1e4, {
     ...     "lookup": DrafterCost(0.0, 0.0), "model": DrafterCost(0.0, 0.008)})
@@ -151,13 +154,15 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
     >>> best_choice(profile, {"model": 0.5}, {"model": 3}).method is None
     True
     """
-    plain = Choice(None, 0, batch / profile.forward_seconds(batch))
+    def forward(rows: int) -> float:
+        return profile.forward_seconds(rows) * (1.0 if pace is None else pace(rows))
+
+    plain = Choice(None, 0, batch / forward(batch))
     best = replace(plain, tokens_per_second=plain.tokens_per_second * (1 + MARGIN))
     for name, limit in limits.items():
         cost = profile.drafters[name]
         for k in (limit,) if name in whole else range(1, limit + 1):
-            seconds = (profile.forward_seconds(batch * (k + 1)) / batch
-                       + cost.seconds(k) * (slowdown or {}).get(name, 1.0))
+            seconds = forward(batch * (k + 1)) / batch + cost.seconds(k) * (slowdown or {}).get(name, 1.0)
             rate = expected_by_length(acceptance[name], k) / seconds
             if rate > best.tokens_per_second:
                 best = Choice(name, k, rate)
@@ -235,6 +240,38 @@ class Survival:
         return tuple(curve)
 
 
+class Pace:
+    """The target's forward as this machine runs it now, against the profile: per row count, the
+    exponentially weighted ratio of a forward's seconds to the profile's T(rows). A row count not
+    seen yet takes the ratio of the nearest one seen (the largest below, else the smallest above),
+    so that the profile's shape (T(2) / T(1), ...) stands until a forward of that size says
+    otherwise; with none seen, 1. (The profile is timed once, outside decoding: on the built-in
+    4-bit target it read T(2) / T(1) = 1.18-1.21 in runs whose decoding steps verified two rows
+    for what plain decoding paid for one, which priced EAGLE out of a fifth to two fifths of the
+    answer; docs/tuning.md.)"""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, tuple[float, float]] = {}  # rows -> (weighted ratios, weight)
+
+    def __call__(self, rows: int) -> float:
+        if rows in self.counts:
+            total, weight = self.counts[rows]
+            return total / weight
+        below = [seen for seen in self.counts if seen < rows]
+        above = [seen for seen in self.counts if seen > rows]
+        if below or above:
+            return self(max(below) if below else min(above))
+        return 1.0
+
+    def observe(self, rows: int, ratio: float) -> None:
+        """A forward over `rows` took `ratio` times the profile's T(rows); one reading moves the
+        estimate at most by a factor of two (a pause of the process is not the machine's pace)."""
+        now = self(rows)
+        total, weight = self.counts.get(rows, (now * PRIOR_WEIGHT, PRIOR_WEIGHT))
+        ratio = min(max(ratio, now / 2), now * 2)
+        self.counts[rows] = (DECAY * total + ratio, DECAY * weight + 1.0)
+
+
 def _leading_matches(draft: list[int], committed: list[int]) -> int:
     """How many of the draft's first tokens the committed tokens repeat."""
     count = 0
@@ -271,6 +308,8 @@ class AutoDrafter(Drafter):
         # steps in the flow of drafting (not those that catch up on a stretch the drafter sat out,
         # one block of rows: see commit); kept across sequences: it is this machine's.
         self.slowdown = {name: 1.0 for name in models}
+        self.pace = Pace()  # the target's forward against the profile's; kept across sequences too
+        self.awaiting = False  # auto proposed this step and its forward is not counted yet
         for name in candidates:
             measured = profile.drafters[name].acceptance
             if measured is not None:
@@ -331,8 +370,9 @@ class AutoDrafter(Drafter):
         rates: dict[str, float | tuple[float, ...]] = {name: self.survival[name].curve for name in drafts}
         rates |= {name: self.acceptance[name].rate for name in self.models}
         # a seeded sequence is priced by the profile alone: its output must not follow the load
-        slowdown = None if request.seeded else self.slowdown
-        choice = best_choice(self.profile, rates, limits, request.batch, slowdown, drafts)
+        slowdown, pace = (None, None) if request.seeded else (self.slowdown, self.pace)
+        choice = best_choice(self.profile, rates, limits, request.batch, slowdown, drafts, pace)
+        self.awaiting = True
         self.timed = not request.seeded
         self.chosen = choice.method
         context = request.tokens.shape[0]
@@ -355,6 +395,11 @@ class AutoDrafter(Drafter):
             proposal = Proposal(request.tokens[:0])
         self.drafted = len(proposal)
         return replace(proposal, choice=(choice.method or self.plain, choice.k))
+
+    def observe_forward(self, rows: int, seconds: float) -> None:
+        if self.awaiting:  # once a step, and only for a step auto proposed (not a wrapper's)
+            self.awaiting = False
+            self.pace.observe(rows, seconds / self.profile.forward_seconds(rows))
 
     def commit(self, num_accepted: int) -> None:
         started = time.perf_counter()

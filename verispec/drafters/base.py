@@ -14,6 +14,8 @@ here, with defaults, as class attributes and methods; nothing is probed with get
 - `forks` (False): beam search may copy its state (`copy_from`) and cut it (`truncate`).
 - `tree` (None: chains): the size of the token trees it drafts.
 - `observe_side(logits)` (ignored): the logits of a proposal's side branch (lookahead).
+- `observe_forward(rows, seconds)` (ignored): what the target's forward that scored the proposal
+  cost (`auto` prices its next steps by it).
 
 A drafter wrapped around another (a prediction, a grammar) subclasses `Wrapper`, which takes every
 capability above from the drafter inside but the ones its own code decides (`Wrapper.OWN`).
@@ -93,6 +95,10 @@ class Drafter:
     def observe_side(self, logits: torch.Tensor) -> None:
         """The target's logits [m, vocab] for the last proposal's side branch (Proposal.side)."""
 
+    def observe_forward(self, rows: int, seconds: float) -> None:
+        """The target's forward that scored the last proposal: `rows` rows (those of every
+        sequence sharing the pass), in `seconds`; it comes before `commit`."""
+
     def copy_from(self, other: Drafter) -> None:
         """Take another drafter's state (beam search, where a beam splits); `forks` drafters."""
         raise VerispecError(f"{type(self).__name__} cannot copy another drafter's state")
@@ -148,3 +154,7 @@ class Wrapper(Drafter):
 
     def observe_side(self, logits: torch.Tensor) -> None:
         self.drafter.observe_side(logits)
+
+    def observe_forward(self, rows: int, seconds: float) -> None:
+        if self.drafter is not None:
+            self.drafter.observe_forward(rows, seconds)
