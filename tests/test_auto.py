@@ -145,9 +145,34 @@ def test_acceptance_starts_at_the_prior_and_follows_what_is_seen():
     for _ in range(30):
         rate.observe(judged=4, kept=0)
     assert rate.rate < 0.1
-    for _ in range(30):
+    for _ in range(60):
         rate.observe(judged=4, kept=4)
     assert rate.rate > 0.95
+
+
+def test_an_unseeded_answer_starts_from_the_acceptance_of_the_answers_before_it():
+    """The profile measured 0.9; answers whose drafts were all refused move the next unseeded
+    answer's starting rate down (by every step seen, the profile's figure weighing LEARNT_WEIGHT
+    refusals), a seeded answer's not; the rate within an answer still starts there and follows."""
+    costs = fake_profile(4, model=DrafterCost(0.0, 0.0001, 0.9))
+    auto = AutoDrafter(costs, {}, {"model": CatchingUp()}, {"model": 3}, PLAIN)
+    unseeded, seeded = (DraftRequest(torch.zeros(10, dtype=torch.int64), 3, SamplingParams(), None,
+                                     seeded=flag) for flag in (False, True))
+    auto.propose(unseeded)
+    assert auto.acceptance["model"].rate == pytest.approx(0.9)
+    auto.commit(0)
+    for _ in range(5):
+        auto.propose(unseeded)
+        auto.commit(1)
+    # the profile's 0.9 as 27 kept and 3 refused; one step refused at once, five kept one token
+    # and refused the next: 27 + 5 kept against 3 + 6 refused
+    assert auto.learnt["model"].rate == pytest.approx(32 / 41)
+    auto.reset()
+    auto.propose(unseeded)
+    assert auto.acceptance["model"].rate == pytest.approx(32 / 41)
+    auto.reset()
+    auto.propose(seeded)
+    assert auto.acceptance["model"].rate == pytest.approx(0.9)
 
 
 def test_survival_counts_each_position_kept_through_it(monkeypatch):
@@ -730,11 +755,14 @@ class Watched(EagleDrafter):
         return super().propose(request)
 
 
-def test_a_trained_drafter_among_autos_candidates_reads_the_targets_hidden_states(loaded, references):
+def test_a_trained_drafter_among_autos_candidates_reads_the_targets_hidden_states(loaded, references,
+                                                                                  monkeypatch):
     """EAGLE as one of auto's model drafters: the engine hands auto the target's hidden states
     (those of the target's own forward over the text, computed apart), EAGLE is chosen again
     after stretches it sat out (and catches up on them), and the tokens are ar's, alone and in a
-    batch."""
+    batch. (Each answer starts from the profile's acceptance: what this random EAGLE keeps would
+    price it out of the later answers.)"""
+    monkeypatch.setattr(auto_module, "LEARNT_WEIGHT", 1e6)
     torch.manual_seed(3)
     net = EagleNet(**eagle_settings(loaded.model))
     for p in net.parameters():

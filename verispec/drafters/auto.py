@@ -14,8 +14,9 @@ drafters (the target's own weights in low precision, a trained drafter shipped f
 a draft every step at a cost per token).
 The costs start from the profile and follow what this run's steps took: a model drafter's
 proposals (its slowdown) and the target's forwards over each number of rows (`Pace`).
-Acceptance starts from a prior (the profile's measurement on this target, else a default) and
-follows the text as exponentially weighted counts. A model drafter has one per-token rate (the
+Acceptance starts from a prior (a model drafter's: what it kept in the process's answers so far,
+starting from the profile's measurement on this target, else a default) and follows the text as
+exponentially weighted counts. A model drafter has one per-token rate (the
 model above), judged when it drafted, and drafts the k that pays best. A lookup's offer is
 drafted whole or not at all and is judged by the chance that its first j tokens are all kept,
 for every j (`Survival`: E = 1 + S(1) + ... + S(length)); every offer is scored whole against
@@ -44,7 +45,12 @@ from verispec.core.errors import VerispecError
 from verispec.core.types import Proposal
 from verispec.drafters.base import Drafter, DraftRequest
 
-DECAY = 0.9  # weight of the acceptance seen one step earlier (a memory of about ten steps)
+DECAY = 0.9  # weight of a lookup's survival seen one step earlier (a memory of about ten steps)
+# ... of a model drafter's acceptance (about twenty steps): how often its drafts are kept barely
+# follows the text step to step (EAGLE on the built-in 4-bit target: its first token kept 57% of
+# the time after a step that kept one, 47% after a refusal), and with ten steps' memory its
+# estimate wandered below what pays often enough to leave a third of the answer to plain decoding
+MODEL_DECAY = 0.95
 COST_DECAY = 0.5  # weight of a model drafter's slowdown seen one step earlier (a few steps)
 # share of a model drafter's slowdown beyond 1, and of its acceptance's departure from the prior,
 # kept at each step it sits out (halved in about 14 steps): a stretch of load on the machine, or of
@@ -52,6 +58,8 @@ COST_DECAY = 0.5  # weight of a model drafter's slowdown seen one step earlier (
 # put EAGLE below plain decoding on the 4-bit target, where it then sat out 110 of 128 tokens)
 RECOVERY = 0.95
 PRIOR_WEIGHT = 1.0  # the prior counts as this many refusals (and the accepted tokens they imply)
+# ... in the acceptance learnt across a process's answers, which each unseeded answer starts from
+LEARNT_WEIGHT = 3.0
 MOST_PRIOR = 0.97  # a prior above this is taken as this: a few refusals then tell
 LOOKUP_PRIOR = 0.5  # acceptance assumed for a lookup's drafts before any were judged
 MODEL_PRIOR = 0.7  # ... for a model drafter's, where the profile measured none
@@ -172,11 +180,13 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
 class Acceptance:
     """A candidate's per-token acceptance: exponentially weighted counts of accepted tokens and of
     refusals (the maximum-likelihood rate of a step that kept m of k is m / (m + [m < k])),
-    starting from the prior as pseudo-counts that fade like any observation."""
+    starting from the prior as pseudo-counts (`weight` refusals) that fade like any observation
+    (decay: the weight of a count one step older; 1: an average of everything seen)."""
 
-    def __init__(self, prior: float) -> None:
+    def __init__(self, prior: float, decay: float = MODEL_DECAY, weight: float = PRIOR_WEIGHT) -> None:
         prior = min(max(prior, 0.01), MOST_PRIOR)
-        self.prior = (PRIOR_WEIGHT * prior / (1.0 - prior), PRIOR_WEIGHT)  # (kept, refused)
+        self.decay = decay
+        self.prior = (weight * prior / (1.0 - prior), weight)  # (kept, refused)
         self.kept, self.refused = self.prior
         # the share of the counts' distance from the prior's closed at a step sat out: halved by
         # each return after plain steps whose first token is refused, where the prior says that
@@ -195,8 +205,8 @@ class Acceptance:
             elif self.prior[0] > self.prior[1]:  # the prior above 0.5: a refusal is the rarer outcome
                 self.recovery /= 2
             self.rested = False
-        self.kept = DECAY * self.kept + kept
-        self.refused = DECAY * self.refused + (1.0 if kept < judged else 0.0)
+        self.kept = self.decay * self.kept + kept
+        self.refused = self.decay * self.refused + (1.0 if kept < judged else 0.0)
 
     def rest(self, priced_out: bool) -> None:
         """A step without drafting: the counts drift back towards the prior's. priced_out: the
@@ -314,12 +324,16 @@ class AutoDrafter(Drafter):
             measured = profile.drafters[name].acceptance
             if measured is not None:
                 self.priors[name] = measured
+        # name -> a model drafter's acceptance over every answer so far, from the profile's: an
+        # unseeded answer starts from it (the profile measured one paragraph, EAGLE's 0.39 on the
+        # 4-bit target where the held-out prompts' answers kept 0.52)
+        self.learnt = {name: Acceptance(self.priors[name], 1.0, LEARNT_WEIGHT) for name in models}
         self.reset()
 
     def reset(self) -> None:
         for drafter in (*self.lookups.values(), *self.models.values()):
             drafter.reset()
-        self.acceptance = {name: Acceptance(self.priors[name]) for name in self.models}
+        self.acceptance: dict[str, Acceptance] = {}  # at the first step (propose)
         self.survival = {name: Survival(self.priors[name], self.limits[name]) for name in self.lookups}
         self.asked: dict[str, Drafter] = {}  # drafters that proposed this step (commit follows)
         self.chosen: str | None = None  # None: a plain step
@@ -356,6 +370,9 @@ class AutoDrafter(Drafter):
 
     def propose(self, request: DraftRequest) -> Proposal:
         self._judge(request.tokens)
+        if not self.acceptance:  # a seeded answer starts from the profile alone, as it is priced
+            self.acceptance = {name: Acceptance(self.priors[name] if request.seeded else learnt.rate)
+                               for name, learnt in self.learnt.items()}
         self.asked = {}
         drafts: dict[str, Proposal] = {}
         for name, lookup in self.lookups.items():  # in order of preference: the first offer stands
@@ -407,6 +424,7 @@ class AutoDrafter(Drafter):
             drafter.commit(num_accepted if name == self.chosen else 0)
         if self.chosen in self.models:
             self.acceptance[self.chosen].observe(self.drafted, num_accepted)
+            self.learnt[self.chosen].observe(self.drafted, num_accepted)
         # A step that caught up on a stretch the drafter sat out is no measure of its pace: counted,
         # it would price the drafter out, and the stretches it sits out would grow.
         if self.chosen in self.models and self.drafted and not self.caught_up and self.timed:
