@@ -142,7 +142,7 @@ def test_a_larger_batch_makes_the_verify_term_cost_more():
 def test_acceptance_starts_at_the_prior_and_follows_what_is_seen():
     rate = Acceptance(0.8)
     assert rate.rate == pytest.approx(0.8)
-    for _ in range(30):
+    for _ in range(60):
         rate.observe(judged=4, kept=0)
     assert rate.rate < 0.1
     for _ in range(60):
@@ -150,29 +150,34 @@ def test_acceptance_starts_at_the_prior_and_follows_what_is_seen():
     assert rate.rate > 0.95
 
 
-def test_an_unseeded_answer_starts_from_the_acceptance_of_the_answers_before_it():
-    """The profile measured 0.9; answers whose drafts were all refused move the next unseeded
-    answer's starting rate down (by every step seen, the profile's figure weighing LEARNT_WEIGHT
-    refusals), a seeded answer's not; the rate within an answer still starts there and follows."""
-    costs = fake_profile(4, model=DrafterCost(0.0, 0.0001, 0.9))
+def test_an_unseeded_answer_starts_from_the_acceptance_of_the_answers_before_it_where_higher():
+    """The profile measured 0.5; answers whose drafts were kept move the next unseeded answer's
+    starting rate up (by every step seen, the profile's figure weighing LEARNT_WEIGHT refusals);
+    answers refused do not move it below the profile's (a drafter once priced out by unlucky
+    answers would draft no more and never recover); a seeded answer starts from the profile's."""
+    costs = fake_profile(4, model=DrafterCost(0.0, 0.0001, 0.5))
     auto = AutoDrafter(costs, {}, {"model": CatchingUp()}, {"model": 3}, PLAIN)
     unseeded, seeded = (DraftRequest(torch.zeros(10, dtype=torch.int64), 3, SamplingParams(), None,
                                      seeded=flag) for flag in (False, True))
-    auto.propose(unseeded)
-    assert auto.acceptance["model"].rate == pytest.approx(0.9)
-    auto.commit(0)
-    for _ in range(5):
-        auto.propose(unseeded)
-        auto.commit(1)
-    # the profile's 0.9 as 27 kept and 3 refused; one step refused at once, five kept one token
-    # and refused the next: 27 + 5 kept against 3 + 6 refused
-    assert auto.learnt["model"].rate == pytest.approx(32 / 41)
-    auto.reset()
-    auto.propose(unseeded)
-    assert auto.acceptance["model"].rate == pytest.approx(32 / 41)
-    auto.reset()
-    auto.propose(seeded)
-    assert auto.acceptance["model"].rate == pytest.approx(0.9)
+
+    def answer(request: DraftRequest, kept: int, steps: int = 4) -> float:
+        """An answer's steps, each keeping `kept` of its draft; its starting rate."""
+        auto.reset()
+        starts = []
+        for _ in range(steps):
+            assert auto.propose(request).choice[0] == "model"
+            starts.append(auto.acceptance["model"].rate)
+            auto.commit(kept)
+        return starts[0]
+
+    assert answer(unseeded, 3) == pytest.approx(0.5)
+    # the profile's 0.5 as 3 kept and 3 refused, and 4 steps of 3 kept of 3
+    assert auto.learnt["model"].rate == pytest.approx(15 / 18)
+    assert answer(unseeded, 3) == pytest.approx(15 / 18)
+    assert answer(seeded, 3) == pytest.approx(0.5)
+    for _ in range(10):
+        answer(unseeded, 0)
+    assert auto.learnt["model"].rate < 0.5 and answer(unseeded, 0) == pytest.approx(0.5)
 
 
 def test_survival_counts_each_position_kept_through_it(monkeypatch):

@@ -14,9 +14,9 @@ drafters (the target's own weights in low precision, a trained drafter shipped f
 a draft every step at a cost per token).
 The costs start from the profile and follow what this run's steps took: a model drafter's
 proposals (its slowdown) and the target's forwards over each number of rows (`Pace`).
-Acceptance starts from a prior (a model drafter's: what it kept in the process's answers so far,
-starting from the profile's measurement on this target, else a default) and follows the text as
-exponentially weighted counts. A model drafter has one per-token rate (the
+Acceptance starts from a prior (the profile's measurement on this target, else a default; for a
+model drafter, what it kept in the process's answers so far where that is higher) and follows the
+text as exponentially weighted counts. A model drafter has one per-token rate (the
 model above), judged when it drafted, and drafts the k that pays best. A lookup's offer is
 drafted whole or not at all and is judged by the chance that its first j tokens are all kept,
 for every j (`Survival`: E = 1 + S(1) + ... + S(length)); every offer is scored whole against
@@ -57,7 +57,11 @@ COST_DECAY = 0.5  # weight of a model drafter's slowdown seen one step earlier (
 # text it drafted badly, does not price it out for the rest of the answer (a few refusals in a row
 # put EAGLE below plain decoding on the 4-bit target, where it then sat out 110 of 128 tokens)
 RECOVERY = 0.95
-PRIOR_WEIGHT = 1.0  # the prior counts as this many refusals (and the accepted tokens they imply)
+PRIOR_WEIGHT = 1.0  # a lookup's prior counts as this many offers judged at each position
+# a model drafter's prior counts as this many refusals (and the accepted tokens they imply): at 1,
+# one refusal took EAGLE on the 4-bit target from its prior 0.39 to 0.24, priced out for the next
+# fifteen steps, and an answer whose first few drafts were refused went mostly to plain decoding
+MODEL_PRIOR_WEIGHT = 3.0
 # ... in the acceptance learnt across a process's answers, which each unseeded answer starts from
 LEARNT_WEIGHT = 3.0
 MOST_PRIOR = 0.97  # a prior above this is taken as this: a few refusals then tell
@@ -183,7 +187,7 @@ class Acceptance:
     starting from the prior as pseudo-counts (`weight` refusals) that fade like any observation
     (decay: the weight of a count one step older; 1: an average of everything seen)."""
 
-    def __init__(self, prior: float, decay: float = MODEL_DECAY, weight: float = PRIOR_WEIGHT) -> None:
+    def __init__(self, prior: float, decay: float = MODEL_DECAY, weight: float = MODEL_PRIOR_WEIGHT) -> None:
         prior = min(max(prior, 0.01), MOST_PRIOR)
         self.decay = decay
         self.prior = (weight * prior / (1.0 - prior), weight)  # (kept, refused)
@@ -325,8 +329,10 @@ class AutoDrafter(Drafter):
             if measured is not None:
                 self.priors[name] = measured
         # name -> a model drafter's acceptance over every answer so far, from the profile's: an
-        # unseeded answer starts from it (the profile measured one paragraph, EAGLE's 0.39 on the
-        # 4-bit target where the held-out prompts' answers kept 0.52)
+        # unseeded answer starts from it where it is the higher (the profile measured one
+        # paragraph: EAGLE's 0.39 on the 4-bit target, where the held-out prompts' answers kept
+        # 0.52), from the profile's otherwise: a few unlucky answers must not price a drafter out
+        # for good (it would draft no more, and the figure could not recover)
         self.learnt = {name: Acceptance(self.priors[name], 1.0, LEARNT_WEIGHT) for name in models}
         self.reset()
 
@@ -371,7 +377,8 @@ class AutoDrafter(Drafter):
     def propose(self, request: DraftRequest) -> Proposal:
         self._judge(request.tokens)
         if not self.acceptance:  # a seeded answer starts from the profile alone, as it is priced
-            self.acceptance = {name: Acceptance(self.priors[name] if request.seeded else learnt.rate)
+            self.acceptance = {name: Acceptance(self.priors[name] if request.seeded
+                                                else max(learnt.rate, self.priors[name]))
                                for name, learnt in self.learnt.items()}
         self.asked = {}
         drafts: dict[str, Proposal] = {}
