@@ -632,6 +632,53 @@ def test_auto_counts_one_forward_a_step_and_only_for_steps_it_proposed():
     assert wrapped.drafter.forwards == [(3, 0.1)]
 
 
+def test_a_steps_overhead_is_paid_once_a_token_by_plain_decoding_and_once_a_step_by_a_draft():
+    """Seconds a step costs besides its forward and drafting (verification, bookkeeping) make a
+    draft pay that the forward alone prices out (not for a seeded answer, priced by the profile
+    alone); auto reads them from its steps' periods, at most as one forward (a pause of the
+    process is not overhead), and not across a sequence's start, after a seeded step or after a
+    step a wrapper drafted itself."""
+    costs = CostProfile((0.010, 0.012, 0.014, 0.016), 300, 1e4,
+                        {"model": DrafterCost(0.0, 0.0015, 0.3)})
+    assert best_choice(costs, {"model": 0.3}, {"model": 3}).method is None
+    assert best_choice(costs, {"model": 0.3}, {"model": 3}, overhead=0.005).method == "model"
+    auto = AutoDrafter(costs, {}, {"model": Slow()}, {"model": 3}, PLAIN)
+    unseeded, seeded = (DraftRequest(torch.zeros(10, dtype=torch.int64), 3, SamplingParams(), None,
+                                     seeded=flag) for flag in (False, True))
+    auto.overhead = 0.005
+    assert auto.propose(seeded).choice == (PLAIN, 0)
+    auto.commit(0)
+    auto.reset()
+    assert auto.propose(unseeded).choice == ("model", 1)
+    auto.commit(0)
+    auto.reset()
+    auto.overhead = 0.0
+    decay = auto_module.OVERHEAD_DECAY
+
+    def step(request: DraftRequest, pause: float, forward: float = 0.01) -> float:
+        """A plain step: its forward takes `forward`, then `pause` more before the next."""
+        assert auto.propose(request).choice == (PLAIN, 0)
+        time.sleep(forward)
+        auto.observe_forward(1, forward)
+        time.sleep(pause)
+        auto.commit(0)
+        return auto.overhead
+
+    assert step(unseeded, 0.003) == 0.0  # the sequence's first step: nothing read yet
+    read = step(unseeded, 0.05)  # the first step's 3 ms (and a little) besides its forward
+    assert 0.003 <= read / (1 - decay) <= 0.01
+    after_pause = step(unseeded, 0.003)  # the second's 50 ms: counted as one forward, 10 ms
+    assert after_pause == pytest.approx(decay * read + (1 - decay) * 0.01)
+    counted = step(seeded, 0.05)  # the third's, read at a seeded step
+    assert counted != after_pause
+    assert step(unseeded, 0.0) == counted  # a seeded step's period teaches nothing
+    auto.reset()
+    assert step(unseeded, 0.0) == counted  # nor does the period across a sequence's start
+    auto.observe_forward(1, 0.01)  # a step a wrapper drafted itself
+    auto.propose(unseeded)
+    assert auto.overhead == counted
+
+
 class Recording(Drafter):
     """Drafts three ones a step and records what each step's forward reported."""
 

@@ -13,7 +13,9 @@ context repeats, so a lookup is a candidate only on steps where it offers a draf
 drafters (the target's own weights in low precision, a trained drafter shipped for the target:
 a draft every step at a cost per token).
 The costs start from the profile and follow what this run's steps took: a model drafter's
-proposals (its slowdown) and the target's forwards over each number of rows (`Pace`).
+proposals (its slowdown), the target's forwards over each number of rows (`Pace`), and what a
+step costs besides (verification, bookkeeping: `overhead`, paid once a token by plain decoding and
+once a step by a draft).
 Acceptance starts from a prior (the profile's measurement on this target, else a default; for a
 model drafter, what it kept in the process's answers so far where that is higher) and follows the
 text as exponentially weighted counts. A model drafter has one per-token rate (the
@@ -72,6 +74,8 @@ MODEL_PRIOR = 0.7  # ... for a model drafter's, where the profile measured none
 # step modelled a hair above plain decoding is as likely a loss; declining it costs at most this
 # share of such steps, and keeps auto from decoding slower than `ar` on text where nothing pays.
 MARGIN = 0.03
+# weight of the per-step overhead seen one step earlier (auto's `overhead`)
+OVERHEAD_DECAY = 0.9
 
 
 @dataclass(frozen=True)
@@ -149,14 +153,17 @@ def expected_by_length(acceptance: float | tuple[float, ...], k: int) -> float:
 
 def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float, ...]],
                 limits: dict[str, int], batch: int = 1, slowdown: dict[str, float] | None = None,
-                whole: Collection[str] = (), pace: Callable[[int], float] | None = None) -> Choice:
+                whole: Collection[str] = (), pace: Callable[[int], float] | None = None,
+                overhead: float = 0.0) -> Choice:
     """The candidate and draft length (1..limits[name]; exactly limits[name] for the names in
     `whole`) with the most expected tokens per second for each of `batch` sequences sharing the
     target pass; plain decoding when none beats it. acceptance: name -> a per-token rate or a
     survival curve (expected_by_length). slowdown: name -> how much longer its drafting has taken
     than the profile says (default 1); pace: rows -> how much longer the target's forward over
-    that many rows has taken than the profile's T(rows) (default 1). A candidate displaces plain
-    decoding only where its rate beats plain decoding's by MARGIN.
+    that many rows has taken than the profile's T(rows) (default 1); overhead: seconds a step of
+    the batch costs besides the forward and the drafting (verification, bookkeeping: paid once a
+    token by plain decoding, once a step by a draft). A candidate displaces plain decoding only
+    where its rate beats plain decoding's by MARGIN.
 
     >>> profile = CostProfile((0.010, 0.011, 0.012, 0.013), 300, 1e4, {
     ...     "lookup": DrafterCost(0.0, 0.0), "model": DrafterCost(0.0, 0.008)})
@@ -167,7 +174,7 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
     True
     """
     def forward(rows: int) -> float:
-        return profile.forward_seconds(rows) * (1.0 if pace is None else pace(rows))
+        return profile.forward_seconds(rows) * (1.0 if pace is None else pace(rows)) + overhead
 
     plain = Choice(None, 0, batch / forward(batch))
     best = replace(plain, tokens_per_second=plain.tokens_per_second * (1 + MARGIN))
@@ -324,6 +331,14 @@ class AutoDrafter(Drafter):
         self.slowdown = {name: 1.0 for name in models}
         self.pace = Pace()  # the target's forward against the profile's; kept across sequences too
         self.awaiting = False  # auto proposed this step and its forward is not counted yet
+        # Seconds a step costs besides the target's forward and a model drafter's drafting (the
+        # verification, the engine's and auto's own bookkeeping, a lookup): weighted to the
+        # latest steps, kept across sequences. Paid once a token by plain decoding and once a
+        # step by a draft, it is what makes drafting pay beyond the forward's arithmetic: on the
+        # built-in 4-bit target 0.7-0.9 ms a step against a 6 ms forward.
+        self.overhead = 0.0
+        self.step_started: float | None = None  # when this sequence's last step was proposed
+        self.step_forward = 0.0  # that step's target forward, seconds (observe_forward)
         for name in candidates:
             measured = profile.drafters[name].acceptance
             if measured is not None:
@@ -350,6 +365,7 @@ class AutoDrafter(Drafter):
         self.fed: dict[str, int | None] = {name: None for name in self.models}
         self.caught_up = False
         self.timed = True  # whether this step's drafting time counts (not in a seeded sequence)
+        self.step_started = None  # a sequence's first step follows its prefill: no overhead read
         # lookups' offers not wholly judged yet: (name, where the draft starts in the context,
         # draft, how many of its positions are counted already)
         self.pending: list[tuple[str, int, list[int], int]] = []
@@ -375,6 +391,7 @@ class AutoDrafter(Drafter):
         self.pending = waiting
 
     def propose(self, request: DraftRequest) -> Proposal:
+        self._time_step()
         self._judge(request.tokens)
         if not self.acceptance:  # a seeded answer starts from the profile alone, as it is priced
             self.acceptance = {name: Acceptance(self.priors[name] if request.seeded
@@ -394,13 +411,15 @@ class AutoDrafter(Drafter):
         rates: dict[str, float | tuple[float, ...]] = {name: self.survival[name].curve for name in drafts}
         rates |= {name: self.acceptance[name].rate for name in self.models}
         # a seeded sequence is priced by the profile alone: its output must not follow the load
-        slowdown, pace = (None, None) if request.seeded else (self.slowdown, self.pace)
-        choice = best_choice(self.profile, rates, limits, request.batch, slowdown, drafts, pace)
+        slowdown, pace, overhead = (None, None, 0.0) if request.seeded else (self.slowdown, self.pace,
+                                                                             self.overhead)
+        choice = best_choice(self.profile, rates, limits, request.batch, slowdown, drafts, pace, overhead)
         self.awaiting = True
         self.timed = not request.seeded
         self.chosen = choice.method
         context = request.tokens.shape[0]
         self.pending += [(name, context, proposal.tokens.tolist(), 0) for name, proposal in drafts.items()]
+        self.spent = 0.0
         if choice.method in drafts:
             proposal = drafts[choice.method]
         elif choice.method in self.models:
@@ -424,6 +443,19 @@ class AutoDrafter(Drafter):
         if self.awaiting:  # once a step, and only for a step auto proposed (not a wrapper's)
             self.awaiting = False
             self.pace.observe(rows, seconds / self.profile.forward_seconds(rows))
+            self.step_forward = seconds
+        else:  # a step a wrapper drafted itself: the next step's period spans two forwards
+            self.step_started = None
+
+    def _time_step(self) -> None:
+        """At a step's start: what the last step cost besides its forward and a model drafter's
+        drafting, counted at most as one forward (a pause of the process is not overhead)."""
+        now = time.perf_counter()
+        if self.step_started is not None and self.timed and not self.awaiting:
+            taken = now - self.step_started - self.step_forward - self.spent
+            self.overhead = (OVERHEAD_DECAY * self.overhead
+                             + (1 - OVERHEAD_DECAY) * min(max(taken, 0.0), self.step_forward))
+        self.step_started = now
 
     def commit(self, num_accepted: int) -> None:
         started = time.perf_counter()
