@@ -7,8 +7,8 @@ never the Spec-Bench questions).
 
 Prints the profile auto decides by (measured again first), then per prompt each method's speed
 against `ar` (auto's first; with --repeats N, each time the median of N rounds), overall auto
-against the best fixed method, whether every output equals `ar`'s, what auto chose and how its
-target's forwards ran against the profile (auto.Pace); then
+against the best fixed method, whether every output equals `ar`'s, what auto chose, how its
+target's forwards ran against the profile (auto.Pace) and what a step cost besides; then
 the issue's bar (auto >= 0.97x ar on every prompt, >= 0.95x the best fixed method overall, every
 output identical): PASS or FAIL. Exit status 1 where an output differs from ar's.
 """
@@ -96,9 +96,10 @@ def main() -> int:
     print(f"auto vs the best fixed method ({best}): {total[best] / total['auto']:.2f}x; "
           f"auto's worst prompt vs ar: {worst_prompt:.2f}x")
     print("auto chose (tokens): " + ", ".join(f"{m} {n}" for m, n in chose.most_common()))
-    pace = engines["auto"].drafter.pace
+    auto = engines["auto"].drafter
     print("auto's forwards against the profile's T(rows) at the end: " + ", ".join(
-        f"{rows} rows {pace(rows):.2f}" for rows in sorted(pace.counts)))
+        f"{rows} rows {auto.pace(rows):.2f}" for rows in sorted(auto.pace.counts))
+          + f"; a step's overhead {1000 * auto.overhead:.2f} ms")
     print("outputs identical to ar's: " + ("yes, every one" if not differing else ", ".join(differing)))
     passed = (worst_prompt >= PER_PROMPT_BAR and total[best] / total["auto"] >= BEST_BAR
               and not differing)
