@@ -266,10 +266,10 @@ class Pace:
     exponentially weighted ratio of a forward's seconds to the profile's T(rows). A row count not
     seen yet takes the ratio of the nearest one seen (the largest below, else the smallest above),
     so that the profile's shape (T(2) / T(1), ...) stands until a forward of that size says
-    otherwise; with none seen, 1. (The profile is timed once, outside decoding: on the built-in
-    4-bit target it read T(2) / T(1) = 1.18-1.21 in runs whose decoding steps verified two rows
-    for what plain decoding paid for one, which priced EAGLE out of a fifth to two fifths of the
-    answer; docs/tuning.md.)"""
+    otherwise; with none seen, 1. (The profile is timed once, outside decoding, and a run's
+    forwards need not agree: on the built-in 4-bit target, at the end of six runs whose profiles
+    read T(2) / T(1) = 1.01-1.18, auto's own two-row forwards cost 0.87-1.24 of its one-row ones;
+    docs/tuning.md.)"""
 
     def __init__(self) -> None:
         self.counts: dict[int, tuple[float, float]] = {}  # rows -> (weighted ratios, weight)
