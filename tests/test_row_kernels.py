@@ -8,6 +8,7 @@ AVX512-BF16, no compiler)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -23,7 +24,7 @@ from tests.tiny import tiny_llama
 from verispec.model.cached_model import CachedModel
 from verispec.model.gguf_blocks import RowsBlocksKernel
 from verispec.model.kernels import build, rows
-from verispec.model.lean import LeanDecoder, LeanWeights, rotate
+from verispec.model.lean import MODULE_NORMS, LeanDecoder, LeanWeights, ModuleNorm, module_norm, rotate
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.model.lowbit import Int4Groups, Int8Groups, RowsInt4Kernel, RowsInt8Kernel, int4_target
 
@@ -143,6 +144,29 @@ def test_the_norm_gives_each_row_its_own_bits_and_the_rms_norm(dtype, width):
     expected = normalised * scale.double()
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # bfloat16: one rounding of the result
     assert (got[0].double() - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(MODULE_NORMS))
+def test_a_module_norm_gives_the_modules_own_bits(name, dtype):
+    """lean.ModuleNorm (rows.module_norm): every RMSNorm class it stands in for gives the bits of
+    the module itself (a float target's arithmetic is the model's own), over a one-token step, a
+    block, and a per-head q/k norm's rows; weights and activations far from 1, so a changed order
+    of the ops (the weight applied before the cast back, or Gemma's 1 + weight dropped) shows."""
+    family = name.removesuffix("RMSNorm").lower()
+    module_class = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+    generator = torch.Generator().manual_seed(5)
+    for width in (576, 64):  # a hidden size; a head's
+        module = module_class(width, eps=1e-6)
+        with torch.no_grad():
+            module.weight.copy_(torch.randn(width, generator=generator) / 3)
+        module = module.to(dtype)
+        norm = module_norm(module)
+        assert isinstance(norm, ModuleNorm)
+        for rows_count in (1, 3, 17):
+            x = (torch.randn(1, rows_count, width, generator=generator) * 7).to(dtype)
+            assert torch.equal(norm(x), module(x))
+    assert module_norm(torch.nn.RMSNorm(8)).__class__ is torch.nn.RMSNorm  # a class it does not spell
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -337,6 +337,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return library().rms_norm(x, weight, eps)
 
 
+def module_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    """A Hugging Face RMSNorm module's forward by its own ops in one call (its bits; rows.cpp):
+    x [..., H]; weight [H] the module's (Llama's order) or, gemma, 1 + it in float32 (Gemma 3's)."""
+    return library().module_norm(x, weight, eps, gemma)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """lean.rotate in one call, the same bits: x [1, n, heads, head_dim] (last dimension
     contiguous), cos and signed_sin [n, 1, head_dim] in x's dtype -> [1, n, heads, head_dim]."""
