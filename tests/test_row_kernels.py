@@ -273,12 +273,13 @@ def test_the_lean_targets_run_on_the_row_kernels(dtype):
     assert f"row kernels {chosen.name}: {chosen.why}" in kernel  # which class, and why
 
 
-@pytest.mark.parametrize("dtype", ["int4", "gguf", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["int4", "gguf", "bfloat16", "float32"])
 def test_the_layer_loop_in_cpp_gives_the_python_loops_bits(dtype):
-    """The 4-bit, as-stored and bfloat16 targets run their decoder layers in one C++ call
-    (rows.cpp's Stack, lean.native_layers; bfloat16 with its RMSNorm modules' ops): the bits of
-    lean.forward_rows' Python loop, for one-token steps, blocks of 2..17 rows, a tree, and the
-    states after given layers (EAGLE's features)."""
+    """The 4-bit, as-stored, bfloat16 and float32 targets run their decoder layers in one C++
+    call (rows.cpp's Stack, lean.native_layers; bfloat16 and float32 with their RMSNorm modules'
+    ops, float32 with oneDNN's products padded to the rows an invariant pass multiplies): the
+    bits of lean.forward_rows' Python loop, for one-token steps, blocks of 2..17 rows, a tree,
+    and the states after given layers (EAGLE's features)."""
     model = load_model(DEFAULT_MODEL, dtype).model
     weights = LeanWeights.of(model)
     stack = weights.native

@@ -356,7 +356,8 @@ class LeanWeights:
         if (linear == Linear.fuse and four_bit and cpu_packs(torch.bfloat16)
                 and not isinstance(down.kernel, RowsInt4Kernel)):
             self.prompt_layers = stack(bfloat16_copy)
-        # The layer loop in one C++ call where the layers allow it (4-bit, GGUF, bfloat16 targets).
+        # The layer loop in one C++ call where the layers allow it (4-bit, GGUF, bfloat16 targets;
+        # float32 ones of the Llama kind).
         self.native = native_layers(self)
 
     @property
@@ -521,23 +522,38 @@ def native_norm(norm: Product, dtype: torch.dtype) -> tuple[bool, float, torch.T
     return None
 
 
+def native_product(f: Product) -> list[object] | None:
+    """A product as rows.cpp's layer loop takes it (rows.native_parts, rows.native_onednn), or
+    None where the loop does not run it."""
+    if isinstance(f, Linear):
+        return rows.native_onednn(f.packed, f.bias)
+    if isinstance(f, RowKernel):
+        return rows.native_parts([f.product])
+    if isinstance(f, rows.DenseProduct):
+        return rows.native_parts([f])
+    if isinstance(f, RowsBlocksKernel):
+        return rows.native_parts(f.products)
+    return None
+
+
+# The roles of a layer's products, in the order rows.cpp's Stack takes their fewest rows.
+LAYER_ROLES = ("qkv", "out", "gate_up", "down")
+
+
 def native_layers(w: LeanWeights) -> object | None:
     """The layer loop as one C++ call (rows.cpp's Stack) over `w`'s layers, where every layer is
     of the kind it runs: no window, q/k norm or sandwich norm, a SiLU-gated MLP, float32 or
-    bfloat16 activations, row-kernel products, norms of one kind (the 4-bit, GGUF and bfloat16
-    targets; self-drafters of float32 and bfloat16 targets). None elsewhere: the Python loop of forward_rows
-    runs."""
+    bfloat16 activations, products by the row kernels or oneDNN, norms of one kind (the 4-bit,
+    GGUF, bfloat16 and float32 targets of the Llama kind; self-drafters of float32 and bfloat16
+    targets). None elsewhere: the Python loop of forward_rows runs."""
     dtype = w.embed.weight.dtype
-    if (w.row_kernel is None or max(w.min_rows.values()) > 1 or w.activation is not nn.functional.silu
+    if (w.row_kernel is None or w.activation is not nn.functional.silu
             or dtype not in (torch.float32, torch.bfloat16) or len({layer.kind for layer in w.layers}) != 1):
         return None
     layers, norms = [], set()
     for layer in w.layers:
         pair = [native_norm(norm, dtype) for norm in (layer.attn_norm, layer.mlp_norm)]
-        products = [rows.native_parts([f.product] if isinstance(f, RowKernel)
-                                      else [f] if isinstance(f, rows.DenseProduct) else f.products)
-                    if isinstance(f, (RowKernel, RowsBlocksKernel, rows.DenseProduct)) else None
-                    for f in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+        products = [native_product(f) for f in (layer.qkv, layer.out, layer.gate_up, layer.down)]
         extras = (layer.q_norm, layer.k_norm, layer.attn_post_norm, layer.mlp_post_norm)
         if layer.window is not None or any(f is not None for f in extras) or None in pair or None in products:
             return None
@@ -546,7 +562,8 @@ def native_layers(w: LeanWeights) -> object | None:
     if len(norms) != 1:  # one kind and one eps for every norm
         return None
     (module_norms, eps), = norms
-    return rows.native_stack(layers, eps, w.scaling, w.heads, w.row_kernel, module_norms)
+    return rows.native_stack(layers, eps, w.scaling, w.heads, w.row_kernel, module_norms,
+                             [w.min_rows[role] for role in LAYER_ROLES])
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, swap: torch.Tensor) -> torch.Tensor:
@@ -674,7 +691,11 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
     one = sights[stack[0].window][0]  # one block: what its rows see
     # The loop below in one C++ call: the same bits where rows are invariant; a drafter's rows
     # (not invariant) attend through the row kernel there, as an invariant decoder's do.
-    if w.native is not None and stack is w.layers and len(blocks) == 1 and not fixed and not one.whole:
+    # (It pads a product's rows to min_rows as an invariant pass does: a decoder that is not
+    # invariant, multiplying its rows as they come, keeps the Python loop where that pads.)
+    padded = max(w.min_rows[role] for role in LAYER_ROLES) > 1
+    if (w.native is not None and stack is w.layers and len(blocks) == 1 and not fixed and not one.whole
+            and (invariant or not padded)):
         caches = decoders[0].caches
         start = [cache.claim(sizes[0], 1, w.kv_heads, w.head_dim, x) for cache in caches][0]
         cos, sin = rotary[stack[0].kind][0]

@@ -1437,29 +1437,55 @@ at::Tensor heads_into_cache(const at::Tensor& qkv, const at::Tensor& cos, const 
 
 // A part of a product in the layer loop below: group codes as linear_codes takes them, or
 // (dense) a packed bfloat16 weight as linear_dense does.
+// x [..., in] @ a oneDNN-prepacked weight's transpose (+ bias) -> [..., out]: torch's
+// mkldnn::_linear_pointwise, the op packed.packed_linear calls (a float32 target's products).
+at::Tensor linear_onednn(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, packed, bias, std::string("none"), c10::List<c10::optional<at::Scalar>>(),
+                                 std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 struct Part {
   at::Tensor weight, scales;
   c10::optional<at::Tensor> mins;
   int64_t group, N, isa;
   bool nibbles, dense;
+  bool onednn = false;  // weight: prepacked for oneDNN (linear_onednn), with `bias`
+  c10::optional<at::Tensor> bias;
+
+  Part(at::Tensor weight, at::Tensor scales, c10::optional<at::Tensor> mins, int64_t group, int64_t N,
+       int64_t isa, bool nibbles, bool dense)
+      : weight(std::move(weight)), scales(std::move(scales)), mins(std::move(mins)), group(group), N(N),
+        isa(isa), nibbles(nibbles), dense(dense) {}
+  Part(at::Tensor packed, c10::optional<at::Tensor> bias)
+      : weight(std::move(packed)), group(0), N(0), isa(0), nibbles(false), dense(false), onednn(true),
+        bias(std::move(bias)) {}
 
   at::Tensor operator()(const at::Tensor& x) const {
+    if (onednn) return linear_onednn(x, weight, bias);
     return dense ? linear_dense(x, weight, N, x.scalar_type() == at::kBFloat16, isa)
                  : linear_codes(x, weight, scales, mins, group, nibbles, N, isa);
   }
 };
 
 // A product: its parts' outputs concatenated (a GGUF tensor fused from parts of several forms),
-// in x's dtype (as lowbit.Kernel returns it).
-at::Tensor multiply(const std::vector<Part>& parts, const at::Tensor& x) {
+// in x's dtype (as lowbit.Kernel returns it). x [1, n, in] of fewer than `least` rows is
+// multiplied with zero rows after its own up to `least` (lean.forward_rows' pad_rows: a product
+// that rounds a lone row differently, or streams faster over more rows), and only its rows kept.
+at::Tensor multiply(const std::vector<Part>& parts, const at::Tensor& x, int64_t least = 1) {
+  const int64_t n = x.size(-2);
+  const at::Tensor in = n >= least ? x : at::cat({x, x.new_zeros({x.size(0), least - n, x.size(-1)})}, -2);
   at::Tensor out;
   if (parts.size() == 1) {
-    out = parts[0](x);
+    out = parts[0](in);
   } else {
     std::vector<at::Tensor> outs;
-    for (const Part& part : parts) outs.push_back(part(x));
+    for (const Part& part : parts) outs.push_back(part(in));
     out = at::cat(outs, -1);
   }
+  if (n < least) out = out.narrow(-2, 0, n);
   return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
 }
 
@@ -1480,6 +1506,8 @@ struct Stack {
   double eps, scale;
   int64_t heads, isa;
   bool module_norms;  // the norms are Hugging Face's RMSNorm modules (a float target's), not rms_norm
+  // the fewest rows each product multiplies (q/k/v, o, gate/up, down: lean's min_rows)
+  std::vector<int64_t> least;
 
   // A layer's RMSNorm: rms_norm, or Llama's module by its own ops (module_norm: the module's bits).
   at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const {
@@ -1508,10 +1536,12 @@ struct Stack {
         captured.push_back(x[0]);
       at::Tensor k = keys[i], v = values[i];
       const at::Tensor normed = i == 0 && attn_input ? *attn_input : norm(x, layer.attn_norm);
-      const at::Tensor q = heads_into_cache(multiply(layer.qkv, normed), cos, signed_sin, k, v, start, heads);
-      x = x + multiply(layer.out, attention(q, k, v, mask, length, scale, isa));
-      const std::vector<at::Tensor> gate_up = multiply(layer.gate_up, norm(x, layer.mlp_norm)).chunk(2, -1);
-      x = x + multiply(layer.down, at::silu(gate_up[0]) * gate_up[1]);
+      const at::Tensor q = heads_into_cache(multiply(layer.qkv, normed, least[0]), cos, signed_sin, k, v, start,
+                                            heads);
+      x = x + multiply(layer.out, attention(q, k, v, mask, length, scale, isa), least[1]);
+      const std::vector<at::Tensor> gate_up =
+          multiply(layer.gate_up, norm(x, layer.mlp_norm), least[2]).chunk(2, -1);
+      x = x + multiply(layer.down, at::silu(gate_up[0]) * gate_up[1], least[3]);
     }
     return {x, captured};
   }
@@ -1527,11 +1557,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rotate", &rotate, "rotary embedding of each row's heads");
   module.def("heads_into_cache", &heads_into_cache, "a qkv product's rotated queries, and its keys and values cached");
   pybind11::class_<Part>(module, "Part")
-      .def(pybind11::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t, int64_t, bool, bool>());
+      .def(pybind11::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t, int64_t, bool, bool>())
+      .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>>());
   using Parts = std::vector<Part>;
   pybind11::class_<Layer>(module, "Layer")
       .def(pybind11::init<at::Tensor, at::Tensor, Parts, Parts, Parts, Parts>());
   pybind11::class_<Stack>(module, "Stack")
-      .def(pybind11::init<std::vector<Layer>, double, double, int64_t, int64_t, bool>())
+      .def(pybind11::init<std::vector<Layer>, double, double, int64_t, int64_t, bool, std::vector<int64_t>>())
       .def("run", &Stack::run, "the decoder layers over one block");
 }

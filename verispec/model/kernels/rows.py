@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -370,6 +371,12 @@ def native_parts(products: list[CodesProduct | DenseProduct]) -> list[object] | 
             for product in products]
 
 
+def native_onednn(packed: torch.Tensor, bias: torch.Tensor | None) -> list[object]:
+    """A oneDNN-prepacked float product (packed.pack_weight's tensor, its bias or None) as
+    rows.cpp's layer loop takes it: torch's own op, called from there."""
+    return [library().Part(packed, bias)]
+
+
 def native_layer(attn_norm: torch.Tensor, mlp_norm: torch.Tensor, qkv: object, out: object,
                  gate_up: object, down: object) -> object:
     """A decoder layer for rows.cpp's layer loop: its RMSNorm scales [hidden] (the activations'
@@ -378,10 +385,12 @@ def native_layer(attn_norm: torch.Tensor, mlp_norm: torch.Tensor, qkv: object, o
 
 
 def native_stack(layers: list[object], eps: float, scale: float, heads: int, kernel: str,
-                 module_norms: bool) -> object:
+                 module_norms: bool, least: Sequence[int] = (1, 1, 1, 1)) -> object:
     """rows.cpp's layer loop over `layers` (native_layer): `run(x, keys, values, cos, signed_sin,
     start, mask, capture, attn_input)` is lean.forward_rows' layer loop for one block in one call,
     the same bits (its attention in `kernel`'s class; its norms `rms_norm`, or with
-    `module_norms` Hugging Face's RMSNorm module's ops); attn_input (or None) is what the first
-    layer's q/k/v product reads instead of the norm of x (an EAGLE-3 drafter's layer)."""
-    return library().Stack(layers, eps, scale, heads, isa(kernel), module_norms)
+    `module_norms` Hugging Face's RMSNorm module's ops; the q/k/v, o, gate/up and down products
+    over at least `least` rows each, zero rows padding fewer, as an invariant pass multiplies
+    them); attn_input (or None) is what the first layer's q/k/v product reads instead of the norm
+    of x (an EAGLE-3 drafter's layer)."""
+    return library().Stack(layers, eps, scale, heads, isa(kernel), module_norms, list(least))
