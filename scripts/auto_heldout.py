@@ -49,6 +49,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds over the prompts; each method's time on a prompt is its median "
                              "(default: 1; on a cheap target a round moves by several percent)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="a new auto for every answer, as each `verispec generate` command gets: "
+                             "nothing learnt from earlier answers (the profile stays)")
     args = parser.parse_args()
     target, prompts = held_out(args.count, args.seed, args.dtype, args.model)
     print(f"{args.model} {args.dtype}, {len(prompts)} held-out prompts (seed {args.seed}), "
@@ -73,6 +76,8 @@ def main() -> int:
         for repeat in range(args.repeats):
             turn = i + repeat
             for name in names[turn % len(names):] + names[: turn % len(names)]:
+                if name == "auto" and args.fresh:
+                    engines[name] = build_engine(target, "auto")
                 forget_outputs(target.model)  # suffix must not draft from another engine's answer
                 started = time.perf_counter()
                 result = engines[name].generate(SequenceSpec(ids, StoppingRules.build(args.max_new_tokens)))
