@@ -10,7 +10,8 @@ from the code again.
   by one file's commands, in order, so a later command finds what an earlier one trained); serve
   only parses (tests/test_serve*.py serve). A `scripts/` command: the script exists and parses its
   documented arguments (the measurements themselves take minutes to hours; each doc gives what its
-  run printed). Any other program must be one of OTHER_PROGRAMS.
+  run printed). A `python -m timeit` command runs its statement once. Any other program must be
+  one of OTHER_PROGRAMS.
 - Names that stand for the user's own files (PLACEHOLDERS) are replaced by files that exist here;
   a `--questions` file by a one-question file.
 """
@@ -26,6 +27,7 @@ import re
 import runpy
 import shlex
 import sys
+import timeit
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +126,8 @@ def commands(path: Path) -> list[Command]:
                 words.pop()
             if words[0] in ("python", "python3") and words[1:3] == ["-m", "verispec.cli"]:
                 program, args = "verispec", words[3:]
+            elif words[0] in ("python", "python3") and words[1:3] == ["-m", "timeit"]:
+                program, args = "timeit", words[3:]
             elif words[0] in ("python", "python3"):
                 program, args = words[1], words[2:]
             else:
@@ -135,6 +139,7 @@ def commands(path: Path) -> list[Command]:
 ALL = [command for doc in DOCS for command in commands(doc)]
 VERISPEC = [c for c in ALL if c.program == "verispec"]
 SCRIPTS = [c for c in ALL if c.program.endswith(".py")]
+TIMEIT = [c for c in ALL if c.program == "timeit"]
 RUN_FAST = ("generate", "demo", "export")
 RUN_SLOW = ("bench", "train")
 
@@ -146,8 +151,16 @@ def test_the_docs_have_examples_to_run():
 
 
 def test_every_command_is_one_the_tests_know():
-    unknown = {c.id for c in ALL if c.program not in ("verispec", *OTHER_PROGRAMS) and c not in SCRIPTS}
+    known = ("verispec", "timeit", *OTHER_PROGRAMS)
+    unknown = {c.id for c in ALL if c.program not in known and c not in SCRIPTS}
     assert not unknown, f"commands this test does not check: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("command", TIMEIT, ids=lambda c: c.id)
+def test_every_timeit_command_runs(command, capsys):
+    """Its setup and statement run (once: the figure is the doc's, not this test's)."""
+    assert timeit.main(["-n", "1", "-r", "1", *command.args]) is None
+    assert "loop" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", VERISPEC, ids=lambda c: c.id)

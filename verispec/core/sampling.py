@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from verispec.core.argmax import argmax
 from verispec.core.types import SamplingParams
 
 
@@ -24,7 +25,7 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from verispec.core.argmax import argmax
 from verispec.core.errors import VerispecError
 from verispec.core.sampling import sample, warp_probs
 from verispec.core.types import Proposal
@@ -211,7 +212,7 @@ class CrossDrafter(Drafter):
         The draft ends where it disagrees with the committed text's last, incomplete character;
         where the target's tokenizer cannot spell its text yet (a word it lacks, unfinished), the
         tokens proposed so far stand."""
-        token = int(logits.argmax())
+        token = int(argmax(logits))
         draft.tokens.append(token)
         pieces = self.bridge.draft.pieces
         piece = pieces[token] if token < len(pieces) else None

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from verispec.core.argmax import argmax
 from verispec.core.errors import VerispecError
 from verispec.core.sampling import sample, warp_probs
 from verispec.core.tree import TreeSettings, grow_tree
@@ -185,7 +186,7 @@ class EagleDrafter(Drafter):
         for i in range(request.k):
             logits = self.head.logits(feature).float()  # [reduced]
             if sampling.greedy:
-                index = logits.argmax(-1)
+                index = argmax(logits)
                 token = self.head.vocab_ids[index]
             else:
                 q = warp_probs(self.head.full(logits), sampling)  # [vocab]

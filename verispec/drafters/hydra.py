@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from verispec.core.argmax import argmax
 from verispec.core.errors import VerispecError
 from verispec.core.sampling import sample, warp_probs
 from verispec.core.tree import TreeSettings, grow_tree
@@ -103,7 +104,7 @@ class HydraDrafter(Drafter):
         for _ in range(k):
             logits = self.head.logits(self.net.head(inputs)).float()  # [reduced]
             if request.sampling.greedy:
-                token = self.head.vocab_ids[logits.argmax(-1)]
+                token = self.head.vocab_ids[argmax(logits)]
             else:
                 q = warp_probs(self.head.full(logits), request.sampling)  # [vocab]
                 token = sample(q, request.generator)

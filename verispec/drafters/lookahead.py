@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from verispec.core.argmax import argmax
 from verispec.core.errors import VerispecError
 from verispec.core.types import Proposal, SideBranch
 from verispec.drafters.base import Drafter, DraftRequest
@@ -108,7 +109,7 @@ class LookaheadDrafter(Drafter):
     def observe_side(self, logits: torch.Tensor) -> None:
         """One Jacobi iteration: the newest level's rows predict the next guesses; a full window
         yields one n-gram per column and drops its oldest level. logits: [m, vocab]."""
-        newest = logits[-self.window:].argmax(-1).tolist()
+        newest = argmax(logits[-self.window:]).tolist()
         if len(self.levels) == self.ngram - 1:
             oldest, *rest = self.levels
             for i in range(self.window):

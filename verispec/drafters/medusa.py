@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from verispec.core.argmax import argmax
 from verispec.core.errors import VerispecError
 from verispec.core.sampling import sample, warp_probs
 from verispec.core.tree import TreeSettings
@@ -118,7 +119,7 @@ class MedusaDrafter(Drafter):
         if self.choices is not None:
             return self._tree(logits)
         if request.sampling.greedy:
-            return Proposal(self.head.vocab_ids[logits.argmax(-1)])
+            return Proposal(self.head.vocab_ids[argmax(logits)])
         q = warp_probs(self.head.full(logits), request.sampling)  # [k, vocab]
         return Proposal(sample(q, request.generator), q)
 

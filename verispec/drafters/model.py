@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from verispec.core.argmax import argmax
 from verispec.core.errors import VerispecError
 from verispec.core.sampling import sample, warp_probs
 from verispec.core.tree import TreeSettings
@@ -141,7 +142,7 @@ class ModelDrafter(Drafter):
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One draft token from logits [vocab]: ([token], [q]) (no q under greedy: one-hot)."""
         if request.sampling.greedy:
-            return [logits.argmax(-1)], []
+            return [argmax(logits)], []
         q = warp_probs(logits, request.sampling)  # [vocab]
         return [sample(q, request.generator)], [q]
 
@@ -165,7 +166,7 @@ class ModelDrafter(Drafter):
         """
         m = guesses.shape[0]
         if request.sampling.greedy:
-            choices = logits.argmax(-1)  # [m + 1]
+            choices = argmax(logits)  # [m + 1]
             agreed = int((choices[:m] == guesses).cumprod(0).sum())
             return list(guesses[:agreed]) + [choices[agreed]], [], logits[agreed]
         drafted, probs = [], []
@@ -204,7 +205,7 @@ class ModelDrafter(Drafter):
                               torch.eye(width, dtype=torch.bool, device=device)], dim=1)
             positions = torch.full((width,), context + d - 1, device=device)
             level_logits = self.lm.forward_masked(levels[-1], mask, positions)  # [b, vocab]
-            levels.append(self._fit_vocab(level_logits).argmax(-1))
+            levels.append(argmax(self._fit_vocab(level_logits)))
         tokens = torch.cat(levels)  # [depth * b], level by level
         parents = (torch.arange(tokens.shape[0], device=device) - width).clamp_min(-1)
         return Proposal(tokens, parents=parents)

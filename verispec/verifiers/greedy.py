@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from verispec.core.argmax import argmax
 from verispec.core.tree import is_chain
 from verispec.core.types import Proposal, SamplingParams, Verdict
 from verispec.verifiers.tree import greedy_tree_accept
@@ -17,7 +18,7 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
 
     Example: draft [5, 7, 9], target argmax [5, 7, 3, 4] -> (2, 3): 5 and 7 are kept, 3 corrects 9.
     """
-    target_tokens = target_logits.argmax(-1)  # [k + 1]
+    target_tokens = argmax(target_logits)  # [k + 1]
     k = draft_tokens.shape[0]
     matches = (draft_tokens == target_tokens[:k]).to(torch.int64)
     num_accepted = matches.cumprod(0).sum()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from verispec.core.argmax import argmax
 from verispec.core.sampling import sample
 from verispec.core.tree import children
 
@@ -24,15 +25,15 @@ def greedy_tree_accept(draft_tokens: torch.Tensor, parents: torch.Tensor,
     Example: parents [-1, -1, 0], tokens [4, 5, 6], argmax by row [5, 2, 6, 9]: node 1 (token 5)
     matches at the root, row 2 (node 1) wants 6 but node 1 has no children -> ([1], 6).
     """
-    argmax = target_logits.argmax(-1).tolist()  # one host sync for the whole step
+    best = argmax(target_logits).tolist()  # one host sync for the whole step
     tokens = draft_tokens.tolist()
     kids = children(parents.tolist())
     path: list[int] = []
     row = 0
     while True:
-        chosen = next((c for c in kids[row] if tokens[c] == argmax[row]), None)
+        chosen = next((c for c in kids[row] if tokens[c] == best[row]), None)
         if chosen is None:
-            return path, argmax[row]
+            return path, best[row]
         path.append(chosen)
         row = chosen + 1
 
