@@ -361,6 +361,13 @@ class LeanWeights:
         self.native = native_layers(self)
 
     @property
+    def pads(self) -> bool:
+        """Whether an invariant pass pads some layer product's rows (min_rows), as the C++ layer
+        loop always does: a decoder that is not invariant, multiplying its rows as they come,
+        keeps the Python loop then."""
+        return max(self.min_rows[role] for role in LAYER_ROLES) > 1
+
+    @property
     def narrow_rows(self) -> dict[str, int]:
         """The fewest rows an invariant pass can multiply through each product: two where a lone
         row differs (`paired`), else one."""
@@ -691,11 +698,8 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
     one = sights[stack[0].window][0]  # one block: what its rows see
     # The loop below in one C++ call: the same bits where rows are invariant; a drafter's rows
     # (not invariant) attend through the row kernel there, as an invariant decoder's do.
-    # (It pads a product's rows to min_rows as an invariant pass does: a decoder that is not
-    # invariant, multiplying its rows as they come, keeps the Python loop where that pads.)
-    padded = max(w.min_rows[role] for role in LAYER_ROLES) > 1
     if (w.native is not None and stack is w.layers and len(blocks) == 1 and not fixed and not one.whole
-            and (invariant or not padded)):
+            and (invariant or not w.pads)):
         caches = decoders[0].caches
         start = [cache.claim(sizes[0], 1, w.kv_heads, w.head_dim, x) for cache in caches][0]
         cos, sin = rotary[stack[0].kind][0]
