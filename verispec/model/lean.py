@@ -490,8 +490,8 @@ def fused_rms_norm(module: nn.Module, offset: float = 0.0) -> Product:
 
 # The RMSNorm modules whose forward rows.cpp spells in their own ATen ops (module_norm), by class
 # name -> whether it is Gemma 3's kind (the normalised value times 1 + weight, then in x's dtype)
-# rather than Llama's (the normalised value in x's dtype, times weight). tests/test_lean.py holds
-# each to its module's bits.
+# rather than Llama's (the normalised value in x's dtype, times weight). tests/test_row_kernels.py
+# holds each to its module's bits.
 MODULE_NORMS = {"LlamaRMSNorm": False, "MistralRMSNorm": False, "Qwen2RMSNorm": False,
                 "Qwen3RMSNorm": False, "Gemma3RMSNorm": True}
 
