@@ -358,7 +358,8 @@ MUTANTS = (
            ("tests/test_row_kernels.py::test_the_layer_loop_in_cpp_gives_the_python_loops_bits",),
            "the layer loop multiplies a one-token step's lone row where an invariant pass pads it"),
     Mutant("greedy-keeps-a-draft-past-its-first-miss", "verispec/verifiers/greedy.py",
-           "    while num_accepted < k and drafted[num_accepted] == best[num_accepted]:\n        num_accepted += 1",
+           "    while num_accepted < k and drafted[num_accepted] == best[num_accepted]:\n"
+           "        num_accepted += 1",
            "    num_accepted = sum(a == b for a, b in zip(drafted, best))",
            ("tests/test_argmax.py::test_the_greedy_verifiers_keep_the_first_of_tied_tokens",
             "tests/test_greedy_equality.py"),
