@@ -1435,8 +1435,6 @@ at::Tensor heads_into_cache(const at::Tensor& qkv, const at::Tensor& cos, const 
   return q;
 }
 
-// A part of a product in the layer loop below: group codes as linear_codes takes them, or
-// (dense) a packed bfloat16 weight as linear_dense does.
 // x [..., in] @ a oneDNN-prepacked weight's transpose (+ bias) -> [..., out]: torch's
 // mkldnn::_linear_pointwise, the op packed.packed_linear calls (a float32 target's products).
 at::Tensor linear_onednn(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
@@ -1447,6 +1445,8 @@ at::Tensor linear_onednn(const at::Tensor& x, const at::Tensor& packed, const c1
   return stack[0].toTensor();
 }
 
+// A part of a product in the layer loop below: group codes as linear_codes takes them, (dense) a
+// packed bfloat16 weight as linear_dense does, or (onednn) a oneDNN-prepacked float weight.
 struct Part {
   at::Tensor weight, scales;
   c10::optional<at::Tensor> mins;

@@ -374,7 +374,7 @@ def native_parts(products: list[CodesProduct | DenseProduct]) -> list[object] | 
 def native_onednn(packed: torch.Tensor, bias: torch.Tensor | None) -> list[object]:
     """A oneDNN-prepacked float product (packed.pack_weight's tensor, its bias or None) as
     rows.cpp's layer loop takes it: torch's own op, called from there."""
-    return [library().Part(packed, bias)]
+    return [library().Part(packed, None if bias is None else bias.detach())]
 
 
 def native_layer(attn_norm: torch.Tensor, mlp_norm: torch.Tensor, qkv: object, out: object,
