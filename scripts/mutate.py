@@ -12,8 +12,13 @@ untracked, not ignored, files) into a temporary directory, never touching the wo
    (pytest's junit xml: a <failure> whose traceback ends in AssertionError); a crash of another
    kind, a collection or fixture error, or a timeout is reported but not counted.
 
-Prints a table (mutant, killed / SURVIVED / not counted, seconds, the tests that killed it) and
-exits 1 unless every mutant was killed. Usage (from the repository root):
+A mutant in code this CPU never runs (a kernel class it lacks: `needs`), or whose guarding tests
+all skip here, is "not run here", with the reason: it is neither killed nor survived, and whoever
+has such a CPU runs it (`.ci/run` on an AVX2-only machine runs the AVX2 class's mutants, not the
+AVX-512 ones).
+
+Prints a table (mutant, killed / SURVIVED / not counted / not run here, seconds, the tests that
+killed it or why not) and exits 1 unless every mutant run here was killed. Usage (from the repository root):
 
     python3 scripts/mutate.py                 # every mutant, about 10-15 minutes on 2 cores
     python3 scripts/mutate.py --only residual-from-p --only server-ignores-temperature
@@ -31,7 +36,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +53,7 @@ class Mutant:
     tests: tuple[str, ...]
     bug: str
     env: tuple[tuple[str, str], ...] = ()  # its tests' extra environment
+    needs: str = ""  # the CPU feature (rows.cpp's `features()`) without which its code never runs
 
 
 DRAFTERS = "tests/test_sampling_drafters.py"
@@ -58,9 +64,9 @@ SHARED_PREFILL = "tests/test_batch.py::test_samples_share_the_prefill_and_follow
 OWN_CACHE = "tests/test_batch.py::test_samples_of_one_prompt_each_own_their_cache"
 COPY_FROM = "tests/test_batch.py::test_copy_from_gives_a_cache_of_its_own"
 MTP_GRADIENTS = "tests/test_hydra_mtp.py::test_mtp_head_by_head_backward_gives_the_summed_losses_gradients"
-# The AVX2 class's invariance cases (tests/test_invariance.py builds them where AVX2 is not the
-# process's own class, as on an AVX-512 machine).
+# A class's invariance cases (tests/test_invariance.py forces each class, the process's own too).
 AVX2_BLOCKS = "tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps"
+AVX512_BLOCKS = (f"{AVX2_BLOCKS}[tiny-int4-cpu-avx512-bf16]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx512-bf16]")
 # The AMX class's cases, on any CPU with AVX512-BF16: its tiles emulated (build.py).
 AMX_EMULATED = (("VERISPEC_AMX_EMULATED", "1"),)
 AMX_BLOCKS = (f"{AVX2_BLOCKS}[tiny-int4-cpu-amx-bf16]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-amx-bf16]")
@@ -294,22 +300,24 @@ MUTANTS = (
            "          if (MINS && rows == 1) a = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(r0 + r) * groups + g])"
            ", m, a);\n          a = _mm512_fmadd_ps(sum, s, a);\n          if (MINS && rows > 1) a = ",
            ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits",
-            "tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps"),
-           "a lone row adds its group's minimum term before the codes' sum, a block after"),
+            *AVX512_BLOCKS),
+           "a lone row adds its group's minimum term before the codes' sum, a block after",
+           needs="avx512_bf16"),
     Mutant("row-attention-block-scale", "verispec/model/kernels/rows.cpp",
            "                 static_cast<float>(scale), scores.data(), os);",
            "                 n > 1 ? std::nextafter(static_cast<float>(scale), 1.0f)"
            " : static_cast<float>(scale), scores.data(), os);",
            ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each",
-            "tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps"),
-           "a block's rows attend with a scale one ulp off a one-token step's"),
+            *AVX512_BLOCKS),
+           "a block's rows attend with a scale one ulp off a one-token step's", needs="avx512_bf16"),
     Mutant("row-kernel-avx2-first-row-unfused", "verispec/model/kernels/rows.cpp",
            "  __m256 a0 = _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), ",
            "  __m256 a0 = at == 0 ? _mm256_add_ps(_mm256_mul_ps(lo, s0), _mm256_load_ps(a))"
            " : _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), ",
            ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits",
             f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx2]"),
-           "the AVX2 class rounds a block's first row's scaled sum apart from its add (the rest: one FMA)"),
+           "the AVX2 class rounds a block's first row's scaled sum apart from its add (the rest: one FMA)",
+           needs="avx2"),
     Mutant("row-kernel-avx2-four-rows-even-first", "verispec/model/kernels/rows.cpp",
            "        a[r][0] = _mm256_fmadd_ps(w2, x1, a[r][0]);\n"
            "        a[r][1] = _mm256_fmadd_ps(w3, x1, a[r][1]);\n"
@@ -319,14 +327,15 @@ MUTANTS = (
            "        a[r][0] = _mm256_fmadd_ps(w2, x1, a[r][0]);\n",
            ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits",
             f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx2]"),
-           "the AVX2 class's four-row blocks add a pair's even product first (a lone row: odd first)"),
+           "the AVX2 class's four-row blocks add a pair's even product first (a lone row: odd first)",
+           needs="avx2"),
     Mutant("row-attention-avx2-block-scale", "verispec/model/kernels/rows.cpp",
            "                              static_cast<float>(scale), scores.data(), os[b]);",
            "                              n > 1 ? std::nextafter(static_cast<float>(scale), 1.0f)"
            " : static_cast<float>(scale), scores.data(), os[b]);",
            ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each",
             f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx2]"),
-           "the AVX2 class's block rows attend with a scale one ulp off a one-token step's"),
+           "the AVX2 class's block rows attend with a scale one ulp off a one-token step's", needs="avx2"),
     Mutant("row-kernel-amx-lone-row-order", "verispec/model/kernels/rows.cpp",
            "          __m512 a = _mm512_fmadd_ps(_mm512_load_ps(sums + r * TILE), s, "
            "_mm512_load_ps(acc + r * TILE));\n"
@@ -338,14 +347,14 @@ MUTANTS = (
            "          if (MINS && rows > 1) a = ",
            ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits", *AMX_BLOCKS),
            "the AMX class: a tile holding one row adds its group's minimum term first, a fuller one last",
-           AMX_EMULATED),
+           AMX_EMULATED, needs="avx512_bf16"),  # the emulated tiles are AVX-512 code
     Mutant("row-kernel-amx-dense-tiles-not-zeroed", "verispec/model/kernels/rows.cpp",
            "      TILE_ZERO(0);\n      for (int64_t c = 0; c < chunks; ++c) {",
            "      for (int64_t c = 0; c < chunks; ++c) {",
            ("tests/test_row_kernels.py::test_products_compute_the_weights_they_stand_for",
             "tests/test_row_kernels.py::test_products_give_each_row_its_own_bits", *AMX_BLOCKS),
            "the AMX class's dense product starts a tile of rows from the previous tile's sums",
-           AMX_EMULATED),
+           AMX_EMULATED, needs="avx512_bf16"),  # the emulated tiles are AVX-512 code
     Mutant("row-norm-lone-row-order", "verispec/model/kernels/rows.cpp",
            "    for (int width = 8; width >= 1; width /= 2)",
            "    if (r1 - r0 == 1) std::swap(lanes[0], lanes[15]);\n"
@@ -355,7 +364,8 @@ MUTANTS = (
     Mutant("row-layer-loop-never-pads", "verispec/model/kernels/rows.cpp",
            "  const at::Tensor in = n >= least ? x : at::cat",
            "  const at::Tensor in = true ? x : at::cat",
-           ("tests/test_row_kernels.py::test_the_layer_loop_in_cpp_gives_the_python_loops_bits",),
+           ("tests/test_row_kernels.py::"
+            "test_the_float32_layer_loop_pads_a_lone_row_where_a_product_rounds_one_apart",),
            "the layer loop multiplies a one-token step's lone row where an invariant pass pads it"),
     Mutant("greedy-keeps-a-draft-past-its-first-miss", "verispec/verifiers/greedy.py",
            "    while num_accepted < k and drafted[num_accepted] == best[num_accepted]:\n"
@@ -578,6 +588,12 @@ class Outcome:
     other: list[str]  # tests failing otherwise, or errors (not counted)
     timed_out: bool
     seconds: float
+    skipped: list[str] = field(default_factory=list)  # why each skipped test skipped
+
+    @property
+    def ran_nothing(self) -> bool:
+        """Every guarding test skipped here (none passed or failed)."""
+        return not (self.passed or self.killed_by or self.other or self.timed_out)
 
 
 def run_tests(copy: Path, tests: list[str], timeout: float,
@@ -589,15 +605,19 @@ def run_tests(copy: Path, tests: list[str], timeout: float,
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1", **dict(extra)}
     started = time.perf_counter()
     try:
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        f"--junitxml={report}", *tests], cwd=copy, env=env, timeout=timeout,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        finished = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                   f"--junitxml={report}", *tests], cwd=copy, env=env, timeout=timeout,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     except subprocess.TimeoutExpired:
         return Outcome(set(), [], [], True, time.perf_counter() - started)
     seconds = time.perf_counter() - started
+    if finished.returncode == 4:  # a usage error: a named test not found here, say
+        said = [line for line in finished.stdout.splitlines() if line.startswith("ERROR")][:1]
+        return Outcome(set(), [], [f"pytest could not run the tests: {said[0] if said else 'usage error'}"],
+                       False, seconds)
     if not report.is_file():
         return Outcome(set(), [], ["pytest wrote no report"], False, seconds)
-    passed, killed_by, other = set(), [], []
+    passed, killed_by, other, skipped = set(), [], [], []
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname', '')}::{case.get('name')}"
         failure, error = case.find("failure"), case.find("error")
@@ -611,7 +631,19 @@ def run_tests(copy: Path, tests: list[str], timeout: float,
             other.append(f"{name} (error: {(error.get('message') or '')[:60]})")
         elif case.find("skipped") is None:
             passed.add(name)
-    return Outcome(passed, killed_by, other, False, seconds)
+        else:
+            skipped.append(case.find("skipped").get("message") or "skipped")
+    return Outcome(passed, killed_by, other, False, seconds, skipped)
+
+
+def cpu_features() -> set[str]:
+    """The instruction sets the row kernels find on this CPU (rows.cpp's `features()`; none
+    where they do not build)."""
+    sys.path.insert(0, str(ROOT))
+    from verispec.model.kernels.build import library
+
+    found = library()
+    return set(found.features()) if found is not None else set()
 
 
 def main() -> int:
@@ -631,12 +663,19 @@ def main() -> int:
         mutants = tuple(m for m in MUTANTS if m.name in args.only)
     if args.list:
         for m in mutants:
-            print(f"{m.name}: {m.bug}\n    {m.path}\n    guarded by {', '.join(m.tests)}")
+            where = f" (runs only where the CPU has {m.needs})" if m.needs else ""
+            print(f"{m.name}: {m.bug}\n    {m.path}{where}\n    guarded by {', '.join(m.tests)}")
         return 0
     check_searches(mutants, ROOT)
     if args.check:
         print(f"{len(mutants)} mutants: each search text found once, each guarding test exists")
         return 0
+    features = cpu_features()
+    rows = [(m.name, "not run here", f"this CPU lacks {m.needs}", 0.0)
+            for m in mutants if m.needs and m.needs not in features]
+    mutants = tuple(m for m in mutants if not m.needs or m.needs in features)
+    for name, verdict, why, _ in rows:
+        print(f"{name}: {verdict} ({why})", flush=True)
     with tempfile.TemporaryDirectory(prefix="verispec-mutate-") as tmp:
         copy = Path(tmp)
         copy_tree(ROOT, copy)
@@ -652,7 +691,6 @@ def main() -> int:
                       f"timed out: {baseline.timed_out}): {failing}", file=sys.stderr)
                 return 2
             print(f"baseline: {len(baseline.passed)} tests pass ({baseline.seconds:.0f} s)\n", flush=True)
-        rows = []
         for m in mutants:
             path = copy / m.path
             original = path.read_text()
@@ -666,17 +704,21 @@ def main() -> int:
             elif outcome.timed_out or outcome.other:
                 verdict = "not counted"
                 by = "timeout" if outcome.timed_out else "; ".join(outcome.other)[:100]
+            elif outcome.ran_nothing:
+                verdict, by = "not run here", "; ".join(dict.fromkeys(outcome.skipped))[:100]
             else:
                 verdict, by = "SURVIVED", ""
             rows.append((m.name, verdict, by, outcome.seconds))
             print(f"{m.name}: {verdict} {by} ({outcome.seconds:.0f} s)", flush=True)
     width = max(len(r[0]) for r in rows)
-    print(f"\n{'mutant'.ljust(width)}  {'result'.ljust(11)}  seconds  killed by")
+    print(f"\n{'mutant'.ljust(width)}  {'result'.ljust(12)}  seconds  killed by, or why not")
     for name, verdict, by, seconds in rows:
-        print(f"{name.ljust(width)}  {verdict.ljust(11)}  {seconds:7.0f}  {by}")
+        print(f"{name.ljust(width)}  {verdict.ljust(12)}  {seconds:7.0f}  {by}")
     killed = sum(r[1] == "killed" for r in rows)
-    print(f"\n{killed} of {len(rows)} mutants killed")
-    return 0 if killed == len(rows) else 1
+    run = [r for r in rows if r[1] != "not run here"]
+    print(f"\n{killed} of {len(run)} mutants run here killed"
+          + (f"; {len(rows) - len(run)} not run here (see above)" if len(run) < len(rows) else ""))
+    return 0 if killed == len(run) else 1
 
 
 if __name__ == "__main__":

@@ -313,6 +313,24 @@ def test_the_layer_loop_in_cpp_gives_the_python_loops_bits(dtype):
     assert torch.equal(a, b)
 
 
+def test_the_float32_layer_loop_pads_a_lone_row_where_a_product_rounds_one_apart():
+    """Where a float32 product rounds a lone row apart from the same row among others (oneDNN on
+    an AVX-512 EPYC: `LeanWeights.paired`), the C++ layer loop pads a one-token step's rows, so a
+    step's logits are the bits of the same position in a block. Skipped, by name, on a CPU whose
+    products round every row count alike: padding moves no bit there (it may still pay in time)."""
+    model = load_model(DEFAULT_MODEL, "float32").model
+    weights = LeanWeights.of(model)
+    if not weights.paired:
+        pytest.skip("no float32 product on this CPU rounds a lone row apart: padding moves no bit here")
+    assert weights.native is not None and weights.pads
+    tokens = torch.randint(0, 49152, (14,), generator=torch.Generator().manual_seed(0))
+    steps, block = LeanDecoder(weights, model.device), LeanDecoder(weights, model.device)
+    block.forward(tokens[:10])
+    steps.forward(tokens[:10])
+    stepped = torch.cat([steps.logits(steps.forward(tokens[i: i + 1])) for i in range(10, 14)])
+    assert torch.equal(stepped, block.logits(block.forward(tokens[10:])))
+
+
 @pytest.mark.parametrize("dtype", ["int4", "gguf", "bfloat16"])
 def test_a_forward_gives_the_same_bits_on_one_thread_and_on_two(dtype):
     """The kernels split a product by output tiles and attention by heads, never a sum, so a
