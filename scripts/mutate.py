@@ -329,6 +329,15 @@ MUTANTS = (
             f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx2]"),
            "the AVX2 class's four-row blocks add a pair's even product first (a lone row: odd first)",
            needs="avx2"),
+    Mutant("row-kernel-avx2-lone-row-codes-summed-apart", "verispec/model/kernels/rows.cpp",
+           "  sum_chains_avx2(c, lo, hi);\n}\n\n// A lone row's dot_rows_avx2 straight from a bfloat16",
+           "  lo = _mm256_add_ps(_mm256_add_ps(c[0][0], c[2][0]), _mm256_add_ps(c[1][0], c[3][0]));\n"
+           "  hi = _mm256_add_ps(_mm256_add_ps(c[0][1], c[2][1]), _mm256_add_ps(c[1][1], c[3][1]));\n"
+           "}\n\n// A lone row's dot_rows_avx2 straight from a bfloat16",
+           ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits",
+            f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]"),
+           "the AVX2 class's lone row, multiplied straight from the codes, sums its four chains in "
+           "another order than a block's rows", needs="avx2"),
     Mutant("row-attention-avx2-block-scale", "verispec/model/kernels/rows.cpp",
            "                              static_cast<float>(scale), scores.data(), os[b]);",
            "                              n > 1 ? std::nextafter(static_cast<float>(scale), 1.0f)"

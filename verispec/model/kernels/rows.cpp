@@ -382,6 +382,21 @@ AVX2 void group_sums_avx2(const float* xf, int64_t M, int64_t K, float* sums) {
   }
 }
 
+// A pair's step of dot_rows_avx2's chain c (c[0]: outputs 0..7, c[1]: 8..15): e1 = the odd
+// element's weights, e0 the even's, each [lo, hi]; x the row's inputs of the pair.
+AVX2 inline void pair_step_avx2(__m256* c, __m256 e0lo, __m256 e0hi, __m256 e1lo, __m256 e1hi, const float* x) {
+  const __m256 x1 = _mm256_broadcast_ss(x + 1), x0 = _mm256_broadcast_ss(x);
+  c[0] = _mm256_fmadd_ps(e1lo, x1, c[0]);
+  c[1] = _mm256_fmadd_ps(e1hi, x1, c[1]);
+  c[0] = _mm256_fmadd_ps(e0lo, x0, c[0]);
+  c[1] = _mm256_fmadd_ps(e0hi, x0, c[1]);
+}
+
+AVX2 inline void sum_chains_avx2(__m256 (*c)[2], __m256& lo, __m256& hi) {
+  lo = _mm256_add_ps(_mm256_add_ps(c[0][0], c[1][0]), _mm256_add_ps(c[2][0], c[3][0]));
+  hi = _mm256_add_ps(_mm256_add_ps(c[0][1], c[1][1]), _mm256_add_ps(c[2][1], c[3][1]));
+}
+
 // One row's sum over a tile-group: wf [P][2][16] float32 (pair p, element e, output j), x the row's
 // G inputs; four chains as dot_rows, each pair odd element first. Returns outputs 0..7, 8..15.
 template <int P>
@@ -389,19 +404,12 @@ AVX2 inline void dot_rows_avx2(const float* wf, const float* x, __m256& lo, __m2
   __m256 c[4][2];
   for (int k = 0; k < 4; ++k) c[k][0] = c[k][1] = _mm256_setzero_ps();
 #pragma GCC unroll 16
-  for (int i = 0; i < P; i += 4) {
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
-      const float* w = wf + (i + k) * 32;
-      const __m256 x1 = _mm256_broadcast_ss(x + 2 * (i + k) + 1), x0 = _mm256_broadcast_ss(x + 2 * (i + k));
-      c[k][0] = _mm256_fmadd_ps(_mm256_load_ps(w + 16), x1, c[k][0]);
-      c[k][1] = _mm256_fmadd_ps(_mm256_load_ps(w + 24), x1, c[k][1]);
-      c[k][0] = _mm256_fmadd_ps(_mm256_load_ps(w), x0, c[k][0]);
-      c[k][1] = _mm256_fmadd_ps(_mm256_load_ps(w + 8), x0, c[k][1]);
-    }
+  for (int i = 0; i < P; ++i) {
+    const float* w = wf + i * 32;
+    pair_step_avx2(c[i % 4], _mm256_load_ps(w), _mm256_load_ps(w + 8), _mm256_load_ps(w + 16),
+                   _mm256_load_ps(w + 24), x + 2 * i);
   }
-  lo = _mm256_add_ps(_mm256_add_ps(c[0][0], c[1][0]), _mm256_add_ps(c[2][0], c[3][0]));
-  hi = _mm256_add_ps(_mm256_add_ps(c[0][1], c[1][1]), _mm256_add_ps(c[2][1], c[3][1]));
+  sum_chains_avx2(c, lo, hi);
 }
 
 // dot_rows_avx2 for R rows at once, each row's sums the same instructions in the same order (so
@@ -438,6 +446,63 @@ AVX2 inline void dot_block_avx2(const float* wf, const float* const* xs, __m256*
 }
 
 constexpr int64_t AVX2_BLOCK = 4;  // rows dot_block_avx2 takes at once
+
+// unpack_avx2's values in registers: the 4 bits at `shift` of each 32-bit lane; a lane's signed
+// low and high 16 bits.
+AVX2 inline __m256 nibble_avx2(__m256i v, int shift, __m256i low) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, shift), low));
+}
+AVX2 inline __m256 low_half_avx2(__m256i v) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16)); }
+AVX2 inline __m256 high_half_avx2(__m256i v) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16)); }
+
+// A lone row's dot_rows_avx2 straight from a tile-group's codes (unpack_avx2's values, never
+// stored): the same values in the same chains and order, so the same bits, without writing and
+// reading back the unpacked buffer, which a lone row, using each value once, cannot amortise.
+template <int P, bool NIBBLES>
+AVX2 inline void dot_codes_avx2(const uint8_t* codes, const float* x, __m256& lo, __m256& hi) {
+  __m256 c[4][2];
+  for (int k = 0; k < 4; ++k) c[k][0] = c[k][1] = _mm256_setzero_ps();
+  if constexpr (NIBBLES) {
+    const __m256i low = _mm256_set1_epi32(0x0f);
+#pragma GCC unroll 8
+    for (int q = 0; q < P / 2; ++q) {  // pairs 2q (low nibbles) and 2q + 1 (high)
+      const uint8_t* b = codes + 32 * q;
+      const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+      const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
+      pair_step_avx2(c[(2 * q) % 4], nibble_avx2(v0, 0, low), nibble_avx2(v1, 0, low), nibble_avx2(v0, 16, low),
+                     nibble_avx2(v1, 16, low), x + 4 * q);
+      pair_step_avx2(c[(2 * q + 1) % 4], nibble_avx2(v0, 4, low), nibble_avx2(v1, 4, low),
+                     nibble_avx2(v0, 20, low), nibble_avx2(v1, 20, low), x + 4 * q + 2);
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* b = codes + 32 * p;
+      const __m256i v0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+      const __m256i v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
+      pair_step_avx2(c[p % 4], low_half_avx2(v0), low_half_avx2(v1), high_half_avx2(v0), high_half_avx2(v1),
+                     x + 2 * p);
+    }
+  }
+  sum_chains_avx2(c, lo, hi);
+}
+
+// A lone row's dot_rows_avx2 straight from a bfloat16 tile chunk [16 outputs][32 inputs] in pair
+// words (dense_tiles_avx2's values, never stored).
+AVX2 inline void dot_dense_avx2(const uint16_t* tile, const float* x, __m256& lo, __m256& hi) {
+  __m256 c[4][2];
+  for (int k = 0; k < 4; ++k) c[k][0] = c[k][1] = _mm256_setzero_ps();
+  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+#pragma GCC unroll 16
+  for (int p = 0; p < 16; ++p) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * p));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * p + 16));
+    pair_step_avx2(c[p % 4], _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)),
+                   _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), _mm256_castsi256_ps(_mm256_and_si256(v0, top)),
+                   _mm256_castsi256_ps(_mm256_and_si256(v1, top)), x + 2 * p);
+  }
+  sum_chains_avx2(c, lo, hi);
+}
 
 // A row's tile-group sums into its accumulators a [16]: a += sum * scale (+ sum(x) * min).
 template <bool MINS>
@@ -504,15 +569,21 @@ AVX2 void codes_tiles_avx2(const float* xf, const float* xsum, int64_t M, int64_
         for (int64_t line = 0; line < BYTES; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(codes + tg * BYTES + PREFETCH + line), _MM_HINT_T0);
         const uint8_t* c = codes + tg * BYTES;
+        const __m256 s0 = load_scales_avx2<HALF>(scales, tg * TILE), s1 = load_scales_avx2<HALF>(scales, tg * TILE + 8);
+        __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+        if constexpr (MINS) m0 = load_scales_avx2<HALF>(mins, tg * TILE), m1 = load_scales_avx2<HALF>(mins, tg * TILE + 8);
+        const float* row_sums = MINS ? xsum + r0 * groups + g : nullptr;  // row r's: [r * groups]
+        if (rows == 1) {  // a lone row: the codes straight into the chains (the same bits)
+          __m256 lo, hi;
+          dot_codes_avx2<P, NIBBLES>(c, xf + r0 * K + g * G, lo, hi);
+          scale_into_avx2<MINS>(acc, lo, hi, s0, s1, m0, m1, row_sums, 0);
+          continue;
+        }
         if constexpr (NIBBLES) {
           for (int q = 0; q < P / 2; ++q) unpack_avx2<true>(c + 32 * q, wf + 64 * q);
         } else {
           for (int p = 0; p < P; ++p) unpack_avx2<false>(c + 32 * p, wf + 32 * p);
         }
-        const __m256 s0 = load_scales_avx2<HALF>(scales, tg * TILE), s1 = load_scales_avx2<HALF>(scales, tg * TILE + 8);
-        __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
-        if constexpr (MINS) m0 = load_scales_avx2<HALF>(mins, tg * TILE), m1 = load_scales_avx2<HALF>(mins, tg * TILE + 8);
-        const float* row_sums = MINS ? xsum + r0 * groups + g : nullptr;  // row r's: [r * groups]
         int64_t r = 0;
         for (; r + AVX2_BLOCK <= rows; r += AVX2_BLOCK) {
           const float* xs[AVX2_BLOCK];
@@ -567,6 +638,12 @@ AVX2 void dense_tiles_avx2(const float* xf, int64_t M, int64_t K, const uint16_t
         const uint16_t* tile = weight + (t * chunks + c) * (TILE * 32);
         for (int64_t line = 0; line < TILE * 32 * 2; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(tile) + PREFETCH + line, _MM_HINT_T0);
+        if (rows == 1) {  // a lone row: the weights straight into the chains (the same bits)
+          __m256 lo, hi;
+          dot_dense_avx2(tile, xf + r0 * K + c * 32, lo, hi);
+          add_into_avx2(acc, lo, hi);
+          continue;
+        }
 #pragma GCC unroll 16
         for (int p = 0; p < P; ++p) {
           for (int half = 0; half < 2; ++half) {  // a 32-bit word: element 0 low, 1 high
