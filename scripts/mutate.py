@@ -12,10 +12,10 @@ untracked, not ignored, files) into a temporary directory, never touching the wo
    (pytest's junit xml: a <failure> whose traceback ends in AssertionError); a crash of another
    kind, a collection or fixture error, or a timeout is reported but not counted.
 
-A mutant in code this CPU never runs (a kernel class it lacks: `needs`), or whose guarding tests
-all skip here, is "not run here", with the reason: it is neither killed nor survived, and whoever
-has such a CPU runs it (`.ci/run` on an AVX2-only machine runs the AVX2 class's mutants, not the
-AVX-512 ones).
+A mutant in code this CPU never runs (`needs`: a kernel class rows.supported() lacks here), or
+whose guarding tests all skip here, is "not run here", with the reason: it is neither killed nor
+survived, and whoever has such a CPU runs it (`.ci/run` on an AVX2-only machine runs the AVX2
+class's mutants, not the AVX-512 ones).
 
 Prints a table (mutant, killed / SURVIVED / not counted / not run here, seconds, the tests that
 killed it or why not) and exits 1 unless every mutant run here was killed. Usage (from the repository root):
@@ -53,7 +53,7 @@ class Mutant:
     tests: tuple[str, ...]
     bug: str
     env: tuple[tuple[str, str], ...] = ()  # its tests' extra environment
-    needs: str = ""  # the CPU feature (rows.cpp's `features()`) without which its code never runs
+    needs: str = ""  # the kernel class (rows.CLASSES) without which this CPU never runs its code
 
 
 DRAFTERS = "tests/test_sampling_drafters.py"
@@ -302,14 +302,14 @@ MUTANTS = (
            ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits",
             *AVX512_BLOCKS),
            "a lone row adds its group's minimum term before the codes' sum, a block after",
-           needs="avx512_bf16"),
+           needs="avx512-bf16"),
     Mutant("row-attention-block-scale", "verispec/model/kernels/rows.cpp",
            "                 static_cast<float>(scale), scores.data(), os);",
            "                 n > 1 ? std::nextafter(static_cast<float>(scale), 1.0f)"
            " : static_cast<float>(scale), scores.data(), os);",
            ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each",
             *AVX512_BLOCKS),
-           "a block's rows attend with a scale one ulp off a one-token step's", needs="avx512_bf16"),
+           "a block's rows attend with a scale one ulp off a one-token step's", needs="avx512-bf16"),
     Mutant("row-kernel-avx2-first-row-unfused", "verispec/model/kernels/rows.cpp",
            "  __m256 a0 = _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), ",
            "  __m256 a0 = at == 0 ? _mm256_add_ps(_mm256_mul_ps(lo, s0), _mm256_load_ps(a))"
@@ -356,14 +356,14 @@ MUTANTS = (
            "          if (MINS && rows > 1) a = ",
            ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits", *AMX_BLOCKS),
            "the AMX class: a tile holding one row adds its group's minimum term first, a fuller one last",
-           AMX_EMULATED, needs="avx512_bf16"),  # the emulated tiles are AVX-512 code
+           AMX_EMULATED, needs="avx512-bf16"),  # the emulated tiles are AVX-512 code
     Mutant("row-kernel-amx-dense-tiles-not-zeroed", "verispec/model/kernels/rows.cpp",
            "      TILE_ZERO(0);\n      for (int64_t c = 0; c < chunks; ++c) {",
            "      for (int64_t c = 0; c < chunks; ++c) {",
            ("tests/test_row_kernels.py::test_products_compute_the_weights_they_stand_for",
             "tests/test_row_kernels.py::test_products_give_each_row_its_own_bits", *AMX_BLOCKS),
            "the AMX class's dense product starts a tile of rows from the previous tile's sums",
-           AMX_EMULATED, needs="avx512_bf16"),  # the emulated tiles are AVX-512 code
+           AMX_EMULATED, needs="avx512-bf16"),  # the emulated tiles are AVX-512 code
     Mutant("row-norm-lone-row-order", "verispec/model/kernels/rows.cpp",
            "    for (int width = 8; width >= 1; width /= 2)",
            "    if (r1 - r0 == 1) std::swap(lanes[0], lanes[15]);\n"
@@ -645,14 +645,12 @@ def run_tests(copy: Path, tests: list[str], timeout: float,
     return Outcome(passed, killed_by, other, False, seconds, skipped)
 
 
-def cpu_features() -> set[str]:
-    """The instruction sets the row kernels find on this CPU (rows.cpp's `features()`; none
-    where they do not build)."""
+def kernel_classes() -> set[str]:
+    """The row-kernel classes this CPU runs (rows.supported(); none where they do not build)."""
     sys.path.insert(0, str(ROOT))
-    from verispec.model.kernels.build import library
+    from verispec.model.kernels.rows import supported
 
-    found = library()
-    return set(found.features()) if found is not None else set()
+    return set(supported())
 
 
 def main() -> int:
@@ -679,10 +677,10 @@ def main() -> int:
     if args.check:
         print(f"{len(mutants)} mutants: each search text found once, each guarding test exists")
         return 0
-    features = cpu_features()
+    classes = kernel_classes()
     rows = [(m.name, "not run here", f"this CPU lacks {m.needs}", 0.0)
-            for m in mutants if m.needs and m.needs not in features]
-    mutants = tuple(m for m in mutants if not m.needs or m.needs in features)
+            for m in mutants if m.needs and m.needs not in classes]
+    mutants = tuple(m for m in mutants if not m.needs or m.needs in classes)
     for name, verdict, why, _ in rows:
         print(f"{name}: {verdict} ({why})", flush=True)
     with tempfile.TemporaryDirectory(prefix="verispec-mutate-") as tmp:
