@@ -6,11 +6,14 @@ loudly, instead of leaving a mutant that plants nothing), then copies the tree (
 untracked, not ignored, files) into a temporary directory, never touching the working tree:
 
 1. runs every guarding test once on the unmutated copy and requires each to pass (a test that
-   fails for another reason, a missing browser, say, cannot kill anything);
-2. for each mutant: plants it in the copy, runs its guarding tests there (PYTHONPATH at the
-   copy), restores the file. A mutant is killed only by an assertion failure in a named test
-   (pytest's junit xml: a <failure> whose traceback ends in AssertionError); a crash of another
-   kind, a collection or fixture error, or a timeout is reported but not counted.
+   fails for another reason, a missing browser, say, cannot kill anything); `--after-suite` skips
+   this for the guards the default and slow suites have just passed on the same tree (.ci/run);
+2. for each mutant: plants it in a copy, runs its guarding tests there (PYTHONPATH at the copy;
+   pytest stops at the first failing test), restores the file. A mutant is killed only by an
+   assertion failure in a named test (pytest's junit xml: a <failure> whose traceback ends in
+   AssertionError); a crash of another kind, a collection or fixture error, or a timeout is
+   reported but not counted. `--workers N` (default: a worker per usable core, each pytest on
+   its share of the threads) runs N mutants at a time, each worker in a copy of its own.
 
 A mutant in code this CPU never runs (`needs`: a kernel class rows.supported() lacks here), or
 whose guarding tests all skip here, is "not run here", with the reason: it is neither killed nor
@@ -20,7 +23,7 @@ class's mutants, not the AVX-512 ones).
 Prints a table (mutant, killed / SURVIVED / not counted / not run here, seconds, the tests that
 killed it or why not) and exits 1 unless every mutant run here was killed. Usage (from the repository root):
 
-    python3 scripts/mutate.py                 # every mutant, about 10-15 minutes on 2 cores
+    python3 scripts/mutate.py                 # every mutant, about 20-30 minutes on 2 cores
     python3 scripts/mutate.py --only residual-from-p --only server-ignores-temperature
     python3 scripts/mutate.py --list          # the mutants and their guarding tests
 """
@@ -29,17 +32,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,8 @@ AVX2_BLOCKS = "tests/test_invariance.py::test_blocks_of_every_length_match_one_t
 AVX512_BLOCKS = (f"{AVX2_BLOCKS}[tiny-int4-cpu-avx512-bf16]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx512-bf16]")
 # The AMX class's cases, on any CPU with AVX512-BF16: its tiles emulated (build.py).
 AMX_EMULATED = (("VERISPEC_AMX_EMULATED", "1"),)
+# The Python layer loop (the C++ one takes the Llama kind wherever the row kernels run)
+PYTHON_LOOP = f"{AVX2_BLOCKS}[tiny-float32-cpu-python]"
 AMX_BLOCKS = (f"{AVX2_BLOCKS}[tiny-int4-cpu-amx-bf16]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-amx-bf16]")
 MTP_ORDER = "tests/test_hydra_mtp.py::test_mtp_training_backpropagates_head_by_head"
 EXPORT_IDS = "tests/test_eagle3.py::test_exported_aux_ids_point_the_engine_at_the_layers_the_drafter_reads"
@@ -364,6 +373,10 @@ MUTANTS = (
             "tests/test_row_kernels.py::test_products_give_each_row_its_own_bits", *AMX_BLOCKS),
            "the AMX class's dense product starts a tile of rows from the previous tile's sums",
            AMX_EMULATED, needs="avx512-bf16"),  # the emulated tiles are AVX-512 code
+    Mutant("build-waits-on-a-killed-builds-lock", "verispec/model/kernels/build.py",
+           '        (directory / "lock").unlink(missing_ok=True)\n', "",
+           ("tests/test_kernel_build.py::test_a_lock_left_by_a_killed_build_is_cleared_and_the_library_built",),
+           "a build stopped midway leaves torch's lock file, and every later build of that source hangs"),
     Mutant("row-norm-lone-row-order", "verispec/model/kernels/rows.cpp",
            "    for (int width = 8; width >= 1; width /= 2)",
            "    if (r1 - r0 == 1) std::swap(lanes[0], lanes[15]);\n"
@@ -428,12 +441,12 @@ MUTANTS = (
            "            if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:",
            "            if invariant and not seen.whole and layer.window is None and w.row_kernel_attention"
            " and n > 1:",
-           ("tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps",),
+           (PYTHON_LOOP,),
            "one-token steps attend through SDPA while blocks use the row kernel's attention"),
     Mutant("padded-rows-kept-instead-of-the-rows", "verispec/model/lean.py",
            "            return f(pad_rows(h, w.min_rows[role]))[:, :n]",
            "            return f(pad_rows(h, w.min_rows[role]))[:, -n:]",
-           ("tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps",),
+           (PYTHON_LOOP,),
            "a pass of fewer rows than a product's least keeps the padding's outputs, not its own rows"),
     Mutant("wide-rows-chosen-where-slower", "verispec/model/lean.py",
            "fastest_wide <= WIDE_MARGIN * fastest_narrow", "fastest_narrow <= WIDE_MARGIN * fastest_wide",
@@ -590,6 +603,18 @@ def copy_tree(root: Path, destination: Path) -> None:
             shutil.copy2(source, target)
 
 
+RUNNING: set[subprocess.Popen] = set()  # the pytest runs under way (stopped on SIGTERM)
+STOPPING = threading.Event()
+
+
+def stop(*_: object) -> None:
+    """SIGTERM: start no more runs, stop those under way, then exit (the copies are cleaned up)."""
+    STOPPING.set()
+    for pytest in list(RUNNING):
+        pytest.kill()
+    sys.exit(143)
+
+
 @dataclass
 class Outcome:
     passed: set[str]
@@ -605,23 +630,32 @@ class Outcome:
         return not (self.passed or self.killed_by or self.other or self.timed_out)
 
 
-def run_tests(copy: Path, tests: list[str], timeout: float,
-              extra: tuple[tuple[str, str], ...] = ()) -> Outcome:
-    """Run `tests` in the copy (`extra`: environment besides); what passed, what failed by an
-    assertion, what failed otherwise."""
+def run_tests(copy: Path, tests: list[str], timeout: float, extra: tuple[tuple[str, str], ...] = (),
+              first_failure: bool = False, threads: int = 0) -> Outcome:
+    """Run `tests` in the copy (`extra`: environment besides; `first_failure`: stop at the first
+    failing test; `threads`: torch's, where not 0); what passed, what failed by an assertion, what
+    failed otherwise."""
     report = copy / "mutate-junit.xml"
     report.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1", **dict(extra)}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     started = time.perf_counter()
-    try:
-        finished = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                   f"--junitxml={report}", *tests], cwd=copy, env=env, timeout=timeout,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    except subprocess.TimeoutExpired:
-        return Outcome(set(), [], [], True, time.perf_counter() - started)
+    with subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *(["-x"] if first_failure else []), f"--junitxml={report}", *tests],
+                          cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as pytest:
+        RUNNING.add(pytest)
+        try:
+            stdout, _ = pytest.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.kill()
+            return Outcome(set(), [], [], True, time.perf_counter() - started)
+        finally:
+            RUNNING.discard(pytest)
     seconds = time.perf_counter() - started
-    if finished.returncode == 4:  # a usage error: a named test not found here, say
-        said = [line for line in finished.stdout.splitlines() if line.startswith("ERROR")][:1]
+    if pytest.returncode == 4:  # a usage error: a named test not found here, say
+        said = [line for line in stdout.splitlines() if line.startswith("ERROR")][:1]
         return Outcome(set(), [], [f"pytest could not run the tests: {said[0] if said else 'usage error'}"],
                        False, seconds)
     if not report.is_file():
@@ -647,10 +681,16 @@ def run_tests(copy: Path, tests: list[str], timeout: float,
 
 def kernel_classes() -> set[str]:
     """The row-kernel classes this CPU runs (rows.supported(); none where they do not build)."""
-    sys.path.insert(0, str(ROOT))
     from verispec.model.kernels.rows import supported
 
     return set(supported())
+
+
+def usable_cores() -> int:
+    """The cores this process may use (a container's CPU quota, where it has one)."""
+    from verispec.core.cores import usable_cores as cores
+
+    return cores()
 
 
 def main() -> int:
@@ -660,8 +700,13 @@ def main() -> int:
     parser.add_argument("--check", action="store_true",
                         help="only check that each mutant's code and guarding tests still exist")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="mutants run at a time, each in a copy of its own (default: a usable core each)")
+    parser.add_argument("--after-suite", action="store_true",
+                        help="skip the baseline of the guards in the default environment: the default and "
+                             "slow suites have just passed on this tree (.ci/run)")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up the copy, stop pytest
+    signal.signal(signal.SIGTERM, stop)
     mutants = MUTANTS
     if args.only:
         unknown = set(args.only) - {m.name for m in MUTANTS}
@@ -678,34 +723,48 @@ def main() -> int:
         print(f"{len(mutants)} mutants: each search text found once, each guarding test exists")
         return 0
     classes = kernel_classes()
-    rows = [(m.name, "not run here", f"this CPU lacks {m.needs}", 0.0)
-            for m in mutants if m.needs and m.needs not in classes]
-    mutants = tuple(m for m in mutants if not m.needs or m.needs in classes)
-    for name, verdict, why, _ in rows:
+    results = {m.name: ("not run here", f"this CPU lacks {m.needs}", 0.0)
+               for m in mutants if m.needs and m.needs not in classes}
+    for name, (verdict, why, _) in results.items():
         print(f"{name}: {verdict} ({why})", flush=True)
+    mutants = tuple(m for m in mutants if m.name not in results)
+    workers = max(1, min(args.workers or usable_cores(), len(mutants)))
+    threads = max(1, usable_cores() // workers)
     with tempfile.TemporaryDirectory(prefix="verispec-mutate-") as tmp:
-        copy = Path(tmp)
-        copy_tree(ROOT, copy)
+        copies: queue.Queue[Path] = queue.Queue()
+        for worker in range(workers):
+            copy_tree(ROOT, Path(tmp) / str(worker))
+            copies.put(Path(tmp) / str(worker))
         for env in dict.fromkeys(m.env for m in mutants):  # one baseline per environment
-            guards = list(dict.fromkeys(t for m in mutants if m.env == env for t in m.tests))
             named = " ".join(f"{key}={value}" for key, value in env)
+            if args.after_suite and not env:
+                print("baseline: skipped (--after-suite: the suites passed on this tree)", flush=True)
+                continue
+            guards = list(dict.fromkeys(t for m in mutants if m.env == env for t in m.tests))
             print(f"baseline: {len(guards)} guarding test selections on the unmutated copy {named}...",
                   flush=True)
-            baseline = run_tests(copy, guards, args.timeout, env)
+            baseline = run_tests(Path(tmp) / "0", guards, args.timeout, env)
             if baseline.timed_out or baseline.killed_by or baseline.other or not baseline.passed:
                 failing = baseline.killed_by + baseline.other
                 print(f"the guarding tests do not all pass on the unmutated code ({baseline.seconds:.0f} s; "
                       f"timed out: {baseline.timed_out}): {failing}", file=sys.stderr)
                 return 2
             print(f"baseline: {len(baseline.passed)} tests pass ({baseline.seconds:.0f} s)\n", flush=True)
-        for m in mutants:
+
+        def plant(m: Mutant) -> None:
+            """Run m's guards in a free copy with m planted; its row of the table."""
+            if STOPPING.is_set():
+                return
+            copy = copies.get()
             path = copy / m.path
             original = path.read_text()
             path.write_text(original.replace(m.search, m.replace, 1))
             try:
-                outcome = run_tests(copy, list(m.tests), args.timeout, m.env)
+                outcome = run_tests(copy, list(m.tests), args.timeout, m.env, first_failure=True,
+                                    threads=threads)
             finally:
                 path.write_text(original)
+                copies.put(copy)
             if outcome.killed_by:
                 verdict, by = "killed", ", ".join(t.removeprefix("tests.") for t in outcome.killed_by)
             elif outcome.timed_out or outcome.other:
@@ -715,8 +774,17 @@ def main() -> int:
                 verdict, by = "not run here", "; ".join(dict.fromkeys(outcome.skipped))[:100]
             else:
                 verdict, by = "SURVIVED", ""
-            rows.append((m.name, verdict, by, outcome.seconds))
+            results[m.name] = (verdict, by, outcome.seconds)
             print(f"{m.name}: {verdict} {by} ({outcome.seconds:.0f} s)", flush=True)
+
+        print(f"{len(mutants)} mutants, {workers} at a time ({threads} thread{'s' * (threads > 1)} each)",
+              flush=True)
+        pool = ThreadPoolExecutor(workers)
+        try:
+            list(pool.map(plant, mutants))
+        finally:
+            pool.shutdown(cancel_futures=True)
+    rows = [(m.name, *results[m.name]) for m in MUTANTS if m.name in results]
     width = max(len(r[0]) for r in rows)
     print(f"\n{'mutant'.ljust(width)}  {'result'.ljust(12)}  seconds  killed by, or why not")
     for name, verdict, by, seconds in rows:

@@ -107,7 +107,8 @@ def blocks_differing(weights: LeanWeights, tokens: torch.Tensor, invariant: bool
     pytest.param(("tiny", "float32", "static", None), id="tiny-float32-cpu-static")] + [
     pytest.param((model, "float32", f"cpu-{rows_}", None), id=f"{model}-float32-cpu-{rows_}",
                  marks=[pytest.mark.slow] if model == "builtin" else [])
-    for model in ("tiny", "builtin") for rows_ in ("narrow", "wide")])
+    for model in ("tiny", "builtin") for rows_ in ("narrow", "wide")] + [
+    pytest.param(("tiny", "float32", "cpu-python", None), id="tiny-float32-cpu-python")])
 def weights(request) -> LeanWeights:
     """A tiny Llama, and the built-in model (SmolLM2-135M), in each dtype (int4: the 4-bit
     target, on the GGUF's own blocks for the built-in model), lean, on each device; on the CPU
@@ -116,13 +117,17 @@ def weights(request) -> LeanWeights:
     chunks and trees are checked on every machine; and both in float32 with the fewest rows a
     product takes held to what a lone row needs (`narrow`) or WIDE_ROWS (`wide`, as where that
     streams faster), whichever this machine chose at load (the built-in model's under slow: its
-    plain case runs this machine's choice in the default suite)."""
+    plain case runs this machine's choice in the default suite); and the tiny Llama through the
+    Python layer loop (`python`: as a family the C++ loop does not take runs, Gemma 3's), its
+    products padded to WIDE_ROWS, attending through the row kernel where it runs."""
     model, dtype, device, kernel = request.param
-    if device in ("cpu-narrow", "cpu-wide"):  # weights of their own: the cached ones keep their choice
+    if device in ("cpu-narrow", "cpu-wide", "cpu-python"):  # weights of their own: the cached ones
         module = tiny_llama(hidden=64) if model == "tiny" else load_model(DEFAULT_MODEL, dtype).model
         weights = LeanWeights(module)
         narrow = {role: 2 if role in weights.paired else 1 for role in ROLES}
         weights.min_rows = narrow if device == "cpu-narrow" else dict.fromkeys(ROLES, WIDE_ROWS)
+        # the C++ loop holds the rows it pads to from when it was built
+        weights.native = None if device == "cpu-python" else lean.native_layers(weights)
         return weights
     if device == "static":
         weights = LeanWeights.of(tiny_llama(hidden=64))

@@ -24,6 +24,8 @@ def test_amx_tiles_get_the_build_without_amx():
             "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(WITHOUT_AMX)
     for cpuinfo in (EPYC, LAPTOP_AVX2, "", "Processor\t: AArch64\nFeatures\t: fp asimd\n"):
         assert cmake_args(cpu_flags(cpuinfo)) == NATIVE
+    # the bench decodes text: neither build makes the multimodal library
+    assert "-DLLAVA_BUILD=OFF" in NATIVE and "-DLLAVA_BUILD=OFF" in WITHOUT_AMX
 
 
 def test_the_build_is_made_anew_with_the_chosen_options(monkeypatch, capsys):

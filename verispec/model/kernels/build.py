@@ -10,6 +10,7 @@ the built file directly (milliseconds).
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.machinery
@@ -53,13 +54,24 @@ def library_name() -> str:
 
 
 def _build(name: str, directory: Path) -> ModuleType:
+    """Build (or, where another process built it meanwhile, import) the library into directory.
+
+    torch's builder holds a lock file there while it builds and waits, forever, while one exists:
+    a build stopped midway (Ctrl-C, a timeout's kill) leaves it behind, and every later build of
+    the same source would hang. So builds hold a lock of their own, which the system releases
+    however its process ends; whoever holds it knows a leftover torch lock is stale."""
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
-    print(f"verispec: building the row kernels once (cached in {directory})", file=sys.stderr)
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
-                              extra_cflags=flags(), extra_ldflags=["-fopenmp"],
-                              verbose=False)
+    with open(directory / "verispec.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        built = directory / f"{name}.so"
+        if built.is_file():
+            return _import(name, built)
+        (directory / "lock").unlink(missing_ok=True)
+        print(f"verispec: building the row kernels once (cached in {directory})", file=sys.stderr)
+        return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
+                                  extra_cflags=flags(), extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _import(name: str, path: Path) -> ModuleType:
