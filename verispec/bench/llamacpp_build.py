@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m verispec.bench.llamacpp_build",
         description=f"Build and install {PACKAGE} (the llamacpp extra) for this CPU: AVX-512 without AMX "
-                    "where the CPU has AMX tiles, the native build elsewhere (about 5 minutes on 2 cores).")
+                    "where the CPU has AMX tiles, the native build elsewhere (about 5-7 minutes on 2 cores).")
     parser.add_argument("--print", action="store_true", help="print the CMAKE_ARGS for this CPU and exit")
     options = parser.parse_args(argv)
     # The user's own CMAKE_ARGS come last: CMake takes the last value of an option.
