@@ -687,12 +687,6 @@ def kernel_classes() -> set[str]:
     return set(supported())
 
 
-def usable_cores() -> int:
-    """The cores this process may use (a container's CPU quota, where it has one)."""
-    from verispec.core.cores import usable_cores as cores
-
-    return cores()
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -723,6 +717,8 @@ def main() -> int:
     if args.check:
         print(f"{len(mutants)} mutants: each search text found once, each guarding test exists")
         return 0
+    from verispec.core.cores import usable_cores  # a container's CPU quota, where it has one
+
     classes = kernel_classes()
     results = {m.name: ("not run here", f"this CPU lacks {m.needs}", 0.0)
                for m in mutants if m.needs and m.needs not in classes}
