@@ -18,7 +18,7 @@ import torch
 from verispec.model.kernels.rows import CodesProduct, DenseProduct, choice
 
 SHAPES = ((960, 576), (3072, 576), (576, 1536), (49152, 576))  # [out, in]: q/k/v, gate/up, down, head
-ROWS = (1, 4, 8, 16)
+ROWS = (1, 2, 3, 4, 8, 16)
 
 
 def least_seconds(call: Callable[[], object], calls: int, rounds: int = 9) -> float:
