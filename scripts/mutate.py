@@ -329,7 +329,8 @@ MUTANTS = (
            "the AVX2 class rounds a block's first row's scaled sum apart from its add (the rest: one FMA)",
            needs="avx2"),
     Mutant("row-kernel-avx2-blocks-even-first", "verispec/model/kernels/rows.cpp",
-           "          for (int r = 0; r < R; ++r) pair_step_avx2(c[k + h][r], w[h], xs[r] + 2 * (j + k + h));\n",
+           "          for (int r = 0; r < R; ++r) "
+           "pair_step_avx2(c[k + h][r], w[h], xs[r] + 2 * (j + k + h));\n",
            "          for (int r = 0; r < R; ++r) {\n"
            "            const float* x = xs[r] + 2 * (j + k + h);\n"
            "            if (R == 1) { pair_step_avx2(c[k + h][r], w[h], x); continue; }\n"
