@@ -328,32 +328,26 @@ MUTANTS = (
             f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx2]"),
            "the AVX2 class rounds a block's first row's scaled sum apart from its add (the rest: one FMA)",
            needs="avx2"),
-    Mutant("row-kernel-avx2-blocks-even-first", "verispec/model/kernels/rows.cpp",
-           "          for (int r = 0; r < R; ++r) "
-           "pair_step_avx2(c[k + h][r], w[h], xs[r] + 2 * (j + k + h));\n",
-           "          for (int r = 0; r < R; ++r) {\n"
-           "            const float* x = xs[r] + 2 * (j + k + h);\n"
-           "            if (R == 1) { pair_step_avx2(c[k + h][r], w[h], x); continue; }\n"
-           "            const __m256 x0 = _mm256_broadcast_ss(x), x1 = _mm256_broadcast_ss(x + 1);\n"
-           "            __m256* a = c[k + h][r];\n"
-           "            a[0] = _mm256_fmadd_ps(w[h].e1lo, x1, _mm256_fmadd_ps(w[h].e0lo, x0, a[0]));\n"
-           "            a[1] = _mm256_fmadd_ps(w[h].e1hi, x1, _mm256_fmadd_ps(w[h].e0hi, x0, a[1]));\n"
-           "          }\n",
+    Mutant("row-kernel-avx2-four-rows-even-first", "verispec/model/kernels/rows.cpp",
+           "        a[r][0] = _mm256_fmadd_ps(w2, x1, a[r][0]);\n"
+           "        a[r][1] = _mm256_fmadd_ps(w3, x1, a[r][1]);\n"
+           "        a[r][0] = _mm256_fmadd_ps(w0, x0, a[r][0]);\n",
+           "        a[r][0] = _mm256_fmadd_ps(w0, x0, a[r][0]);\n"
+           "        a[r][1] = _mm256_fmadd_ps(w3, x1, a[r][1]);\n"
+           "        a[r][0] = _mm256_fmadd_ps(w2, x1, a[r][0]);\n",
            ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits",
             f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx2]"),
-           "the AVX2 class's blocks of rows add a pair's even product first (a lone row: odd first)",
+           "the AVX2 class's four-row blocks add a pair's even product first (a lone row: odd first)",
            needs="avx2"),
-    Mutant("row-kernel-avx2-lone-row-summed-apart", "verispec/model/kernels/rows.cpp",
-           "    lo[r] = _mm256_add_ps(_mm256_add_ps(c[0][r][0], c[1][r][0]), "
-           "_mm256_add_ps(c[2][r][0], c[3][r][0]));\n",
-           "    lo[r] = R == 1 ? _mm256_add_ps(_mm256_add_ps(c[0][r][0], c[2][r][0]), "
-           "_mm256_add_ps(c[1][r][0], c[3][r][0]))\n"
-           "                   : _mm256_add_ps(_mm256_add_ps(c[0][r][0], c[1][r][0]), "
-           "_mm256_add_ps(c[2][r][0], c[3][r][0]));\n",
+    Mutant("row-kernel-avx2-lone-row-codes-summed-apart", "verispec/model/kernels/rows.cpp",
+           "  sum_chains_avx2(c, lo, hi);\n}\n\n// A lone row's dot_rows_avx2 straight from a bfloat16",
+           "  lo = _mm256_add_ps(_mm256_add_ps(c[0][0], c[2][0]), _mm256_add_ps(c[1][0], c[3][0]));\n"
+           "  hi = _mm256_add_ps(_mm256_add_ps(c[0][1], c[2][1]), _mm256_add_ps(c[1][1], c[3][1]));\n"
+           "}\n\n// A lone row's dot_rows_avx2 straight from a bfloat16",
            ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits",
             f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]"),
-           "the AVX2 class's lone row sums its four chains in another order than a block's rows",
-           needs="avx2"),
+           "the AVX2 class's lone row, multiplied straight from the codes, sums its four chains in "
+           "another order than a block's rows", needs="avx2"),
     Mutant("row-attention-avx2-block-scale", "verispec/model/kernels/rows.cpp",
            "                              static_cast<float>(scale), scores.data(), os[b]);",
            "                              n > 1 ? std::nextafter(static_cast<float>(scale), 1.0f)"

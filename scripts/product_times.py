@@ -1,5 +1,5 @@
 """The row kernels' products alone: microseconds of a SmolLM2 layer's product shapes and its LM
-head, 4-bit g32 codes and bfloat16 weights, at 1, 4, 8 and 16 rows, on the class this process
+head, 4-bit g32 codes and bfloat16 weights, at 1, 2, 3, 4, 8 and 16 rows, on the class this process
 runs (VERISPEC_KERNELS forces one). The least of nine rounds: a kernel change is compared by
 running this in a clone of the parent and in the working tree, alternately (docs/kernels.md).
 

@@ -310,11 +310,10 @@ AVX512_BF16 void dense_tiles(const uint16_t* xb, int64_t M, int64_t K, const uin
 // (odd, then even) on bfloat16-valued operands give the same sums; the reductions below spell the
 // trees of _mm512_reduce_add_ps and lane_sums. (vdpbf16ps also reads subnormal inputs as zero and
 // flushes subnormal sums: the conversion to bfloat16 here does the first; the second, sums under
-// 1e-38, is not reproduced.) A 16-output tile is two 8-lane halves. Rows go four at a time
-// (dot_pairs_avx2: each row's instructions in a lone row's order, so its bits do not depend on
-// the rows beside it), each block reading the weights as float32 straight from their codes or
-// bfloat16 words; past four rows, 4-bit and 8-bit codes are unpacked once per tile and group into
-// a buffer in L1 that each block reads (a code costs three instructions to unpack).
+// 1e-38, is not reproduced.) A 16-output tile is two 8-lane halves; weights are unpacked to float32
+// once per tile and group into a buffer in L1, then applied to every row, four rows at a time
+// (dot_block_avx2: each row's instructions in a lone row's order, so its bits do not depend on
+// whether it came in a block of four).
 
 // x [M, K] (float32 or bfloat16) -> its values rounded to bfloat16 (nearest even, subnormals to
 // zero: _mm512_cvtneps_pbh's rounding), as float32.
@@ -383,52 +382,62 @@ AVX2 void group_sums_avx2(const float* xf, int64_t M, int64_t K, float* sums) {
   }
 }
 
-// One pair of a tile-group's weights as float32 (pair i: element 0 even, 1 odd; outputs 0..7 lo,
-// 8..15 hi), from wherever the weights are: the unpacked buffer, the codes, bfloat16 words.
-struct PairAvx2 {
-  __m256 e0lo, e0hi, e1lo, e1hi;
-};
-
-// A pair's step of chain c (c[0]: outputs 0..7, c[1]: 8..15) for one row: the odd element's
-// products, then the even's, x the row's inputs of the pair.
-AVX2 inline void pair_step_avx2(__m256* c, const PairAvx2& w, const float* x) {
+// A pair's step of dot_rows_avx2's chain c (c[0]: outputs 0..7, c[1]: 8..15): e1 = the odd
+// element's weights, e0 the even's, each [lo, hi]; x the row's inputs of the pair.
+AVX2 inline void pair_step_avx2(__m256* c, __m256 e0lo, __m256 e0hi, __m256 e1lo, __m256 e1hi, const float* x) {
   const __m256 x1 = _mm256_broadcast_ss(x + 1), x0 = _mm256_broadcast_ss(x);
-  c[0] = _mm256_fmadd_ps(w.e1lo, x1, c[0]);
-  c[1] = _mm256_fmadd_ps(w.e1hi, x1, c[1]);
-  c[0] = _mm256_fmadd_ps(w.e0lo, x0, c[0]);
-  c[1] = _mm256_fmadd_ps(w.e0hi, x0, c[1]);
+  c[0] = _mm256_fmadd_ps(e1lo, x1, c[0]);
+  c[1] = _mm256_fmadd_ps(e1hi, x1, c[1]);
+  c[0] = _mm256_fmadd_ps(e0lo, x0, c[0]);
+  c[1] = _mm256_fmadd_ps(e0hi, x0, c[1]);
 }
 
-// R rows' sums over a tile-group of P pairs, pairs(i, a, b) its pairs i and i + 1 (i even: a
-// byte of 4-bit codes holds both): per row, four chains as dot_rows (pair i into chain i % 4,
-// each pair odd element first), summed (c0 + c1) + (c2 + c3); every row the same instructions in
-// the same order, so a row's bits never depend on how many rows came with it or where its
-// weights were read from. Each pair is read once for all R rows. A lone row runs its four chains
-// at once (enough independent sums to hide the FMA's latency); two rows two chains at a time,
-// more rows one, so that their sums stay in registers.
-template <int P, int R, typename Pairs>
-AVX2 inline void dot_pairs_avx2(Pairs pairs, const float* const* xs, __m256* lo, __m256* hi) {
-  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;  // chains at once
-  static_assert(P % 4 == 0 && R >= 1 && R <= 4);
+AVX2 inline void sum_chains_avx2(__m256 (*c)[2], __m256& lo, __m256& hi) {
+  lo = _mm256_add_ps(_mm256_add_ps(c[0][0], c[1][0]), _mm256_add_ps(c[2][0], c[3][0]));
+  hi = _mm256_add_ps(_mm256_add_ps(c[0][1], c[1][1]), _mm256_add_ps(c[2][1], c[3][1]));
+}
+
+// One row's sum over a tile-group: wf [P][2][16] float32 (pair p, element e, output j), x the row's
+// G inputs; four chains as dot_rows, each pair odd element first. Returns outputs 0..7, 8..15.
+template <int P>
+AVX2 inline void dot_rows_avx2(const float* wf, const float* x, __m256& lo, __m256& hi) {
+  __m256 c[4][2];
+  for (int k = 0; k < 4; ++k) c[k][0] = c[k][1] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+  for (int i = 0; i < P; ++i) {
+    const float* w = wf + i * 32;
+    pair_step_avx2(c[i % 4], _mm256_load_ps(w), _mm256_load_ps(w + 8), _mm256_load_ps(w + 16),
+                   _mm256_load_ps(w + 24), x + 2 * i);
+  }
+  sum_chains_avx2(c, lo, hi);
+}
+
+// dot_rows_avx2 for R rows at once, each row's sums the same instructions in the same order (so
+// the same bits): one chain at a time, its weights loaded once for the R rows. One row at a time
+// loads six values (four weight vectors, two inputs) per four FMAs, which bounds it by loads;
+// four rows load twelve per sixteen. (For fewer rows the chains interleave: dot_rows_avx2.)
+template <int P, int R>
+AVX2 inline void dot_block_avx2(const float* wf, const float* const* xs, __m256* lo, __m256* hi) {
   __m256 c[4][R][2];
 #pragma GCC unroll 4
-  for (int k0 = 0; k0 < 4; k0 += C) {
-    for (int k = k0; k < k0 + C; ++k)
-      for (int r = 0; r < R; ++r) c[k][r][0] = c[k][r][1] = _mm256_setzero_ps();
-#pragma GCC unroll 16
-    for (int j = 0; j < P; j += 4) {
-#pragma GCC unroll 2
-      for (int k = k0 - k0 % 2; k < k0 + C; k += 2) {
-        PairAvx2 w[2];
-        pairs(j + k, w[0], w[1]);
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          if (k + h < k0 || k + h >= k0 + C) continue;  // another pass's chain
+  for (int k = 0; k < 4; ++k) {
+    __m256 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
 #pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) pair_step_avx2(c[k + h][r], w[h], xs[r] + 2 * (j + k + h));
-        }
+    for (int i = k; i < P; i += 4) {
+      const float* w = wf + i * 32;
+      const __m256 w0 = _mm256_load_ps(w), w1 = _mm256_load_ps(w + 8);
+      const __m256 w2 = _mm256_load_ps(w + 16), w3 = _mm256_load_ps(w + 24);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 x1 = _mm256_broadcast_ss(xs[r] + 2 * i + 1), x0 = _mm256_broadcast_ss(xs[r] + 2 * i);
+        a[r][0] = _mm256_fmadd_ps(w2, x1, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(w3, x1, a[r][1]);
+        a[r][0] = _mm256_fmadd_ps(w0, x0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(w1, x0, a[r][1]);
       }
     }
+    for (int r = 0; r < R; ++r) c[k][r][0] = a[r][0], c[k][r][1] = a[r][1];
   }
   for (int r = 0; r < R; ++r) {
     lo[r] = _mm256_add_ps(_mm256_add_ps(c[0][r][0], c[1][r][0]), _mm256_add_ps(c[2][r][0], c[3][r][0]));
@@ -436,19 +445,7 @@ AVX2 inline void dot_pairs_avx2(Pairs pairs, const float* const* xs, __m256* lo,
   }
 }
 
-constexpr int64_t AVX2_BLOCK = 4;  // the most rows dot_pairs_avx2 takes at once
-constexpr int64_t DIRECT_ROWS_AVX2 = 4;  // 4-bit and 8-bit codes: up to this many rows, no buffer
-
-// dot_pairs_avx2 for n (1..AVX2_BLOCK) rows xs; row b's sums into lo[b], hi[b].
-template <int P, typename Pairs>
-AVX2 inline void dot_block_avx2(Pairs pairs, const float* const* xs, int64_t n, __m256* lo, __m256* hi) {
-  switch (n) {
-    case 1: dot_pairs_avx2<P, 1>(pairs, xs, lo, hi); break;
-    case 2: dot_pairs_avx2<P, 2>(pairs, xs, lo, hi); break;
-    case 3: dot_pairs_avx2<P, 3>(pairs, xs, lo, hi); break;
-    default: dot_pairs_avx2<P, 4>(pairs, xs, lo, hi);
-  }
-}
+constexpr int64_t AVX2_BLOCK = 4;  // rows dot_block_avx2 takes at once
 
 // unpack_avx2's values in registers: the 4 bits at `shift` of each 32-bit lane; a lane's signed
 // low and high 16 bits.
@@ -458,52 +455,54 @@ AVX2 inline __m256 nibble_avx2(__m256i v, int shift, __m256i low) {
 AVX2 inline __m256 low_half_avx2(__m256i v) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16)); }
 AVX2 inline __m256 high_half_avx2(__m256i v) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16)); }
 
-// Pairs i and i + 1 (i even) of a tile-group's codes (unpack_avx2's values, never stored): with
-// NIBBLES, both in bytes 16i.., pair i the low nibbles and i + 1 the high ones.
-template <bool NIBBLES>
-struct CodesPairsAvx2 {
-  const uint8_t* codes;
-  AVX2 void operator()(int i, PairAvx2& a, PairAvx2& b) const {
-    if constexpr (NIBBLES) {
-      const uint8_t* p = codes + 16 * i;
-      const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-      const __m256i low = _mm256_set1_epi32(0x0f);
-      a = {nibble_avx2(v0, 0, low), nibble_avx2(v1, 0, low), nibble_avx2(v0, 16, low), nibble_avx2(v1, 16, low)};
-      b = {nibble_avx2(v0, 4, low), nibble_avx2(v1, 4, low), nibble_avx2(v0, 20, low), nibble_avx2(v1, 20, low)};
-    } else {
-      a = bytes(codes + 32 * i), b = bytes(codes + 32 * i + 32);
+// A lone row's dot_rows_avx2 straight from a tile-group's codes (unpack_avx2's values, never
+// stored): the same values in the same chains and order, so the same bits, without writing and
+// reading back the unpacked buffer, which a lone row, using each value once, cannot amortise.
+template <int P, bool NIBBLES>
+AVX2 inline void dot_codes_avx2(const uint8_t* codes, const float* x, __m256& lo, __m256& hi) {
+  __m256 c[4][2];
+  for (int k = 0; k < 4; ++k) c[k][0] = c[k][1] = _mm256_setzero_ps();
+  if constexpr (NIBBLES) {
+    const __m256i low = _mm256_set1_epi32(0x0f);
+#pragma GCC unroll 8
+    for (int q = 0; q < P / 2; ++q) {  // pairs 2q (low nibbles) and 2q + 1 (high)
+      const uint8_t* b = codes + 32 * q;
+      const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+      const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
+      pair_step_avx2(c[(2 * q) % 4], nibble_avx2(v0, 0, low), nibble_avx2(v1, 0, low), nibble_avx2(v0, 16, low),
+                     nibble_avx2(v1, 16, low), x + 4 * q);
+      pair_step_avx2(c[(2 * q + 1) % 4], nibble_avx2(v0, 4, low), nibble_avx2(v1, 4, low),
+                     nibble_avx2(v0, 20, low), nibble_avx2(v1, 20, low), x + 4 * q + 2);
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* b = codes + 32 * p;
+      const __m256i v0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+      const __m256i v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
+      pair_step_avx2(c[p % 4], low_half_avx2(v0), low_half_avx2(v1), high_half_avx2(v0), high_half_avx2(v1),
+                     x + 2 * p);
     }
   }
-  AVX2 static PairAvx2 bytes(const uint8_t* p) {
-    const __m256i v0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-    return {low_half_avx2(v0), low_half_avx2(v1), high_half_avx2(v0), high_half_avx2(v1)};
-  }
-};
+  sum_chains_avx2(c, lo, hi);
+}
 
-// Pairs i and i + 1 of a bfloat16 tile chunk [16 outputs][32 inputs] in pair words (element 0
-// the low half).
-struct DensePairsAvx2 {
-  const uint16_t* tile;
-  AVX2 void operator()(int i, PairAvx2& a, PairAvx2& b) const { a = pair(tile + 32 * i), b = pair(tile + 32 * i + 32); }
-  AVX2 static PairAvx2 pair(const uint16_t* p) {
-    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-    const __m256i top = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-    return {_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)),
-            _mm256_castsi256_ps(_mm256_and_si256(v0, top)), _mm256_castsi256_ps(_mm256_and_si256(v1, top))};
+// A lone row's dot_rows_avx2 straight from a bfloat16 tile chunk [16 outputs][32 inputs] in pair
+// words (dense_tiles_avx2's values, never stored).
+AVX2 inline void dot_dense_avx2(const uint16_t* tile, const float* x, __m256& lo, __m256& hi) {
+  __m256 c[4][2];
+  for (int k = 0; k < 4; ++k) c[k][0] = c[k][1] = _mm256_setzero_ps();
+  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+#pragma GCC unroll 16
+  for (int p = 0; p < 16; ++p) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * p));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * p + 16));
+    pair_step_avx2(c[p % 4], _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)),
+                   _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), _mm256_castsi256_ps(_mm256_and_si256(v0, top)),
+                   _mm256_castsi256_ps(_mm256_and_si256(v1, top)), x + 2 * p);
   }
-};
-
-// Pairs i and i + 1 of the unpacked buffer wf [P][2][16].
-struct BufferPairsAvx2 {
-  const float* wf;
-  AVX2 void operator()(int i, PairAvx2& a, PairAvx2& b) const { a = pair(wf + 32 * i), b = pair(wf + 32 * i + 32); }
-  AVX2 static PairAvx2 pair(const float* w) {
-    return {_mm256_load_ps(w), _mm256_load_ps(w + 8), _mm256_load_ps(w + 16), _mm256_load_ps(w + 24)};
-  }
-};
+  sum_chains_avx2(c, lo, hi);
+}
 
 // A row's tile-group sums into its accumulators a [16]: a += sum * scale (+ sum(x) * min).
 template <bool MINS>
@@ -574,35 +573,30 @@ AVX2 void codes_tiles_avx2(const float* xf, const float* xsum, int64_t M, int64_
         __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
         if constexpr (MINS) m0 = load_scales_avx2<HALF>(mins, tg * TILE), m1 = load_scales_avx2<HALF>(mins, tg * TILE + 8);
         const float* row_sums = MINS ? xsum + r0 * groups + g : nullptr;  // row r's: [r * groups]
-        if (rows == 1) {  // a lone row (most steps), without the blocks' bookkeeping
-          const float* x = xf + r0 * K + g * G;
+        if (rows == 1) {  // a lone row: the codes straight into the chains (the same bits)
           __m256 lo, hi;
-          dot_pairs_avx2<P, 1>(CodesPairsAvx2<NIBBLES>{c}, &x, &lo, &hi);
+          dot_codes_avx2<P, NIBBLES>(c, xf + r0 * K + g * G, lo, hi);
           scale_into_avx2<MINS>(acc, lo, hi, s0, s1, m0, m1, row_sums, 0);
           continue;
         }
-        const float* xs[ROW_CHUNK];
-        for (int64_t r = 0; r < rows; ++r) xs[r] = xf + (r0 + r) * K + g * G;
-        // A few rows read the codes straight into their chains; more pay once for unpacking
-        // them into wf, which each block of rows then reads. The same values either way.
-        const bool direct = rows <= DIRECT_ROWS_AVX2;
-        if (!direct) {
-          if constexpr (NIBBLES) {
-            for (int q = 0; q < P / 2; ++q) unpack_avx2<true>(c + 32 * q, wf + 64 * q);
-          } else {
-            for (int p = 0; p < P; ++p) unpack_avx2<false>(c + 32 * p, wf + 32 * p);
-          }
+        if constexpr (NIBBLES) {
+          for (int q = 0; q < P / 2; ++q) unpack_avx2<true>(c + 32 * q, wf + 64 * q);
+        } else {
+          for (int p = 0; p < P; ++p) unpack_avx2<false>(c + 32 * p, wf + 32 * p);
         }
-        for (int64_t r = 0; r < rows; r += AVX2_BLOCK) {
-          const int64_t n = std::min(AVX2_BLOCK, rows - r);
+        int64_t r = 0;
+        for (; r + AVX2_BLOCK <= rows; r += AVX2_BLOCK) {
+          const float* xs[AVX2_BLOCK];
+          for (int64_t b = 0; b < AVX2_BLOCK; ++b) xs[b] = xf + (r0 + r + b) * K + g * G;
           __m256 lo[AVX2_BLOCK], hi[AVX2_BLOCK];
-          if (direct) {
-            dot_block_avx2<P>(CodesPairsAvx2<NIBBLES>{c}, xs + r, n, lo, hi);
-          } else {
-            dot_block_avx2<P>(BufferPairsAvx2{wf}, xs + r, n, lo, hi);
-          }
-          for (int64_t b = 0; b < n; ++b)
+          dot_block_avx2<P, AVX2_BLOCK>(wf, xs, lo, hi);
+          for (int64_t b = 0; b < AVX2_BLOCK; ++b)
             scale_into_avx2<MINS>(acc + (r + b) * TILE, lo[b], hi[b], s0, s1, m0, m1, row_sums, (r + b) * groups);
+        }
+        for (; r < rows; ++r) {
+          __m256 lo, hi;
+          dot_rows_avx2<P>(wf, xf + (r0 + r) * K + g * G, lo, hi);
+          scale_into_avx2<MINS>(acc + r * TILE, lo, hi, s0, s1, m0, m1, row_sums, r * groups);
         }
       }
       for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (r0 + r) * N + t * TILE, acc + r * TILE, TILE * 4);
@@ -634,6 +628,8 @@ AVX2 void dense_tiles_avx2(const float* xf, int64_t M, int64_t K, const uint16_t
   constexpr int P = 16;
   const int64_t chunks = K / 32;
   alignas(64) float acc[ROW_CHUNK * TILE];
+  alignas(64) float wf[P * 32];
+  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
       const int64_t rows = std::min(ROW_CHUNK, M - r0);
@@ -642,22 +638,32 @@ AVX2 void dense_tiles_avx2(const float* xf, int64_t M, int64_t K, const uint16_t
         const uint16_t* tile = weight + (t * chunks + c) * (TILE * 32);
         for (int64_t line = 0; line < TILE * 32 * 2; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(tile) + PREFETCH + line, _MM_HINT_T0);
-        if (rows == 1) {  // as codes_tiles_avx2
-          const float* x = xf + r0 * K + c * 32;
+        if (rows == 1) {  // a lone row: the weights straight into the chains (the same bits)
           __m256 lo, hi;
-          dot_pairs_avx2<P, 1>(DensePairsAvx2{tile}, &x, &lo, &hi);
+          dot_dense_avx2(tile, xf + r0 * K + c * 32, lo, hi);
           add_into_avx2(acc, lo, hi);
           continue;
         }
-        // Every block of rows reads the words straight into its chains: bfloat16 words unpack in
-        // one instruction each, less than a buffer's store and load.
-        const float* xs[ROW_CHUNK];
-        for (int64_t r = 0; r < rows; ++r) xs[r] = xf + (r0 + r) * K + c * 32;
-        for (int64_t r = 0; r < rows; r += AVX2_BLOCK) {
-          const int64_t n = std::min(AVX2_BLOCK, rows - r);
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+          for (int half = 0; half < 2; ++half) {  // a 32-bit word: element 0 low, 1 high
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * p + 16 * half));
+            _mm256_store_ps(wf + 32 * p + 8 * half, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+            _mm256_store_ps(wf + 32 * p + 16 + 8 * half, _mm256_castsi256_ps(_mm256_and_si256(v, top)));
+          }
+        }
+        int64_t r = 0;
+        for (; r + AVX2_BLOCK <= rows; r += AVX2_BLOCK) {
+          const float* xs[AVX2_BLOCK];
+          for (int64_t b = 0; b < AVX2_BLOCK; ++b) xs[b] = xf + (r0 + r + b) * K + c * 32;
           __m256 lo[AVX2_BLOCK], hi[AVX2_BLOCK];
-          dot_block_avx2<P>(DensePairsAvx2{tile}, xs + r, n, lo, hi);
-          for (int64_t b = 0; b < n; ++b) add_into_avx2(acc + (r + b) * TILE, lo[b], hi[b]);
+          dot_block_avx2<P, AVX2_BLOCK>(wf, xs, lo, hi);
+          for (int64_t b = 0; b < AVX2_BLOCK; ++b) add_into_avx2(acc + (r + b) * TILE, lo[b], hi[b]);
+        }
+        for (; r < rows; ++r) {
+          __m256 lo, hi;
+          dot_rows_avx2<P>(wf, xf + (r0 + r) * K + c * 32, lo, hi);
+          add_into_avx2(acc + r * TILE, lo, hi);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
