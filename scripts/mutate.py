@@ -348,6 +348,18 @@ MUTANTS = (
             f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]"),
            "the AVX2 class's lone row, multiplied straight from the codes, sums its four chains in "
            "another order than a block's rows", needs="avx2"),
+    Mutant("row-kernel-avx2-two-rows-even-first", "verispec/model/kernels/rows.cpp",
+           "          pair_step_avx2(a[e][1], e0lo, e0hi, e1lo, e1hi, x1 + 2 * (i + e));\n"
+           "        }\n      }\n    }\n",
+           "          const __m256 y0 = _mm256_broadcast_ss(x1 + 2 * (i + e));\n"
+           "          const __m256 y1 = _mm256_broadcast_ss(x1 + 2 * (i + e) + 1);\n"
+           "          a[e][1][0] = _mm256_fmadd_ps(e1lo, y1, _mm256_fmadd_ps(e0lo, y0, a[e][1][0]));\n"
+           "          a[e][1][1] = _mm256_fmadd_ps(e1hi, y1, _mm256_fmadd_ps(e0hi, y0, a[e][1][1]));\n"
+           "        }\n      }\n    }\n",
+           ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits",
+            f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]"),
+           "the AVX2 class's two-row blocks add the second row's even product first (a lone row: odd first)",
+           needs="avx2"),
     Mutant("row-attention-avx2-block-scale", "verispec/model/kernels/rows.cpp",
            "                              static_cast<float>(scale), scores.data(), os[b]);",
            "                              n > 1 ? std::nextafter(static_cast<float>(scale), 1.0f)"

@@ -504,6 +504,56 @@ AVX2 inline void dot_dense_avx2(const uint16_t* tile, const float* x, __m256& lo
   sum_chains_avx2(c, lo, hi);
 }
 
+// dot_codes_avx2 for two rows (inputs x0, x1) at once: each pair's codes unpacked in registers
+// once for both (unpacking costs three instructions a vector, a row's multiply-add one), each
+// row's sums the same instructions in the same order as a lone row's, so the same bits. Two of
+// the four chains at a time (pairs 4j + 2h and 4j + 2h + 1 share their bytes), so that the eight
+// sums stay in registers; the passes are a loop of two, not unrolled, so that the compiler cannot
+// interleave them, and this is a function of its own, so that the lone row's code beside it
+// compiles as before (docs/kernels.md, "Two to four rows straight from the codes").
+template <int P, bool NIBBLES>
+AVX2 __attribute__((noinline)) void dot_codes_pair_rows_avx2(const uint8_t* codes, const float* x0,
+                                                             const float* x1, __m256* lo, __m256* hi) {
+  __m256 c[4][2][2];  // [chain][row][outputs 0..7, 8..15]
+  const __m256i low = _mm256_set1_epi32(0x0f);
+#pragma GCC unroll 1
+  for (int h = 0; h < 2; ++h) {  // chains 2h and 2h + 1
+    __m256 a[2][2][2];
+    for (int k = 0; k < 2; ++k)
+      for (int r = 0; r < 2; ++r) a[k][r][0] = a[k][r][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int j = 0; j < P / 4; ++j) {
+      const int i = 4 * j + 2 * h;  // pairs i and i + 1
+      if constexpr (NIBBLES) {  // pair i the low nibbles of bytes 16i.., i + 1 the high ones
+        const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i)));
+        const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i + 16)));
+        for (int e = 0; e < 2; ++e) {
+          const __m256 e0lo = nibble_avx2(v0, 4 * e, low), e0hi = nibble_avx2(v1, 4 * e, low);
+          const __m256 e1lo = nibble_avx2(v0, 4 * e + 16, low), e1hi = nibble_avx2(v1, 4 * e + 16, low);
+          pair_step_avx2(a[e][0], e0lo, e0hi, e1lo, e1hi, x0 + 2 * (i + e));
+          pair_step_avx2(a[e][1], e0lo, e0hi, e1lo, e1hi, x1 + 2 * (i + e));
+        }
+      } else {
+        for (int e = 0; e < 2; ++e) {
+          const uint8_t* b = codes + 32 * (i + e);
+          const __m256i v0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+          const __m256i v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
+          const __m256 e0lo = low_half_avx2(v0), e0hi = low_half_avx2(v1);
+          const __m256 e1lo = high_half_avx2(v0), e1hi = high_half_avx2(v1);
+          pair_step_avx2(a[e][0], e0lo, e0hi, e1lo, e1hi, x0 + 2 * (i + e));
+          pair_step_avx2(a[e][1], e0lo, e0hi, e1lo, e1hi, x1 + 2 * (i + e));
+        }
+      }
+    }
+    for (int k = 0; k < 2; ++k)
+      for (int r = 0; r < 2; ++r) c[2 * h + k][r][0] = a[k][r][0], c[2 * h + k][r][1] = a[k][r][1];
+  }
+  for (int r = 0; r < 2; ++r) {
+    lo[r] = _mm256_add_ps(_mm256_add_ps(c[0][r][0], c[1][r][0]), _mm256_add_ps(c[2][r][0], c[3][r][0]));
+    hi[r] = _mm256_add_ps(_mm256_add_ps(c[0][r][1], c[1][r][1]), _mm256_add_ps(c[2][r][1], c[3][r][1]));
+  }
+}
+
 // A row's tile-group sums into its accumulators a [16]: a += sum * scale (+ sum(x) * min).
 template <bool MINS>
 AVX2 inline void scale_into_avx2(float* a, __m256 lo, __m256 hi, __m256 s0, __m256 s1, __m256 m0,
@@ -577,6 +627,13 @@ AVX2 void codes_tiles_avx2(const float* xf, const float* xsum, int64_t M, int64_
           __m256 lo, hi;
           dot_codes_avx2<P, NIBBLES>(c, xf + r0 * K + g * G, lo, hi);
           scale_into_avx2<MINS>(acc, lo, hi, s0, s1, m0, m1, row_sums, 0);
+          continue;
+        }
+        if (rows == 2) {  // two rows (a draft of one token and its check): the codes straight in too
+          __m256 lo[2], hi[2];
+          dot_codes_pair_rows_avx2<P, NIBBLES>(c, xf + r0 * K + g * G, xf + (r0 + 1) * K + g * G, lo, hi);
+          for (int64_t r = 0; r < 2; ++r)
+            scale_into_avx2<MINS>(acc + r * TILE, lo[r], hi[r], s0, s1, m0, m1, row_sums, r * groups);
           continue;
         }
         if constexpr (NIBBLES) {
