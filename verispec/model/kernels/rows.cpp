@@ -313,7 +313,8 @@ AVX512_BF16 void dense_tiles(const uint16_t* xb, int64_t M, int64_t K, const uin
 // 1e-38, is not reproduced.) A 16-output tile is two 8-lane halves; weights are unpacked to float32
 // once per tile and group into a buffer in L1, then applied to every row, four rows at a time
 // (dot_block_avx2: each row's instructions in a lone row's order, so its bits do not depend on
-// whether it came in a block of four).
+// whether it came in a block of four). A lone row and a pair of rows read 4-bit and 8-bit codes
+// straight into their chains instead (dot_codes_avx2, dot_codes_pair_rows_avx2).
 
 // x [M, K] (float32 or bfloat16) -> its values rounded to bfloat16 (nearest even, subnormals to
 // zero: _mm512_cvtneps_pbh's rounding), as float32.
