@@ -515,7 +515,7 @@ AVX2 inline void dot_dense_avx2(const uint16_t* tile, const float* x, __m256& lo
 template <int P, bool NIBBLES>
 AVX2 __attribute__((noinline)) void dot_codes_pair_rows_avx2(const uint8_t* codes, const float* x0,
                                                              const float* x1, __m256* lo, __m256* hi) {
-  __m256 c[4][2][2];  // [chain][row][outputs 0..7, 8..15]
+  __m256 c[2][4][2];  // [row][chain][outputs 0..7, 8..15]
   const __m256i low = _mm256_set1_epi32(0x0f);
 #pragma GCC unroll 1
   for (int h = 0; h < 2; ++h) {  // chains 2h and 2h + 1
@@ -547,12 +547,9 @@ AVX2 __attribute__((noinline)) void dot_codes_pair_rows_avx2(const uint8_t* code
       }
     }
     for (int k = 0; k < 2; ++k)
-      for (int r = 0; r < 2; ++r) c[2 * h + k][r][0] = a[k][r][0], c[2 * h + k][r][1] = a[k][r][1];
+      for (int r = 0; r < 2; ++r) c[r][2 * h + k][0] = a[k][r][0], c[r][2 * h + k][1] = a[k][r][1];
   }
-  for (int r = 0; r < 2; ++r) {
-    lo[r] = _mm256_add_ps(_mm256_add_ps(c[0][r][0], c[1][r][0]), _mm256_add_ps(c[2][r][0], c[3][r][0]));
-    hi[r] = _mm256_add_ps(_mm256_add_ps(c[0][r][1], c[1][r][1]), _mm256_add_ps(c[2][r][1], c[3][r][1]));
-  }
+  for (int r = 0; r < 2; ++r) sum_chains_avx2(c[r], lo[r], hi[r]);
 }
 
 // A row's tile-group sums into its accumulators a [16]: a += sum * scale (+ sum(x) * min).
