@@ -18,6 +18,7 @@ from verispec import methods, profile
 from verispec.cli import main
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
 from verispec.core.types import GenerationStats, Proposal, SamplingParams
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.sequence import SequenceSpec
@@ -129,6 +130,24 @@ def test_the_best_drafter_and_k_by_rate():
     assert (both.method, both.k) == ("lookup", 3)
     # its draft is 2 tokens: the model's 3 may still be worth more
     assert best_choice(costs, {"lookup": 0.5, "model": 0.9}, {"lookup": 2, "model": 8}).method == "model"
+
+
+def test_a_tree_is_priced_by_its_nodes_rows_and_drafted_whole_to_its_depth():
+    """A tree of 3 nodes drafted to depth 2 verifies 4 rows and drafts TREE_LEVEL tokens' worth a
+    level; its rate (kept a level, by its own trees) gives the tokens a step."""
+    costs = fake_profile(free_rows=4, model=DrafterCost(0.0, 0.001))
+    choice = best_choice(costs, {"model": 0.6}, {"model": 2}, trees={"model": 3})
+    assert (choice.method, choice.k) == ("model", 2)
+    assert choice.tokens_per_second == pytest.approx(
+        expected_tokens(0.6, 2) / (0.01 + 0.001 * auto_module.TREE_LEVEL * 2))
+    # where each row costs a tenth of a forward, the same tree pays for its 4 rows (a chain of 2
+    # for 3): the chain is the faster
+    sloped = CostProfile(tuple(0.01 + 0.001 * rows for rows in range(17)), 300, 1e4,
+                         {"model": DrafterCost(0.0, 0.001)})
+    tree = best_choice(sloped, {"model": 0.9}, {"model": 2}, trees={"model": 3})
+    assert tree.tokens_per_second == pytest.approx(
+        expected_tokens(0.9, 2) / (0.013 + 0.001 * auto_module.TREE_LEVEL * 2))
+    assert best_choice(sloped, {"model": 0.9}, {"model": 2}).tokens_per_second > tree.tokens_per_second
 
 
 def test_a_larger_batch_makes_the_verify_term_cost_more():
@@ -542,12 +561,13 @@ def test_auto_samples_the_target_distribution(skew):
     assert_follows(sampled, exact, "auto", skew)
 
 
+@pytest.mark.parametrize("tree", [None, TreeSettings(2, 3)], ids=["chain", "tree"])
 @pytest.mark.parametrize("skew", POWER)
-def test_auto_with_eagle_samples_the_target_distribution(skew):
+def test_auto_with_eagle_samples_the_target_distribution(skew, tree):
     """Sampling (temperature 1.5) with EAGLE among auto's candidates (a random one, so that it is
-    refused at times), sitting out the steps where suffix decoding's offer is chosen and catching
-    up after them: the first three tokens follow the target's exact marginals, EAGLE drafted at
-    both positions, some drafts kept and some refused."""
+    refused at times), drafting chains or trees, sitting out the steps where suffix decoding's
+    offer is chosen and catching up after them: the first three tokens follow the target's exact
+    marginals, EAGLE drafted at both positions, some drafts kept and some refused."""
     model = tiny_llama(seed=2, vocab=6, layers=2)
     torch.manual_seed(4)
     net = EagleNet(**eagle_settings(model))
@@ -560,13 +580,17 @@ def test_auto_with_eagle_samples_the_target_distribution(skew):
 
     def make() -> AutoDrafter:
         return AutoDrafter(costs, {"suffix": SuffixDrafter(SuffixSettings(cache_tokens=0))},
-                           {"eagle": EagleDrafter(model, net, head)}, {"suffix": 8, "eagle": 2}, PLAIN)
+                           {"eagle": EagleDrafter(model, net, head, tree=tree)}, {"suffix": 8, "eagle": 2},
+                           PLAIN, {} if tree is None else {"eagle": tree.nodes})
     engine = SpeculativeEngine(model, make(), ConstantK(16), spawn=make, load_cap=LoadCap(()))
     sampling = SamplingParams(True, 1.5)
     exact = exact_marginals(model, prompt, 3, sampling)
     sampled = sample_runs(engine, prompt, 3, sampling, runs_for(exact, skew))
     chosen = methods_chosen(sampled.results)
     assert "eagle" in chosen and chosen <= {"suffix", "eagle", PLAIN}
+    eagle = [step for r in sampled.results for step in r.steps
+             if step.choice and step.choice[0] == "eagle"]
+    assert all((step.tree is None) == (tree is None) for step in eagle)
     sampled.check_drafting(positions=2)
     assert_follows(sampled, exact, "auto with eagle", skew)
 
@@ -617,6 +641,28 @@ def test_the_pace_starts_at_the_profile_takes_the_nearest_row_count_seen_and_res
     before = pace(4)
     pace.observe(4, 1000.0)  # a pause of the process: counted as twice the estimate at most
     assert pace(4) == pytest.approx((0.9 * before * 1.9 + 2 * before) / (0.9 * 1.9 + 1))
+
+
+class Trees(Drafter):
+    """A model drafter that drafts a tree of 3 nodes to depth 2 (two first tokens, one child)."""
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        return Proposal(torch.tensor([1, 2, 3]), parents=torch.tensor([-1, -1, 0]))
+
+
+def test_a_tree_step_is_judged_a_level_at_a_time_and_timed_as_levels():
+    """A tree of 3 nodes whose path of 2 was kept whole counts no refusal (it judged two
+    positions, not three), and its drafting time is held to TREE_LEVEL drafted tokens a level."""
+    costs = fake_profile(4, model=DrafterCost(0.0, 0.001, 0.9))
+    auto = AutoDrafter(costs, {}, {"model": Trees()}, {"model": 2}, PLAIN, {"model": 3})
+    # two tokens of context: nothing to catch up on, so the step's time counts
+    proposal = auto.propose(DraftRequest(torch.zeros(2, dtype=torch.int64), 4, SamplingParams(), None))
+    assert proposal.choice == ("model", 2) and len(proposal) == 3 and not auto.caught_up
+    refused = auto.acceptance["model"].refused
+    auto.spent = 0.001 * auto_module.TREE_LEVEL * 2  # the drafting took what the profile says a tree does
+    auto.commit(2)
+    assert auto.acceptance["model"].refused == pytest.approx(auto_module.MODEL_DECAY * refused)
+    assert auto.slowdown["model"] == pytest.approx(1.0, rel=0.05)
 
 
 def test_auto_counts_one_forward_a_step_and_only_for_steps_it_proposed():
@@ -849,18 +895,46 @@ def test_a_trained_drafter_among_autos_candidates_reads_the_targets_hidden_state
     assert [r.token_ids for r in batch] == references
 
 
+def test_a_tree_drafting_eagle_among_autos_candidates_gives_ar_tokens(loaded, references, monkeypatch):
+    """EAGLE drafting trees (3 nodes, depth 2) as one of auto's model drafters: chosen, each of
+    its steps a tree verified at once, a whole path of one kept (a random EAGLE: seed 8 is one
+    that guesses right at times), and the tokens are ar's, alone and in a batch."""
+    monkeypatch.setattr(auto_module, "LEARNT_WEIGHT", 1e6)
+    torch.manual_seed(8)
+    net = EagleNet(**eagle_settings(loaded.model))
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    head = ReducedHead(loaded.model, torch.arange(3, VOCAB - 13))
+    costs = fake_profile(4, suffix=DrafterCost(0.0, 0.0), eagle=DrafterCost(0.0, 0.0001, 0.9))
+    tree = TreeSettings(2, 3)
+
+    def make() -> AutoDrafter:
+        return AutoDrafter(costs, {"suffix": SuffixDrafter(SuffixSettings(cache_tokens=0))},
+                           {"eagle": EagleDrafter(loaded.model, net, head, tree=tree)},
+                           {"suffix": 8, "eagle": 2}, PLAIN, {"eagle": tree.nodes})
+    engine = SpeculativeEngine(loaded.model, make(), ConstantK(16), spawn=make, load_cap=LoadCap(()))
+    results = [engine.generate(SequenceSpec(p, StoppingRules.build(NEW))) for p in PROMPTS]
+    assert [r.token_ids for r in results] == references
+    eagle = [step for r in results for step in r.steps
+             if step.choice and step.choice[0] == "eagle"]
+    assert len(eagle) >= 3 and all(step.tree is not None and step.num_drafted == 3 for step in eagle)
+    assert max(step.num_accepted for step in eagle) == 2
+    batch = engine.generate_batch([SequenceSpec(p, StoppingRules.build(NEW)) for p in PROMPTS])
+    assert [r.token_ids for r in batch] == references
+
+
 @pytest.fixture(scope="module")
 def builtin_int4():
     return load_model(DEFAULT_MODEL, "int4")
 
 
-@pytest.mark.parametrize("free_rows, depth", [(4, 2), (1, 1)])
-def test_the_shipped_eagle_is_a_candidate_drafting_chains_as_deep_as_its_shapes_pay(
-        builtin_int4, monkeypatch, free_rows, depth):
+@pytest.mark.parametrize("free_rows, depth, tree", [(4, 2, TreeSettings(2, 3)), (1, 1, None)])
+def test_the_shipped_eagle_is_a_candidate_drafting_the_shape_that_pays(
+        builtin_int4, monkeypatch, free_rows, depth, tree):
     """On the built-in model auto also chooses the EAGLE drafter shipped for it (not one given
-    with --draft: that is the user's method), drafting chains of the depth its measured shapes
-    make fastest by the profile: 2 where verifying rows is free, 1 where each row costs a
-    forward."""
+    with --draft: that is the user's method), drafting the shape its measured shapes make fastest
+    by the profile: a tree of 3 nodes to depth 2 where verifying 4 rows is free, a chain of 1
+    where each row costs a forward."""
     builders, _ = _auto_candidates(builtin_int4, DraftOptions())
     assert "eagle" in builders
     builders, _ = _auto_candidates(builtin_int4, DraftOptions(draft="elsewhere"))
@@ -871,7 +945,8 @@ def test_the_shipped_eagle_is_a_candidate_drafting_chains_as_deep_as_its_shapes_
     monkeypatch.setattr(methods, "cost_profile", lambda *args, **kwargs: costs)
     drafter = methods._auto(builtin_int4, DraftOptions())
     assert isinstance(drafter.models["eagle"], EagleDrafter) and drafter.needs_hidden
-    assert drafter.limits["eagle"] == depth
+    assert drafter.limits["eagle"] == depth and drafter.models["eagle"].tree == tree
+    assert drafter.trees == ({} if tree is None else {"eagle": tree.nodes})
 
 
 class Slow(Drafter):

@@ -19,7 +19,7 @@ from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.sequence import Speculation
-from verispec.drafters.auto import MODEL_PRIOR, AutoDrafter, CostProfile, best_choice
+from verispec.drafters.auto import MODEL_PRIOR, TREE_LEVEL, AutoDrafter, CostProfile, best_choice
 from verispec.drafters.base import Drafter
 from verispec.drafters.block import BlockDrafter
 from verispec.drafters.cross import CrossDrafter
@@ -217,17 +217,24 @@ def _auto(target: LoadedModel, options: DraftOptions) -> Drafter:
         # the other formats' copies were made for timing only
         forget_weights(target.model, SelfSettings(fastest.removeprefix("self-"), options.group,
                                                   tuple(options.skip_layers)))
+    trees = {}
     for name in (name for name in AUTO_TRAINED if name in builders):
-        # Chains as deep as its measured shapes make fastest here (`shaped`): auto's running
-        # acceptance, up after a few kept drafts, chose 2 tokens where 1 pays on the 4-bit target
-        # (held out, 0.96x against 0.98x eagle-suffix's speed with the depth so bounded).
-        chains = [shape for shape in METHODS[name].shapes if shape.tree is None]
-        if chains:
-            best = max(chains, key=partial(_shape_speed, profile, name))
-            limits[name] = min(limits[name], METHODS[name].default_k if best.k is None else best.k)
-        models[name] = builders[name]()
+        # The shape its measured shapes make fastest here (`shaped`): a chain drafts up to its
+        # depth (auto's running acceptance, up after a few kept drafts, chose 2 tokens where 1
+        # pays on the 4-bit target: held out, 0.96x against 0.98x eagle-suffix's speed with the
+        # depth so bounded); a tree, where verifying its nodes costs little, is drafted whole.
+        best = _fastest_shape(profile, name, name)
+        if best is None:
+            models[name] = builders[name]()
+            continue
+        limits[name] = min(limits[name], METHODS[name].default_k if best.k is None else best.k)
+        if best.tree is None:
+            models[name] = builders[name]()
+        else:
+            models[name] = METHODS[name].build(target, replace(options, tree=best.tree))
+            trees[name] = best.tree.nodes
     return AutoDrafter(profile, {name: builders[name]() for name in AUTO_LOOKUPS}, models, limits,
-                       PLAIN)
+                       PLAIN, trees)
 
 
 def _limit(name: str, options: DraftOptions) -> int:
@@ -258,9 +265,6 @@ class Shape:
     k: int | None = None
 
 
-# A tree's level costs this many of a chain's drafted tokens (its nodes go through the drafter
-# together): 1.7 against 1.3 ms a depth-2 step for EAGLE on the 4-bit target (docs/tuning.md).
-TREE_LEVEL = 1.3
 # A tree is chosen over the chain only where the model gives it this much more speed: the model
 # misses a tree's own verification work (its mask, compacting the cache), which made 2x3 and 2x4
 # measure 7-12% below their modelled speed on the 4-bit target.
@@ -274,6 +278,20 @@ def _shape_speed(profile: CostProfile, kind: str, shape: Shape) -> float:
     rows = 1 + (depth if shape.tree is None else shape.tree.nodes)
     drafting = profile.drafters[kind].seconds(depth if shape.tree is None else TREE_LEVEL * depth)
     return shape.tau / (profile.forward_seconds(rows) + drafting)
+
+
+def _fastest_shape(profile: CostProfile, method: str, kind: str) -> Shape | None:
+    """`method`'s measured shape (drafted by `kind`'s drafter) with the most modelled speed by
+    `profile`; a tree only where it beats the fastest chain by TREE_MARGIN. None: none measured."""
+    shapes = METHODS[method].shapes
+    if not shapes:
+        return None
+    speed = partial(_shape_speed, profile, kind)
+    chains = [shape for shape in shapes if shape.tree is None]
+    best = max(shapes, key=speed)
+    if best.tree is not None and chains and speed(best) < TREE_MARGIN * max(map(speed, chains)):
+        best = max(chains, key=speed)
+    return best
 
 
 def shaped(target: LoadedModel, method: str, options: DraftOptions) -> DraftOptions:
@@ -292,11 +310,7 @@ def shaped(target: LoadedModel, method: str, options: DraftOptions) -> DraftOpti
     chain = replace(options, tree=None)
     profile = cost_profile(target, {kind: lambda: METHODS[kind].build(target, chain)},
                            {kind: METHODS[kind].default_k})
-    speed = partial(_shape_speed, profile, kind)
-    chains = [shape for shape in spec.shapes if shape.tree is None]
-    best = max(spec.shapes, key=speed)
-    if best.tree is not None and chains and speed(best) < TREE_MARGIN * max(map(speed, chains)):
-        best = max(chains, key=speed)
+    best = _fastest_shape(profile, method, kind)
     if best.k is None:
         return replace(options, tree=best.tree)
     # the depth is the method's k where the drafter is the method, else the model's behind a lookup

@@ -76,6 +76,9 @@ MODEL_PRIOR = 0.7  # ... for a model drafter's, where the profile measured none
 MARGIN = 0.03
 # weight of the per-step overhead seen one step earlier (auto's `overhead`)
 OVERHEAD_DECAY = 0.9
+# A tree's level costs this many of a chain's drafted tokens (its nodes go through the drafter
+# together): 1.7 against 1.3 ms a depth-2 step for EAGLE on the 4-bit target (docs/tuning.md).
+TREE_LEVEL = 1.3
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class DrafterCost:
     per_token: float  # seconds per drafted token
     acceptance: float | None = None
 
-    def seconds(self, k: int) -> float:
+    def seconds(self, k: float) -> float:
         return self.per_step + self.per_token * k
 
 
@@ -154,16 +157,18 @@ def expected_by_length(acceptance: float | tuple[float, ...], k: int) -> float:
 def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float, ...]],
                 limits: dict[str, int], batch: int = 1, slowdown: dict[str, float] | None = None,
                 whole: Collection[str] = (), pace: Callable[[int], float] | None = None,
-                overhead: float = 0.0) -> Choice:
+                overhead: float = 0.0, trees: dict[str, int] | None = None) -> Choice:
     """The candidate and draft length (1..limits[name]; exactly limits[name] for the names in
-    `whole`) with the most expected tokens per second for each of `batch` sequences sharing the
-    target pass; plain decoding when none beats it. acceptance: name -> a per-token rate or a
-    survival curve (expected_by_length). slowdown: name -> how much longer its drafting has taken
-    than the profile says (default 1); pace: rows -> how much longer the target's forward over
-    that many rows has taken than the profile's T(rows) (default 1); overhead: seconds a step of
-    the batch costs besides the forward and the drafting (verification, bookkeeping: paid once a
-    token by plain decoding, once a step by a draft). A candidate displaces plain decoding only
-    where its rate beats plain decoding's by MARGIN.
+    `whole` and in `trees`) with the most expected tokens per second for each of `batch` sequences
+    sharing the target pass; plain decoding when none beats it. acceptance: name -> a per-token
+    rate or a survival curve (expected_by_length). slowdown: name -> how much longer its drafting
+    has taken than the profile says (default 1); pace: rows -> how much longer the target's
+    forward over that many rows has taken than the profile's T(rows) (default 1); overhead:
+    seconds a step of the batch costs besides the forward and the drafting (verification,
+    bookkeeping: paid once a token by plain decoding, once a step by a draft); trees: name -> the
+    nodes of the tree it drafts to depth limits[name] (its step verifies 1 + nodes rows, and a
+    level costs TREE_LEVEL drafted tokens; its rate is what its own trees kept a level). A
+    candidate displaces plain decoding only where its rate beats plain decoding's by MARGIN.
 
     >>> profile = CostProfile((0.010, 0.011, 0.012, 0.013), 300, 1e4, {
     ...     "lookup": DrafterCost(0.0, 0.0), "model": DrafterCost(0.0, 0.008)})
@@ -176,12 +181,14 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
     def forward(rows: int) -> float:
         return profile.forward_seconds(rows) * (1.0 if pace is None else pace(rows)) + overhead
 
+    trees = trees or {}
     plain = Choice(None, 0, batch / forward(batch))
     best = replace(plain, tokens_per_second=plain.tokens_per_second * (1 + MARGIN))
     for name, limit in limits.items():
         cost = profile.drafters[name]
-        for k in (limit,) if name in whole else range(1, limit + 1):
-            seconds = forward(batch * (k + 1)) / batch + cost.seconds(k) * (slowdown or {}).get(name, 1.0)
+        for k in (limit,) if name in whole or name in trees else range(1, limit + 1):
+            rows, drafted = (1 + trees[name], TREE_LEVEL * k) if name in trees else (k + 1, k)
+            seconds = forward(batch * rows) / batch + cost.seconds(drafted) * (slowdown or {}).get(name, 1.0)
             rate = expected_by_length(acceptance[name], k) / seconds
             if rate > best.tokens_per_second:
                 best = Choice(name, k, rate)
@@ -306,16 +313,18 @@ def _leading_matches(draft: list[int], committed: list[int]) -> int:
 class AutoDrafter(Drafter):
     """Chooses every step among `lookups` (name -> a drafter that may propose nothing) and
     `models` (name -> a drafter that always can), each drafting at most limits[name] tokens, by
-    `profile`; each Proposal's `choice` says (name, k), (`plain`, 0) for a plain step."""
+    `profile`; each Proposal's `choice` says (name, k), (`plain`, 0) for a plain step. trees:
+    name -> the nodes of the tree that model drafter drafts (built so), always to depth
+    limits[name]."""
 
     def __init__(self, profile: CostProfile, lookups: dict[str, Drafter], models: dict[str, Drafter],
-                 limits: dict[str, int], plain: str) -> None:
+                 limits: dict[str, int], plain: str, trees: dict[str, int] | None = None) -> None:
         candidates = {**lookups, **models}
         missing = [name for name in candidates if name not in profile.drafters]
         if missing:
             raise VerispecError(f"the cost profile has no figures for {', '.join(missing)}")
         self.profile, self.lookups, self.models, self.limits = profile, lookups, models, limits
-        self.plain = plain
+        self.plain, self.trees = plain, trees or {}
         self.adopts_prefill = any(drafter.adopts_prefill for drafter in candidates.values())
         # A drafter that reads the target's hidden states (EAGLE) gets them every step, chosen or
         # not, and catches up on the stretches it sat out when it is next chosen.
@@ -413,7 +422,8 @@ class AutoDrafter(Drafter):
         # a seeded sequence is priced by the profile alone: its output must not follow the load
         slowdown, pace, overhead = (None, None, 0.0) if request.seeded else (self.slowdown, self.pace,
                                                                              self.overhead)
-        choice = best_choice(self.profile, rates, limits, request.batch, slowdown, drafts, pace, overhead)
+        choice = best_choice(self.profile, rates, limits, request.batch, slowdown, drafts, pace, overhead,
+                             self.trees)
         self.awaiting = True
         self.timed = not request.seeded
         self.chosen = choice.method
@@ -436,7 +446,7 @@ class AutoDrafter(Drafter):
             self.spent = time.perf_counter() - started
         else:
             proposal = Proposal(request.tokens[:0])
-        self.drafted = len(proposal)
+        self.drafted = proposal.depth  # the positions judged (a tree's: each level once)
         return replace(proposal, choice=(choice.method or self.plain, choice.k))
 
     def observe_forward(self, rows: int, seconds: float) -> None:
@@ -468,7 +478,8 @@ class AutoDrafter(Drafter):
         # it would price the drafter out, and the stretches it sits out would grow.
         if self.chosen in self.models and self.drafted and not self.caught_up and self.timed:
             taken = self.spent + time.perf_counter() - started
-            predicted = self.profile.drafters[self.chosen].seconds(self.drafted)
+            tree = TREE_LEVEL if self.chosen in self.trees else 1.0
+            predicted = self.profile.drafters[self.chosen].seconds(tree * self.drafted)
             self.slowdown[self.chosen] = (COST_DECAY * self.slowdown[self.chosen]
                                           + (1 - COST_DECAY) * taken / max(predicted, 1e-6))
         for name in self.models:  # the others drift back to the profile's figures
