@@ -224,11 +224,9 @@ def _auto(target: LoadedModel, options: DraftOptions) -> Drafter:
         # pays on the 4-bit target: held out, 0.96x against 0.98x eagle-suffix's speed with the
         # depth so bounded); a tree, where verifying its nodes costs little, is drafted whole.
         best = _fastest_shape(profile, name, name)
-        if best is None:
-            models[name] = builders[name]()
-            continue
-        limits[name] = min(limits[name], METHODS[name].default_k if best.k is None else best.k)
-        if best.tree is None:
+        if best is not None:
+            limits[name] = min(limits[name], METHODS[name].default_k if best.k is None else best.k)
+        if best is None or best.tree is None:
             models[name] = builders[name]()
         else:
             models[name] = METHODS[name].build(target, replace(options, tree=best.tree))
