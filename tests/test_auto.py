@@ -848,13 +848,31 @@ def test_a_drafter_priced_out_by_refusals_comes_back_at_longer_and_longer_interv
 class Watched(EagleDrafter):
     """An EAGLE drafter noting the target's hidden states it was handed, by context length."""
 
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.seen: dict[int, torch.Tensor] = {}
 
     def propose(self, request: DraftRequest) -> Proposal:
         self.seen[request.tokens.shape[0]] = request.target_hidden.clone()
         return super().propose(request)
+
+
+def auto_with_random_eagle(model, seed: int, kind: type[EagleDrafter],
+                           tree: TreeSettings | None = None) -> SpeculativeEngine:
+    """An engine whose auto chooses among suffix decoding and a random EAGLE (`kind`, drafting
+    chains or `tree`, weights drawn from `seed`) priced as nearly free."""
+    torch.manual_seed(seed)
+    net = EagleNet(**eagle_settings(model))
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    head = ReducedHead(model, torch.arange(3, VOCAB - 13))
+    costs = fake_profile(4, suffix=DrafterCost(0.0, 0.0), eagle=DrafterCost(0.0, 0.0001, 0.9))
+
+    def make() -> AutoDrafter:
+        return AutoDrafter(costs, {"suffix": SuffixDrafter(SuffixSettings(cache_tokens=0))},
+                           {"eagle": kind(model, net, head, tree=tree)}, {"suffix": 8, "eagle": 2},
+                           PLAIN, {} if tree is None else {"eagle": tree.nodes})
+    return SpeculativeEngine(model, make(), ConstantK(16), spawn=make, load_cap=LoadCap(()))
 
 
 def test_a_trained_drafter_among_autos_candidates_reads_the_targets_hidden_states(loaded, references,
@@ -865,17 +883,7 @@ def test_a_trained_drafter_among_autos_candidates_reads_the_targets_hidden_state
     batch. (Each answer starts from the profile's acceptance: what this random EAGLE keeps would
     price it out of the later answers.)"""
     monkeypatch.setattr(auto_module, "LEARNT_WEIGHT", 1e6)
-    torch.manual_seed(3)
-    net = EagleNet(**eagle_settings(loaded.model))
-    for p in net.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    head = ReducedHead(loaded.model, torch.arange(3, VOCAB - 13))
-    costs = fake_profile(4, suffix=DrafterCost(0.0, 0.0), eagle=DrafterCost(0.0, 0.0001, 0.9))
-
-    def make() -> AutoDrafter:
-        return AutoDrafter(costs, {"suffix": SuffixDrafter(SuffixSettings(cache_tokens=0))},
-                           {"eagle": Watched(loaded.model, net, head)}, {"suffix": 8, "eagle": 2}, PLAIN)
-    engine = SpeculativeEngine(loaded.model, make(), ConstantK(16), spawn=make, load_cap=LoadCap(()))
+    engine = auto_with_random_eagle(loaded.model, 3, Watched)
     assert engine.drafter.needs_hidden and engine.drafter.hidden_layers == ()
     results = [engine.generate(SequenceSpec(p, StoppingRules.build(NEW))) for p in PROMPTS]
     assert [r.token_ids for r in results] == references
@@ -900,19 +908,7 @@ def test_a_tree_drafting_eagle_among_autos_candidates_gives_ar_tokens(loaded, re
     its steps a tree verified at once, a whole path of one kept (a random EAGLE: seed 8 is one
     that guesses right at times), and the tokens are ar's, alone and in a batch."""
     monkeypatch.setattr(auto_module, "LEARNT_WEIGHT", 1e6)
-    torch.manual_seed(8)
-    net = EagleNet(**eagle_settings(loaded.model))
-    for p in net.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    head = ReducedHead(loaded.model, torch.arange(3, VOCAB - 13))
-    costs = fake_profile(4, suffix=DrafterCost(0.0, 0.0), eagle=DrafterCost(0.0, 0.0001, 0.9))
-    tree = TreeSettings(2, 3)
-
-    def make() -> AutoDrafter:
-        return AutoDrafter(costs, {"suffix": SuffixDrafter(SuffixSettings(cache_tokens=0))},
-                           {"eagle": EagleDrafter(loaded.model, net, head, tree=tree)},
-                           {"suffix": 8, "eagle": 2}, PLAIN, {"eagle": tree.nodes})
-    engine = SpeculativeEngine(loaded.model, make(), ConstantK(16), spawn=make, load_cap=LoadCap(()))
+    engine = auto_with_random_eagle(loaded.model, 8, EagleDrafter, TreeSettings(2, 3))
     results = [engine.generate(SequenceSpec(p, StoppingRules.build(NEW))) for p in PROMPTS]
     assert [r.token_ids for r in results] == references
     eagle = [step for r in results for step in r.steps

@@ -478,8 +478,8 @@ class AutoDrafter(Drafter):
         # it would price the drafter out, and the stretches it sits out would grow.
         if self.chosen in self.models and self.drafted and not self.caught_up and self.timed:
             taken = self.spent + time.perf_counter() - started
-            tree = TREE_LEVEL if self.chosen in self.trees else 1.0
-            predicted = self.profile.drafters[self.chosen].seconds(tree * self.drafted)
+            per_level = TREE_LEVEL if self.chosen in self.trees else 1.0  # drafted tokens' worth
+            predicted = self.profile.drafters[self.chosen].seconds(per_level * self.drafted)
             self.slowdown[self.chosen] = (COST_DECAY * self.slowdown[self.chosen]
                                           + (1 - COST_DECAY) * taken / max(predicted, 1e-6))
         for name in self.models:  # the others drift back to the profile's figures
