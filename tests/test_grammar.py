@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import verispec
-from tests.distribution import FAST_SKEW, POWER, SKEW, assert_follows, runs_for, sample_runs
+from tests.distribution import FAST_SKEW, FULL, POWER, SKEW, assert_follows, runs_for, sample_runs
 from tests.drafters import OracleDrafter, RandomDrafter
 from tests.tiny import EOS, VOCAB, tiny_bpe_tokenizer, tiny_llama
 from verispec.core.errors import VerispecError
@@ -212,9 +212,9 @@ SLOW = pytest.mark.slow
 # The warped case's fast variant runs under slow too (14 s of the default suite's 10 minutes; each
 # warp is checked alone against a hand-computed law in tests/test_warps.py).
 @pytest.mark.parametrize(("sampling", "skew"), [
-    pytest.param(PLAIN, FAST_SKEW, id="fast-t1.0"), pytest.param(PLAIN, SKEW, id="full-t1.0", marks=SLOW),
+    pytest.param(PLAIN, FAST_SKEW, id="fast-t1.0"), pytest.param(PLAIN, SKEW, id="full-t1.0", marks=FULL),
     pytest.param(WARPED, FAST_SKEW, id="fast-t0.7-p0.8", marks=SLOW),
-    pytest.param(WARPED, SKEW, id="full-t0.7-p0.8", marks=SLOW)])
+    pytest.param(WARPED, SKEW, id="full-t0.7-p0.8", marks=FULL)])
 def test_constrained_sampling_follows_the_masked_targets_law(tokenizer, sampling, skew, monkeypatch):
     """An independent draft model samples unconstrained drafts: most leave the grammar and are
     cut; the kept ones must be verified against q renormalized over the allowed tokens (with the
