@@ -494,7 +494,9 @@ def test_auto_as_measured_gives_ar_tokens_and_says_what_it_chose(loaded, referen
                   **{"self-int8-pld": DrafterCost(0.0, 0.0001, 0.95)}), {"self-int8-pld"}),
     (fake_profile(pld=DrafterCost(0.0, 0.0, 0.95), suffix=DrafterCost(0.0, 0.0, 0.95),
                   **{"self-int8-pld": DrafterCost(0.0, 0.05)}), {"pld", "suffix", PLAIN}),
-    (fake_profile(pld=DrafterCost(0.1, 0.0), suffix=DrafterCost(0.1, 0.0),
+    # a second a lookup: a 16-token offer pays only against forwards of 60 ms and more, which a
+    # loaded machine gave the tiny target at 0.1 s
+    (fake_profile(pld=DrafterCost(1.0, 0.0), suffix=DrafterCost(1.0, 0.0),
                   **{"self-int8-pld": DrafterCost(0.0, 0.05)}), {PLAIN}),
 ], ids=["self-drafter", "lookups-and-plain", "plain"])
 def test_whatever_auto_chooses_the_tokens_are_ar_s(loaded, references, costs, expected):
@@ -663,6 +665,49 @@ def test_a_tree_step_is_judged_a_level_at_a_time_and_timed_as_levels():
     auto.commit(2)
     assert auto.acceptance["model"].refused == pytest.approx(auto_module.MODEL_DECAY * refused)
     assert auto.slowdown["model"] == pytest.approx(1.0, rel=0.05)
+
+
+class Ones(Drafter):
+    """A model drafter that drafts ones; it adopts the prompt's prefill, as a self-drafter does."""
+
+    adopts_prefill = True
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        return Proposal(torch.ones(request.k, dtype=torch.int64))
+
+
+def test_a_return_after_a_stretch_sat_out_is_charged_its_re_read_spread_over_the_stretch():
+    """A model drafter 40 tokens behind re-reads them if chosen: auto charges seconds a token
+    re-read (measured at its returns) times 40, spread over its stretch (its mean run of steps
+    chosen), so a re-read dearer than the drafts gain keeps plain decoding; the prompt it adopted,
+    or a drafter that does not adopt it reads first, is charged nothing. A return's time teaches
+    the re-read, not the drafting's pace; a run's end teaches the stretch."""
+    costs = fake_profile(4, model=DrafterCost(0.0, 0.001, 0.9))
+    auto = AutoDrafter(costs, {}, {"model": Ones()}, {"model": 3}, PLAIN)
+
+    def step(context: int) -> tuple[str, int]:
+        request = DraftRequest(torch.zeros(context, dtype=torch.int64), 3, SamplingParams(), None)
+        return auto.propose(request).choice
+
+    assert auto.reread["model"] == 0.001 and auto.stretch["model"] == auto_module.STRETCH_PRIOR
+    assert step(300) == ("model", 3) and not auto.caught_up  # the prompt adopted
+    auto.commit(3)
+    auto.reread["model"] = 0.005  # 40 tokens: 0.2 s, 0.05 s a step over a stretch of 4 steps
+    assert step(340) == (PLAIN, 0)
+    auto.commit(0)
+    assert auto.stretch["model"] == pytest.approx(0.8 * auto_module.STRETCH_PRIOR + 0.2 * 1)
+    auto.stretch["model"] = 40.0  # 0.005 s a step: the return pays
+    assert step(341) == ("model", 3) and auto.caught_up == 41
+    pace = auto.slowdown["model"]
+    auto.spent = 0.003 + 41 * 0.002  # its drafting as profiled, and 2 ms a token re-read
+    auto.commit(3)
+    assert auto.reread["model"] == pytest.approx(0.5 * 0.005 + 0.5 * 0.002, rel=0.05)
+    assert auto.slowdown["model"] == pace  # the return's time is not the drafting's pace
+    assert step(345) == ("model", 3) and not auto.caught_up  # up to date: charged nothing
+    first = AutoDrafter(costs, {}, {"model": Slow()}, {"model": 3}, PLAIN)  # reads the prompt itself
+    first.reread["model"] = 1.0
+    proposal = first.propose(DraftRequest(torch.zeros(300, dtype=torch.int64), 3, SamplingParams(), None))
+    assert proposal.choice == ("model", 3) and first.caught_up == 300
 
 
 def test_auto_counts_one_forward_a_step_and_only_for_steps_it_proposed():
@@ -906,10 +951,12 @@ def test_a_trained_drafter_among_autos_candidates_reads_the_targets_hidden_state
 def test_a_tree_drafting_eagle_among_autos_candidates_gives_ar_tokens(loaded, references, monkeypatch):
     """EAGLE drafting trees (3 nodes, depth 2) as one of auto's model drafters: chosen, each of
     its steps a tree verified at once, a whole path of one kept (a random EAGLE: seed 8 is one
-    that guesses right at times), and the tokens are ar's, alone and in a batch."""
+    that guesses right at times), and the tokens are ar's, alone and in a batch. (Seeded answers,
+    priced by the profile alone: under load, unseeded ones once chose EAGLE at a last step, whose
+    one token left drafts a tree of depth 1.)"""
     monkeypatch.setattr(auto_module, "LEARNT_WEIGHT", 1e6)
     engine = auto_with_random_eagle(loaded.model, 8, EagleDrafter, TreeSettings(2, 3))
-    results = [engine.generate(SequenceSpec(p, StoppingRules.build(NEW))) for p in PROMPTS]
+    results = [engine.generate(SequenceSpec(p, StoppingRules.build(NEW), seed=0)) for p in PROMPTS]
     assert [r.token_ids for r in results] == references
     eagle = [step for r in results for step in r.steps
              if step.choice and step.choice[0] == "eagle"]

@@ -79,6 +79,15 @@ OVERHEAD_DECAY = 0.9
 # A tree's level costs this many of a chain's drafted tokens (its nodes go through the drafter
 # together): 1.7 against 1.3 ms a depth-2 step for EAGLE on the 4-bit target (docs/tuning.md).
 TREE_LEVEL = 1.3
+# A model drafter that sat out a stretch re-reads it when it is next chosen (one forward over the
+# skipped tokens: a self-drafter's is a prefill through the whole model), a cost paid once a
+# return and spread over the steps the return buys: the drafter's stretch, its mean run of
+# consecutive steps chosen (this many before any run was seen; weighted to the latest runs by
+# STRETCH_DECAY). Uncharged, a self-drafter on the built-in bfloat16 target was chosen for one or
+# two steps at a time between EAGLE's and re-read the skipped text at each return: 0.68-0.73 s of
+# drafting an answer against EAGLE's 0.18 s (docs/tuning.md).
+STRETCH_PRIOR = 4.0
+STRETCH_DECAY = 0.8
 
 
 @dataclass(frozen=True)
@@ -157,7 +166,8 @@ def expected_by_length(acceptance: float | tuple[float, ...], k: int) -> float:
 def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float, ...]],
                 limits: dict[str, int], batch: int = 1, slowdown: dict[str, float] | None = None,
                 whole: Collection[str] = (), pace: Callable[[int], float] | None = None,
-                overhead: float = 0.0, trees: dict[str, int] | None = None) -> Choice:
+                overhead: float = 0.0, trees: dict[str, int] | None = None,
+                catchup: dict[str, float] | None = None) -> Choice:
     """The candidate and draft length (1..limits[name]; exactly limits[name] for the names in
     `whole` and in `trees`) with the most expected tokens per second for each of `batch` sequences
     sharing the target pass; plain decoding when none beats it. acceptance: name -> a per-token
@@ -167,8 +177,10 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
     seconds a step of the batch costs besides the forward and the drafting (verification,
     bookkeeping: paid once a token by plain decoding, once a step by a draft); trees: name -> the
     nodes of the tree it drafts to depth limits[name] (its step verifies 1 + nodes rows, and a
-    level costs TREE_LEVEL drafted tokens; its rate is what its own trees kept a level). A
-    candidate displaces plain decoding only where its rate beats plain decoding's by MARGIN.
+    level costs TREE_LEVEL drafted tokens; its rate is what its own trees kept a level); catchup:
+    name -> seconds this step adds for re-reading what the drafter sat out (AutoDrafter spreads a
+    return's re-read over the steps it buys). A candidate displaces plain decoding only where its
+    rate beats plain decoding's by MARGIN.
 
     >>> profile = CostProfile((0.010, 0.011, 0.012, 0.013), 300, 1e4, {
     ...     "lookup": DrafterCost(0.0, 0.0), "model": DrafterCost(0.0, 0.008)})
@@ -188,7 +200,8 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
         cost = profile.drafters[name]
         for k in (limit,) if name in whole or name in trees else range(1, limit + 1):
             rows, drafted = (1 + trees[name], TREE_LEVEL * k) if name in trees else (k + 1, k)
-            seconds = forward(batch * rows) / batch + cost.seconds(drafted) * (slowdown or {}).get(name, 1.0)
+            seconds = (forward(batch * rows) / batch + cost.seconds(drafted) * (slowdown or {}).get(name, 1.0)
+                       + (catchup or {}).get(name, 0.0))
             rate = expected_by_length(acceptance[name], k) / seconds
             if rate > best.tokens_per_second:
                 best = Choice(name, k, rate)
@@ -338,6 +351,11 @@ class AutoDrafter(Drafter):
         # steps in the flow of drafting (not those that catch up on a stretch the drafter sat out,
         # one block of rows: see commit); kept across sequences: it is this machine's.
         self.slowdown = {name: 1.0 for name in models}
+        # name -> seconds a model drafter takes to re-read a token it sat out (measured at its
+        # returns; until one is, what a drafted token costs: a block's rows cost less), and its
+        # stretch (STRETCH_PRIOR); both kept across sequences
+        self.reread = {name: profile.drafters[name].per_token for name in models}
+        self.stretch = {name: STRETCH_PRIOR for name in models}
         self.pace = Pace()  # the target's forward against the profile's; kept across sequences too
         self.awaiting = False  # auto proposed this step and its forward is not counted yet
         # Seconds a step costs besides the target's forward and a model drafter's drafting (the
@@ -358,6 +376,7 @@ class AutoDrafter(Drafter):
         # 0.52), from the profile's otherwise: a few unlucky answers must not price a drafter out
         # for good (it would draft no more, and the figure could not recover)
         self.learnt = {name: Acceptance(self.priors[name], 1.0, LEARNT_WEIGHT) for name in models}
+        self.run: tuple[str | None, int] = (None, 0)  # the model drafter chosen last, steps in a row
         self.reset()
 
     def reset(self) -> None:
@@ -370,14 +389,31 @@ class AutoDrafter(Drafter):
         self.drafted = 0  # tokens the chosen drafter proposed this step
         self.spent = 0.0  # seconds its proposal took
         # name -> the context's length when the model drafter last drafted (None: not yet in this
-        # sequence), and whether this step's proposal caught up on a stretch it sat out
+        # sequence), and the tokens this step's proposal re-read of a stretch it sat out (0: none)
         self.fed: dict[str, int | None] = {name: None for name in self.models}
-        self.caught_up = False
+        self.caught_up = 0
+        self._end_run()
         self.timed = True  # whether this step's drafting time counts (not in a seeded sequence)
         self.step_started = None  # a sequence's first step follows its prefill: no overhead read
         # lookups' offers not wholly judged yet: (name, where the draft starts in the context,
         # draft, how many of its positions are counted already)
         self.pending: list[tuple[str, int, list[int], int]] = []
+
+    def _behind(self, name: str, context: int) -> int:
+        """Tokens model drafter `name` would re-read if chosen now beyond what a step leaves it
+        (at most its k accepted and the bonus token): 0 where it is up to date. Its first
+        proposal in a sequence reads the prompt, or none of it where it adopts the prefill."""
+        fed = self.fed[name]
+        if fed is None:
+            fed = context if self.models[name].adopts_prefill else 0
+        return context - fed if context - fed > self.limits[name] + 1 else 0
+
+    def _end_run(self) -> None:
+        """The chosen model drafter's run of steps ended: its stretch learns the run's length."""
+        name, steps = self.run
+        if name is not None:
+            self.stretch[name] = STRETCH_DECAY * self.stretch[name] + (1 - STRETCH_DECAY) * steps
+        self.run = (None, 0)
 
     def adopt_prefill(self, target) -> None:
         for drafter in (*self.lookups.values(), *self.models.values()):
@@ -402,10 +438,13 @@ class AutoDrafter(Drafter):
     def propose(self, request: DraftRequest) -> Proposal:
         self._time_step()
         self._judge(request.tokens)
+        context = request.tokens.shape[0]
         if not self.acceptance:  # a seeded answer starts from the profile alone, as it is priced
             self.acceptance = {name: Acceptance(self.priors[name] if request.seeded
                                                 else max(learnt.rate, self.priors[name]))
                                for name, learnt in self.learnt.items()}
+            # a drafter that adopts the prefill holds the prompt, whenever it is first chosen
+            self.fed |= {name: context for name, model in self.models.items() if model.adopts_prefill}
         self.asked = {}
         drafts: dict[str, Proposal] = {}
         for name, lookup in self.lookups.items():  # in order of preference: the first offer stands
@@ -422,12 +461,17 @@ class AutoDrafter(Drafter):
         # a seeded sequence is priced by the profile alone: its output must not follow the load
         slowdown, pace, overhead = (None, None, 0.0) if request.seeded else (self.slowdown, self.pace,
                                                                              self.overhead)
+        # a return's re-read, spread over its stretch (not the prompt a drafter reads first: a
+        # cost any use of it pays once, and charged, would keep it out while the text it must
+        # read grows)
+        catchup = None if request.seeded else {
+            name: self.reread[name] * self._behind(name, context) / self.stretch[name]
+            for name in self.models if self.fed[name] is not None}
         choice = best_choice(self.profile, rates, limits, request.batch, slowdown, drafts, pace, overhead,
-                             self.trees)
+                             self.trees, catchup)
         self.awaiting = True
         self.timed = not request.seeded
         self.chosen = choice.method
-        context = request.tokens.shape[0]
         self.pending += [(name, context, proposal.tokens.tolist(), 0) for name, proposal in drafts.items()]
         self.spent = 0.0
         if choice.method in drafts:
@@ -435,11 +479,7 @@ class AutoDrafter(Drafter):
         elif choice.method in self.models:
             model = self.models[choice.method]
             self.asked[choice.method] = model
-            fed = self.fed[choice.method]
-            if fed is None:  # its cache starts with the prompt's (adopted) or empty
-                fed = context if model.adopts_prefill else 0
-            # a step leaves a drafter at most its k accepted and the bonus token behind
-            self.caught_up = context - fed > self.limits[choice.method] + 1
+            self.caught_up = self._behind(choice.method, context)
             self.fed[choice.method] = context
             started = time.perf_counter()
             proposal = model.propose(replace(request, k=choice.k))
@@ -474,14 +514,23 @@ class AutoDrafter(Drafter):
         if self.chosen in self.models:
             self.acceptance[self.chosen].observe(self.drafted, num_accepted)
             self.learnt[self.chosen].observe(self.drafted, num_accepted)
-        # A step that caught up on a stretch the drafter sat out is no measure of its pace: counted,
-        # it would price the drafter out, and the stretches it sits out would grow.
-        if self.chosen in self.models and self.drafted and not self.caught_up and self.timed:
+        # A step that caught up on a stretch the drafter sat out is no measure of its pace (counted,
+        # it would price the drafter out) but of its re-reading: what it took beyond the drafting
+        # its pace predicts, per token re-read.
+        if self.chosen in self.models and self.drafted and self.timed:
             taken = self.spent + time.perf_counter() - started
             per_level = TREE_LEVEL if self.chosen in self.trees else 1.0  # drafted tokens' worth
             predicted = self.profile.drafters[self.chosen].seconds(per_level * self.drafted)
-            self.slowdown[self.chosen] = (COST_DECAY * self.slowdown[self.chosen]
-                                          + (1 - COST_DECAY) * taken / max(predicted, 1e-6))
+            if self.caught_up:
+                reread = max(taken - predicted * self.slowdown[self.chosen], 0.0) / self.caught_up
+                self.reread[self.chosen] = COST_DECAY * self.reread[self.chosen] + (1 - COST_DECAY) * reread
+            else:
+                self.slowdown[self.chosen] = (COST_DECAY * self.slowdown[self.chosen]
+                                              + (1 - COST_DECAY) * taken / max(predicted, 1e-6))
+        if self.chosen != self.run[0]:
+            self._end_run()
+        if self.chosen in self.models:
+            self.run = (self.chosen, self.run[1] + 1)
         for name in self.models:  # the others drift back to the profile's figures
             if name != self.chosen:
                 self.slowdown[name] = 1 + (self.slowdown[name] - 1) * RECOVERY
