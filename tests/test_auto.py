@@ -689,7 +689,9 @@ def test_a_return_after_a_stretch_sat_out_is_charged_its_re_read_spread_over_the
         request = DraftRequest(torch.zeros(context, dtype=torch.int64), 3, SamplingParams(), None)
         return auto.propose(request).choice
 
-    assert auto.reread["model"] == 0.001 and auto.stretch["model"] == auto_module.STRETCH_PRIOR
+    # before any return: a drafted token's cost times the profile's per row at 17 rows against one
+    assert auto.reread["model"] == pytest.approx(0.001 * (17 / 4) / 17)
+    assert auto.stretch["model"] == auto_module.STRETCH_PRIOR
     assert step(300) == ("model", 3) and not auto.caught_up  # the prompt adopted
     auto.commit(3)
     auto.reread["model"] = 0.005  # 40 tokens: 0.2 s, 0.05 s a step over a stretch of 4 steps
