@@ -1054,7 +1054,7 @@ def test_profiles_go_where_verispec_profile_dir_says(monkeypatch, tmp_path):
     assert profile.cache_dir() == tmp_path / "xdg" / "verispec" / "profiles"
 
 
-def test_measuring_a_profile_shows_a_bar_at_a_terminal_and_nothing_in_a_log(monkeypatch):
+def test_measuring_a_profile_shows_a_bar_at_a_terminal_and_nothing_in_a_log(monkeypatch, cache):
     """A first command waits on the profile (13-18 s for the built-in model on 2 cores): at a
     terminal a bar names the target and the part being timed; piped to a log, stderr stays quiet."""
     import io
