@@ -667,15 +667,6 @@ def test_a_tree_step_is_judged_a_level_at_a_time_and_timed_as_levels():
     assert auto.slowdown["model"] == pytest.approx(1.0, rel=0.05)
 
 
-class Ones(Drafter):
-    """A model drafter that drafts ones; it adopts the prompt's prefill, as a self-drafter does."""
-
-    adopts_prefill = True
-
-    def propose(self, request: DraftRequest) -> Proposal:
-        return Proposal(torch.ones(request.k, dtype=torch.int64))
-
-
 def test_a_return_after_a_stretch_sat_out_is_charged_its_re_read_spread_over_the_stretch():
     """A model drafter 40 tokens behind re-reads them if chosen: auto charges seconds a token
     re-read (measured at its returns) times 40, spread over its stretch (its mean run of steps
@@ -683,7 +674,7 @@ def test_a_return_after_a_stretch_sat_out_is_charged_its_re_read_spread_over_the
     or a drafter that does not adopt it reads first, is charged nothing. A return's time teaches
     the re-read, not the drafting's pace; a run's end teaches the stretch."""
     costs = fake_profile(4, model=DrafterCost(0.0, 0.001, 0.9))
-    auto = AutoDrafter(costs, {}, {"model": Ones()}, {"model": 3}, PLAIN)
+    auto = AutoDrafter(costs, {}, {"model": CatchingUp()}, {"model": 3}, PLAIN)  # adopts the prefill
 
     def step(context: int) -> tuple[str, int]:
         request = DraftRequest(torch.zeros(context, dtype=torch.int64), 3, SamplingParams(), None)
