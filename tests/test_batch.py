@@ -254,6 +254,7 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+@pytest.mark.slow  # 20 s; the default suite keeps tests/test_greedy_equality.py's many calls
 def test_memory_is_flat_over_200_batched_calls(target):
     """After warm-up, 200 more batched calls grow the resident set by less than 8 MiB."""
     draft = tiny_llama(seed=7, layers=1)  # one model, a drafter (and cache) per row

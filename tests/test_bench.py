@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 import verispec.request
-from verispec.bench import runner
+from verispec.bench import baselines, runner
 from verispec.bench.report import results_json
 from verispec.bench.runner import BenchConfig, choose_methods, run_bench
 from verispec.cli import main
@@ -140,6 +140,7 @@ def test_repeats_keep_the_median_and_every_round_drafts_from_the_same_outputs(ti
     assert "**repeats**: 3" in report and "| spread |" in report
 
 
+@pytest.mark.slow  # 21 s on the AVX2 EPYC
 def test_a_method_at_two_ks_never_drafts_the_others_answer_to_the_same_question(tiny_dir, questions,
                                                                                tmp_path):
     """`--k 4,8` runs suffix decoding twice on each question, both variants sharing its cache of
@@ -277,7 +278,12 @@ def test_batched_bench_measures_every_size_and_checks_rows(tiny_dir, questions, 
     assert not (tmp_path / "bad").exists()
 
 
-def test_llamacpp_baselines_need_the_targets_gguf(tiny_dir, questions, tmp_path):
+def test_llamacpp_baselines_need_the_targets_gguf(tiny_dir, questions, tmp_path, monkeypatch):
+    """Refused before any peer's process starts (Hugging Face's `hf` row loads the target in one:
+    seconds a refusal need not take)."""
+    def no_peer(*args):
+        raise AssertionError("a peer process started before the bench refused")
+    monkeypatch.setattr(baselines, "PeerProcess", no_peer)
     for name in ("llama.cpp", "llama.cpp-lookup"):
         with pytest.raises(VerispecError, match="GGUF"):
             run_bench(config(tiny_dir, questions, tmp_path / name, methods=[name]), progress=False)

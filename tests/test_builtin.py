@@ -79,6 +79,7 @@ def test_shipped_drafters_load_and_are_exact(smollm, prompt_ids, method):
     assert result.stats.mean_accepted_tokens > 1.0  # some drafts are accepted
 
 
+@pytest.mark.slow  # 8-9 s each on the AVX2 EPYC: tests/test_hydra_mtp.py's trees run by default
 @pytest.mark.parametrize("method", ["hydra", "mtp", "block"])
 def test_shipped_heads_are_exact_in_trees_and_through_generate(smollm, prompt_ids, method):
     reference = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW).token_ids
@@ -113,7 +114,9 @@ def test_builtin_gguf_blocks_are_the_weights_the_target_runs(smollm):
         assert torch.equal(stored.dequantize(), weights[name]), name
 
 
-@pytest.mark.parametrize("method", ["self-int4", "self-int4-pld", "self-int8", "self-bf16"])
+# self-int8 and self-bf16 (7-8 s each on the AVX2 EPYC) under slow: the same drafter in another format
+@pytest.mark.parametrize("method", ["self-int4", "self-int4-pld", *(pytest.param(m, marks=pytest.mark.slow)
+                                                                   for m in ("self-int8", "self-bf16"))])
 def test_builtin_self_speculation_is_exact(smollm, prompt_ids, method):
     reference = verispec.generate(smollm, prompt_ids, max_new_tokens=NEW).token_ids
     engine = build_engine(smollm, method)
@@ -131,6 +134,7 @@ def test_builtin_int4_drafter_is_small(smollm):
     assert drafter.weights.from_gguf  # the file's own blocks, not a second quantization
 
 
+@pytest.mark.slow  # 21 s on the AVX2 EPYC: eight engines decode; tests/test_auto.py prices shapes
 def test_eagles_shape_is_chosen_by_this_machines_profile(smollm, prompt_ids, monkeypatch):
     """Without --tree, --k or --model-k, `eagle`, `eagle-pld`, `eagle-suffix` and `eagle3` draft
     the shape the cost profile makes fastest: a tree where verifying its rows costs what one row

@@ -65,6 +65,8 @@ def ends_inside_a_character(data: bytes) -> bool:
 def tiny(tmp_path_factory):
     """A byte model (2 layers, width 32) with 3 extra heads, trained to recite TEXT, exported as
     `verispec train bytes` exports: (LoadedModel, the heads' drafter directory)."""
+    # 100 steps: its heads draft what the target keeps (tau 4.0 below; 250 steps, the same, took
+    # 2.5 times as long)
     torch.manual_seed(0)
     options = ByteModelOptions(hidden=32, layers=2, attention_heads=2, heads=3, context=256)
     module = new_byte_model(options)
@@ -73,7 +75,7 @@ def tiny(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for _ in range(250):
+        for _ in range(100):
             starts = torch.randint(0, len(stream_) - options.context, (8,))
             module.loss([Window(stream_[s: s + options.context], "code") for s in starts])
             optimizer.step()
@@ -193,6 +195,7 @@ def test_drafts_and_stream_chunks_split_characters_and_the_text_stays_whole(tiny
         assert result.text == data.decode(errors="replace"), method
 
 
+@pytest.mark.slow  # 20 s on the AVX2 EPYC (and the next, 14 s each): sampled in the slow checks
 @pytest.mark.parametrize("skew", POWER)
 def test_mtp_sampling_on_bytes_follows_the_target(tiny, skew):
     """Drafts sampled from the byte heads' warped q (top-k 6, so the exact law of three bytes is
@@ -213,6 +216,7 @@ def test_mtp_sampling_on_bytes_follows_the_target(tiny, skew):
     assert_follows(sampled, exact, "byte mtp", skew)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skew", POWER)
 @pytest.mark.parametrize("method", ["self-int4-pld", "suffix"])
 def test_model_free_and_self_drafts_sample_the_byte_models_law(tiny, prompt, method, skew):
@@ -255,6 +259,7 @@ def test_train_bytes_command_writes_a_model_and_its_heads(tmp_path, capsys):
     assert "--text: drafter training options" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 17 s: the default suite keeps the train command's own test above
 def test_train_bytes_stops_at_a_step_of_its_schedule_and_resumes_past_it(tmp_path, capsys):
     """--stop-at exports what an interrupted run reached, on the --steps schedule; the command
     without it resumes from there and ends where one uninterrupted run ends, on the same learning

@@ -271,10 +271,21 @@ def budget_for(args: list[str], run_dir: Path) -> dict[str, object]:
     return budget
 
 
+def as_stored(args: tuple[str, ...]) -> bool:
+    """A command running a GGUF file as stored (`--dtype gguf`)."""
+    return "--dtype" in args and args[args.index("--dtype") + 1:][:1] == ("gguf",)
+
+
 def case(command: Command):
-    # Gemma 3 270M's commands load 1.1 GB of float32 weights and profile them (45-65 s each on
-    # one thread): slow, as test_families' checks of it are (tiny Gemma 3 models run by default)
-    marks = [pytest.mark.slow] if command.args[0] in RUN_SLOW or "gemma3-270m" in command.args else []
+    """The README's generate, demo and export commands run in the default suite; the other docs'
+    under `slow` (~130 s on the AVX2 EPYC; .ci/run runs them), and so do Gemma 3 270M's (1.1 GB
+    of float32 weights, profiled: 45-65 s each) and a GGUF run as stored (36 s). bench and train
+    are `measures` too: ~28 minutes of CPU, which .ci/run leaves out."""
+    slow = (command.doc != README.name or command.args[0] in RUN_SLOW or "gemma3-270m" in command.args
+            or as_stored(command.args))
+    marks = [pytest.mark.slow] if slow else []
+    if command.args[0] in RUN_SLOW:
+        marks.append(pytest.mark.measures)
     return pytest.param(command, marks=marks, id=command.id)
 
 
@@ -329,7 +340,8 @@ def docs_with_python() -> list[Path]:
     return [doc for doc in DOCS if fenced(doc, "python")]
 
 
-@pytest.mark.parametrize("doc", docs_with_python(), ids=lambda d: d.name)
+@pytest.mark.parametrize("doc", [doc if doc == README else pytest.param(doc, marks=pytest.mark.slow)
+                                 for doc in docs_with_python()], ids=lambda d: d.name)
 def test_the_python_blocks_run(doc, monkeypatch, request):
     """Each file's blocks in one namespace; generation capped at NEW_TOKENS."""
     for name in ("generate", "stream"):

@@ -135,6 +135,7 @@ def test_every_shipped_drafter_is_exact_to_the_4bit_target(target):
         assert sum(step.num_drafted for step in result.steps) > 0, method
 
 
+@pytest.mark.slow  # 37 s on the AVX2 EPYC (Hugging Face's generate as the bench's peer)
 def test_the_commands_run_early_exit_and_draft_on_the_4bit_target(target, monkeypatch, capsys, tmp_path):
     """`verispec generate --dtype int4 --method early-exit` and `verispec bench --dtype int4` with
     draft and early-exit (in its default set) run, and the bench finds them identical to ar."""
@@ -161,7 +162,7 @@ V = 16
 PROMPT = [1, 5, 9, 1, 1, 5, 9]
 
 
-@pytest.mark.parametrize("precision", ["int4", "bfloat16"])
+@pytest.mark.parametrize("precision", ["int4", pytest.param("bfloat16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("skew", POWER)
 def test_sampling_follows_the_new_targets_distribution(precision, skew):
     """Staged int4 self drafting on a 4-bit (or bfloat16) tiny target: the first three sampled

@@ -8,6 +8,7 @@ AVX512-BF16, no compiler)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
@@ -251,11 +252,18 @@ def test_attention_rows_match_one_query_each(kernel, dtype, head_dim):
     assert (tree.double() - reference).abs().max() < tolerance
 
 
+
+@functools.cache
+def builtin(dtype: str) -> torch.nn.Module:
+    """The built-in model in `dtype`, loaded once for this file's tests (the as-stored GGUF target
+    takes ~8 s to load; each test restores what it changes)."""
+    return load_model(DEFAULT_MODEL, dtype).model
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "int4", "gguf"])
 def test_the_lean_targets_run_on_the_row_kernels(dtype):
     """The built-in model's 4-bit, as-stored and bfloat16 targets multiply and attend through the
     row kernels (so tests/test_invariance.py's blocks, trees and batches test them), and say so."""
-    model = load_model(DEFAULT_MODEL, dtype).model
+    model = builtin(dtype)
     weights = LeanWeights.of(model)
     assert weights.row_kernel_attention
     if dtype == "int4":
@@ -280,7 +288,7 @@ def test_the_layer_loop_in_cpp_gives_the_python_loops_bits(dtype):
     ops, float32 with oneDNN's products padded to the rows an invariant pass multiplies): the
     bits of lean.forward_rows' Python loop, for one-token steps, blocks of 2..17 rows, a tree,
     and the states after given layers (EAGLE's features)."""
-    model = load_model(DEFAULT_MODEL, dtype).model
+    model = builtin(dtype)
     weights = LeanWeights.of(model)
     stack = weights.native
     assert stack is not None
@@ -318,7 +326,7 @@ def test_the_float32_layer_loop_pads_a_lone_row_where_a_product_rounds_one_apart
     an AVX-512 EPYC: `LeanWeights.paired`), the C++ layer loop pads a one-token step's rows, so a
     step's logits are the bits of the same position in a block. Skipped, by name, on a CPU whose
     products round every row count alike: padding moves no bit there (it may still pay in time)."""
-    model = load_model(DEFAULT_MODEL, "float32").model
+    model = builtin("float32")
     weights = LeanWeights.of(model)
     if not weights.paired:
         pytest.skip("no float32 product on this CPU rounds a lone row apart: padding moves no bit here")
@@ -337,7 +345,7 @@ def test_a_forward_gives_the_same_bits_on_one_thread_and_on_two(dtype):
     position's bits do not depend on the thread count: `make test` runs its workers on one thread
     each, users run on all their cores. A prompt block, one-token steps and a block of 5, the
     built-in model's shapes, through the head."""
-    model = load_model(DEFAULT_MODEL, dtype).model
+    model = builtin(dtype)
     weights = LeanWeights.of(model)
     generator = torch.Generator().manual_seed(3)
     steps = [torch.randint(0, 49152, (n,), generator=generator) for n in (40, 1, 5, 1)]

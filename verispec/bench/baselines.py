@@ -42,12 +42,10 @@ class Baseline:
     instead: str | None = None
     own_arithmetic: bool = False  # another engine (llama.cpp): agreement with ar, not identity
 
-    def build(self, name: str, target: LoadedModel, draft: LoadedModel | None, config: BenchConfig,
-              sampling: SamplingParams) -> Contender:
-        """The baseline as a contender that runs in a child process of its own, with as many
-        threads as torch uses here: if it crashes, its row is lost and no other."""
-        peer = PeerProcess(name, self.prepare(name, target, draft, config, sampling),
-                           torch.get_num_threads())
+    def start(self, name: str, job: Job) -> Contender:
+        """The baseline's prepared job as a contender that runs in a child process of its own,
+        with as many threads as torch uses here: if it crashes, its row is lost and no other."""
+        peer = PeerProcess(name, job, torch.get_num_threads())
         return Contender(name, name, self.k, peer.generate, baseline=True, peer=self.own_arithmetic,
                          close=peer.close)
 

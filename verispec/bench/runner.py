@@ -209,9 +209,12 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
         raise VerispecError(f"--num-beams {config.beams.num_beams}: cannot run beam search: "
                             + "; ".join(f"{name} ({why})" for name, why in refused.items())
                             + ". Leave them out of --methods")
-    # a peer's child process loads the target (seconds): only once every method is known to run
-    for place, method in peers.items():
-        contenders.insert(place, BASELINES[method].build(method, target, draft, config, sampling))
+    # a peer's child process loads the target (seconds): only once every method and every peer is
+    # known to run (a peer that refuses this target, llama.cpp without a GGUF file, says so first)
+    jobs = {place: BASELINES[method].prepare(method, target, draft, config, sampling)
+            for place, method in peers.items()}
+    for place, job in jobs.items():
+        contenders.insert(place, BASELINES[peers[place]].start(peers[place], job))
     return contenders, unfit | {name: f"cannot run beam search: {why}" for name, why in refused.items()}
 
 
