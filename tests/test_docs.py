@@ -271,18 +271,12 @@ def budget_for(args: list[str], run_dir: Path) -> dict[str, object]:
     return budget
 
 
-def as_stored(args: tuple[str, ...]) -> bool:
-    """A command running a GGUF file as stored (`--dtype gguf`)."""
-    return "--dtype" in args and args[args.index("--dtype") + 1:][:1] == ("gguf",)
-
-
 def case(command: Command):
     """The README's generate, demo and export commands run in the default suite; the other docs'
-    under `slow` (~130 s on the AVX2 EPYC; .ci/run runs them), and so do Gemma 3 270M's (1.1 GB
-    of float32 weights, profiled: 45-65 s each) and a GGUF run as stored (36 s). bench and train
-    are `measures` too: ~28 minutes of CPU, which .ci/run leaves out."""
-    slow = (command.doc != README.name or command.args[0] in RUN_SLOW or "gemma3-270m" in command.args
-            or as_stored(command.args))
+    under `slow` (~130 s on the AVX2 EPYC; .ci/run runs them), as would Gemma 3 270M's anywhere
+    (1.1 GB of float32 weights, profiled: 45-65 s each). bench and train are `measures` too: ~28
+    minutes of CPU, which .ci/run leaves out."""
+    slow = command.doc != README.name or command.args[0] in RUN_SLOW or "gemma3-270m" in command.args
     marks = [pytest.mark.slow] if slow else []
     if command.args[0] in RUN_SLOW:
         marks.append(pytest.mark.measures)

@@ -213,8 +213,8 @@ def build_contenders(config: BenchConfig, target: LoadedModel, draft: LoadedMode
     # known to run (a peer that refuses this target, llama.cpp without a GGUF file, says so first)
     jobs = {place: BASELINES[method].prepare(method, target, draft, config, sampling)
             for place, method in peers.items()}
-    for place, job in jobs.items():
-        contenders.insert(place, BASELINES[peers[place]].start(peers[place], job))
+    for place, method in peers.items():
+        contenders.insert(place, BASELINES[method].start(method, jobs[place]))
     return contenders, unfit | {name: f"cannot run beam search: {why}" for name, why in refused.items()}
 
 
