@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import time
 
 import pytest
@@ -310,6 +311,39 @@ def test_the_profile_is_cached_and_measured_again_when_its_key_changes(cache, mo
         calls.clear()
     assert len(list(cache.glob("*.json"))) == 5
     assert auto_profile(loaded, refresh=True) == measured and len(calls) == 1
+
+
+def test_two_processes_wanting_one_profile_measure_it_once(cache, monkeypatch, capsys):
+    """A second process (here a thread with its own copy of the target: the lock is a file's)
+    asking for a profile another is measuring waits for it and reads what it cached."""
+    first, second = tiny_loaded(), tiny_loaded()
+    measured = auto_profile(first)
+    profile._MEMO.clear()
+    for path in cache.glob("*.json"):
+        path.unlink()
+    calls, ready = [], threading.Barrier(2)
+
+    def slow_measure(*args):
+        calls.append(args)
+        time.sleep(0.5)  # long enough that the other asks meanwhile
+        return measured
+
+    monkeypatch.setattr(profile, "measure", slow_measure)
+    answers = {}
+
+    def ask(loaded: LoadedModel) -> None:
+        ready.wait()
+        answers[id(loaded)] = auto_profile(loaded)
+
+    threads = [threading.Thread(target=ask, args=(loaded,)) for loaded in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1, "the second must wait for the first's measurement, not measure again"
+    assert list(answers.values()) == [measured, measured]
+    assert len(list(cache.glob("*.json"))) == 1
+    assert "another process is measuring this cost profile; waiting" in capsys.readouterr().err
 
 
 def test_the_code_digest_follows_the_forwards_source(tmp_path):

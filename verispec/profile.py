@@ -7,13 +7,15 @@ cached as JSON under $VERISPEC_PROFILE_DIR if set, else
 $XDG_CACHE_HOME/verispec/profiles/ (default ~/.cache), keyed by the CPU (model
 name and flags, and the instruction sets torch and oneDNN are held to), torch's version, the
 target's fingerprint (name, weight format, a hash of its weights' shapes and leading values) and
-the kernel its products run on: any change measures again.
+the kernel its products run on: any change measures again. One process measures a key at a time
+(a file lock beside the cached file); another wanting it waits and reads it.
 
 `auto` (verispec.drafters.auto) decides by it; `verispec profile` prints and draws it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,12 +24,17 @@ import statistics
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+try:
+    import fcntl
+except ImportError:  # not Unix: profiles are measured without a lock
+    fcntl = None
 
 from verispec.core.cores import OthersLoad
 from verispec.core.files import write_json, write_whole
@@ -181,19 +188,53 @@ def cost_profile(target: LoadedModel, drafters: dict[str, Callable[[], Drafter]]
     path = cache_dir() / f"{_digest(key)}.json"
     profile = None if refresh else read_profile(path, key)
     if profile is None:
-        with OthersLoad() as others:
-            profile = measure(target, lm, drafters, limits)
-        if not steady(profile):
-            why = f"timings varied by {100 * profile.noise:.0f}% between repeats (a busy machine?)"
-        elif crowded(others, profile):
-            why = f"other processes kept {others.cores:.1f} cores busy while it was measured"
-        else:
-            why = None
-            write_profile(path, key, profile)
-        if why:
-            print(f"verispec: the cost profile's {why}: used for this process, not cached; "
-                  "`verispec profile --refresh` on an idle machine measures it again", file=sys.stderr)
+        # One process measures a key at a time: another one measuring it (a second server started
+        # beside the first, a test worker) is waited for and its cached profile read, instead of
+        # two measuring at once, each timing the other's load.
+        with measuring(path):
+            profile = None if refresh else read_profile(path, key)
+            if profile is None:
+                profile = _measure_and_cache(target, lm, drafters, limits, path, key)
     memo[seen] = profile
+    return profile
+
+
+@contextlib.contextmanager
+def measuring(path: Path) -> Iterator[None]:
+    """Hold the lock beside the profile at `path` (an exclusive `flock` on PATH.lock, waiting
+    for a process that holds it); no lock where `fcntl` is missing (not Unix)."""
+    if fcntl is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print("verispec: another process is measuring this cost profile; waiting for it",
+                  file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _measure_and_cache(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[], Drafter]],
+                       limits: dict[str, int], path: Path, key: dict) -> CostProfile:
+    """Measure the profile; cache it at `path` unless a busy machine showed while it was measured."""
+    with OthersLoad() as others:
+        profile = measure(target, lm, drafters, limits)
+    if not steady(profile):
+        why = f"timings varied by {100 * profile.noise:.0f}% between repeats (a busy machine?)"
+    elif crowded(others, profile):
+        why = f"other processes kept {others.cores:.1f} cores busy while it was measured"
+    else:
+        why = None
+        write_profile(path, key, profile)
+    if why:
+        print(f"verispec: the cost profile's {why}: used for this process, not cached; "
+              "`verispec profile --refresh` on an idle machine measures it again", file=sys.stderr)
     return profile
 
 
