@@ -55,13 +55,20 @@ def death(exitcode: int | None) -> str:
     return f"exit {exitcode}"
 
 
+# What the fork server imports once for all the children it forks: the baselines, and the parts of
+# transformers a Hugging Face peer's loading and generate() import (transformers imports lazily:
+# without these a child spent ~6 of its ~8 s of start on imports, on the AVX2 EPYC).
+PRELOAD = ["verispec.bench.baselines", "transformers.modeling_utils", "transformers.generation.utils",
+           "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto"]
+
+
 def process_context() -> multiprocessing.context.BaseContext:
-    """The fork server with the baselines' imports done once (a child starts in a fraction of a
-    second instead of importing torch and transformers anew); spawn where there is none."""
+    """The fork server with the peers' imports done once (a child starts in about a second
+    instead of importing torch and transformers anew); spawn where there is none."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["verispec.bench.baselines"])
+    context.set_forkserver_preload(PRELOAD)
     return context
 
 
