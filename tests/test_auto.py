@@ -597,7 +597,10 @@ def test_auto_samples_the_target_distribution(skew):
     assert_follows(sampled, exact, "auto", skew)
 
 
-@pytest.mark.parametrize("tree", [None, TreeSettings(2, 3)], ids=["chain", "tree"])
+# EAGLE's tree under slow (19 s on the AVX2 EPYC at TV 0.1): tests/test_tree_sampling.py's
+# trees sample the target's law by default, and auto hands a tree's q to the same verifier
+@pytest.mark.parametrize("tree", [None, pytest.param(TreeSettings(2, 3), marks=pytest.mark.slow)],
+                         ids=["chain", "tree"])
 @pytest.mark.parametrize("skew", POWER)
 def test_auto_with_eagle_samples_the_target_distribution(skew, tree):
     """Sampling (temperature 1.5) with EAGLE among auto's candidates (a random one, so that it is

@@ -331,6 +331,7 @@ EXTRACT = "Extract the person as JSON with name, age and city: Maria Lopez is a 
           "who lives in Valencia."
 
 
+@pytest.mark.slow  # 22-27 s on the AVX2 EPYC; the README's --json-schema command runs by default
 def test_json_schema_on_the_builtin_model(smollm):
     """Every method's output parses and matches the schema, identical to constrained `ar` and to
     masked plain decoding; the schema's keys and punctuation were forced."""

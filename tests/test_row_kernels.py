@@ -259,7 +259,12 @@ def builtin(dtype: str) -> torch.nn.Module:
     takes ~8 s to load; each test restores what it changes)."""
     return load_model(DEFAULT_MODEL, dtype).model
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int4", "gguf"])
+# The as-stored GGUF target under slow here (its load, ~11 s on the AVX2 EPYC, checks every layer's
+# kernel against its blocks): tests/test_gguf_blocks.py holds it to the 4-bit target bit for bit.
+AS_STORED = pytest.param("gguf", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int4", AS_STORED])
 def test_the_lean_targets_run_on_the_row_kernels(dtype):
     """The built-in model's 4-bit, as-stored and bfloat16 targets multiply and attend through the
     row kernels (so tests/test_invariance.py's blocks, trees and batches test them), and say so."""
@@ -281,7 +286,7 @@ def test_the_lean_targets_run_on_the_row_kernels(dtype):
     assert f"row kernels {chosen.name}: {chosen.why}" in kernel  # which class, and why
 
 
-@pytest.mark.parametrize("dtype", ["int4", "gguf", "bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["int4", AS_STORED, "bfloat16", "float32"])
 def test_the_layer_loop_in_cpp_gives_the_python_loops_bits(dtype):
     """The 4-bit, as-stored, bfloat16 and float32 targets run their decoder layers in one C++
     call (rows.cpp's Stack, lean.native_layers; bfloat16 and float32 with their RMSNorm modules'
@@ -339,7 +344,7 @@ def test_the_float32_layer_loop_pads_a_lone_row_where_a_product_rounds_one_apart
     assert torch.equal(stepped, block.logits(block.forward(tokens[10:])))
 
 
-@pytest.mark.parametrize("dtype", ["int4", "gguf", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["int4", AS_STORED, "bfloat16"])
 def test_a_forward_gives_the_same_bits_on_one_thread_and_on_two(dtype):
     """The kernels split a product by output tiles and attention by heads, never a sum, so a
     position's bits do not depend on the thread count: `make test` runs its workers on one thread

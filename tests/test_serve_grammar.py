@@ -95,6 +95,7 @@ def test_bad_constraints_are_a_400_naming_the_field(server, kwargs, field):
     assert chat(client).choices[0].message.content  # the server goes on serving
 
 
+@pytest.mark.slow  # 15 s on the AVX2 EPYC; tests/test_serve.py's playground test opens Chromium by default
 def test_playground_json_modes_in_chromium(server, tmp_path):
     """A schema's keys are forced (painted as such); any JSON object still answers."""
     colours, _, _ = playground(server.url, "pld", PROMPT, 40, tmp_path / "playground-json-schema.png",
