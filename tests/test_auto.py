@@ -346,6 +346,30 @@ def test_two_processes_wanting_one_profile_measure_it_once(cache, monkeypatch, c
     assert "another process is measuring this cost profile; waiting" in capsys.readouterr().err
 
 
+def test_a_dip_in_the_forwards_timings_is_not_taken_for_a_cheaper_width(monkeypatch):
+    """The profile's T(rows) never falls as the rows grow: a median that dipped under its
+    neighbour's (a noisy VM) is pooled with it, and auto would otherwise draft to the dip."""
+    seconds = {rows: 0.010 + 0.001 * rows for rows in range(1, profile.MAX_ROWS + 1)}
+    seconds[9] = 0.0165  # under T(8) = 0.018
+    clock = [0.0]
+
+    def timed_rows(models, blocks, caches):
+        clock[0] += seconds[blocks[0].shape[0]]
+
+    monkeypatch.setattr(profile, "forward_rows", timed_rows)
+    def perf_counter() -> float:  # a microsecond a reading besides the forwards' (the prefill's)
+        clock[0] += 1e-6
+        return clock[0]
+
+    monkeypatch.setattr(profile.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(profile, "REPEATS", 1)
+    loaded = tiny_loaded()
+    timed = profile.time_forward(loaded, CachedModel(loaded.model), list(range(1, 40)))
+    assert all(a <= b for a, b in zip(timed.forward, timed.forward[1:])), timed.forward
+    assert timed.forward[7] == timed.forward[8] == pytest.approx((0.018 + 0.0165) / 2, abs=1e-5)
+    assert timed.forward[9] == pytest.approx(0.020, abs=1e-5)  # the rest as measured
+
+
 def test_the_code_digest_follows_the_forwards_source(tmp_path):
     """An edit to a kernel's or a drafter's source changes the profile's key; a file outside
     the forward's folders does not."""
