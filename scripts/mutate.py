@@ -475,7 +475,8 @@ MUTANTS = (
            ("tests/test_auto.py::test_a_dip_in_the_forwards_timings_is_not_taken_for_a_cheaper_width",),
            "a noisy dip in T(rows) is kept, and auto drafts to the width it makes look cheap"),
     Mutant("profile-measured-by-two-at-once", "verispec/profile.py",
-           "        with measuring(path):", "        with contextlib.nullcontext():",
+           "        with held(path.with_suffix(\".lock\"),",
+           "        with held(path.with_suffix(f\".{id(lm)}.lock\"),",  # a lock of each caller's own
            ("tests/test_auto.py::test_two_processes_wanting_one_profile_measure_it_once",),
            "two processes wanting one profile both measure it, each beside the other's load"),
     Mutant("others-load-read-from-the-hosts-cpus-under-a-quota", "verispec/core/cores.py",

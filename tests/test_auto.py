@@ -17,6 +17,7 @@ from tests.distribution import POWER, assert_follows, exact_marginals, runs_for,
 from tests.tiny import VOCAB, plain_greedy, tiny_foreign, tiny_llama, tiny_loaded
 from verispec import methods, profile
 from verispec.cli import main
+from verispec.core import files
 from verispec.core.policies import ConstantK, LoadCap
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
@@ -321,13 +322,22 @@ def test_two_processes_wanting_one_profile_measure_it_once(cache, monkeypatch, c
     profile._MEMO.clear()
     for path in cache.glob("*.json"):
         path.unlink()
-    calls, ready = [], threading.Barrier(2)
+    calls, ready, contended = [], threading.Barrier(2), threading.Event()
+    flock = files.fcntl.flock
+
+    def watched_flock(file, operation):
+        try:
+            return flock(file, operation)
+        except BlockingIOError:
+            contended.set()  # the other asker found the lock held
+            raise
 
     def slow_measure(*args):
         calls.append(args)
-        time.sleep(0.5)  # long enough that the other asks meanwhile
+        contended.wait(timeout=10)  # measuring until the other has asked (however busy the machine)
         return measured
 
+    monkeypatch.setattr(files.fcntl, "flock", watched_flock)
     monkeypatch.setattr(profile, "measure", slow_measure)
     answers = {}
 

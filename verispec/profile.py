@@ -15,7 +15,6 @@ the kernel its products run on: any change measures again. One process measures 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -24,20 +23,15 @@ import statistics
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-try:
-    import fcntl
-except ImportError:  # not Unix: profiles are measured without a lock
-    fcntl = None
-
 from verispec.core.cores import OthersLoad
-from verispec.core.files import write_json, write_whole
+from verispec.core.files import held, write_json, write_whole
 from verispec.core.stopping import StoppingRules
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.sequence import SequenceSpec
@@ -191,33 +185,13 @@ def cost_profile(target: LoadedModel, drafters: dict[str, Callable[[], Drafter]]
         # One process measures a key at a time: another one measuring it (a second server started
         # beside the first, a test worker) is waited for and its cached profile read, instead of
         # two measuring at once, each timing the other's load.
-        with measuring(path):
+        with held(path.with_suffix(".lock"),
+                  "verispec: another process is measuring this cost profile; waiting for it"):
             profile = None if refresh else read_profile(path, key)
             if profile is None:
                 profile = _measure_and_cache(target, lm, drafters, limits, path, key)
     memo[seen] = profile
     return profile
-
-
-@contextlib.contextmanager
-def measuring(path: Path) -> Iterator[None]:
-    """Hold the lock beside the profile at `path` (an exclusive `flock` on PATH.lock, waiting
-    for a process that holds it); no lock where `fcntl` is missing (not Unix)."""
-    if fcntl is None:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print("verispec: another process is measuring this cost profile; waiting for it",
-                  file=sys.stderr)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _measure_and_cache(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[], Drafter]],

@@ -1,10 +1,14 @@
-"""Files written whole: another process, or a run resumed after a crash, never reads half of one."""
+"""Files written whole: another process, or a run resumed after a crash, never reads half of one;
+and a lock file for work one process does at a time."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -27,3 +31,19 @@ def write_text(path: Path, text: str) -> None:
 def write_json(path: Path, data: object, indent: int | None = 1) -> None:
     """`data` as JSON at `path`, written whole."""
     write_text(path, json.dumps(data, indent=indent))
+
+
+@contextlib.contextmanager
+def held(lock: Path, waiting: str | None = None) -> Iterator[None]:
+    """An exclusive `flock` on the file `lock` (created with its folder), held for the block and
+    released however the process ends; `waiting`, where given, is printed to stderr when another
+    process holds it and this one waits."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, file=sys.stderr)
+            fcntl.flock(file, fcntl.LOCK_EX)
+        yield

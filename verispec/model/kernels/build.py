@@ -10,7 +10,6 @@ the built file directly (milliseconds).
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import importlib.machinery
@@ -21,6 +20,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from verispec.core.files import held
 
 SOURCE = Path(__file__).with_name("rows.cpp")
 
@@ -62,9 +63,7 @@ def _build(name: str, directory: Path) -> ModuleType:
     however its process ends; whoever holds it knows a leftover torch lock is stale."""
     from torch.utils import cpp_extension
 
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "verispec.lock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+    with held(directory / "verispec.lock"):
         built = directory / f"{name}.so"
         if built.is_file():
             return _import(name, built)
