@@ -585,9 +585,11 @@ def test_in_a_batch_auto_decides_by_the_batch_and_stays_exact(loaded, references
     auto learns from the real steps is held: the drafter's slowdown at 1, the target's pace at
     the profile's, the overhead at 0. The tiny model's real forwards cost about the same at any
     width, unlike the fake profile, and learnt, that shape priced the batch's verify in once the
-    float32 layer loop went to C++; each is learnt and tested apart.)"""
+    float32 layer loop went to C++; each is learnt and tested apart. So are trials of a drafter
+    priced a little under plain decoding, which the batch's price for it is: EXPLORE_BAND 0.)"""
     monkeypatch.setattr(auto_module, "COST_DECAY", 1.0)
     monkeypatch.setattr(auto_module, "OVERHEAD_DECAY", 1.0)
+    monkeypatch.setattr(auto_module, "EXPLORE_BAND", 0.0)
     monkeypatch.setattr(auto_module.Pace, "observe", lambda self, rows, ratio: None)
     costs = fake_profile(2, pld=DrafterCost(0.1, 0.0), suffix=DrafterCost(0.1, 0.0),
                          **{"self-int8-pld": DrafterCost(0.0, 0.0001, 0.9)})
@@ -677,10 +679,11 @@ def test_a_drafter_slower_than_its_profile_says_loses_its_place():
     assert best_choice(costs, {"self-int8": 0.9}, {"self-int8": 3}, 1, {"self-int8": 10.0}).method is None
 
 
-def test_the_verify_is_priced_by_what_the_targets_forwards_took():
+def test_the_verify_is_priced_by_what_the_targets_forwards_took(monkeypatch):
     """A profile that read T(2) / T(1) = 1.2 prices a drafter kept 30% of the time out; forwards
     seen to cost the same over two rows as over one bring it in (at k = 1: three rows, unseen,
-    take two rows' pace, and the profile's T(3) / T(2) stands)."""
+    take two rows' pace, and the profile's T(3) / T(2) stands). (No trials: EXPLORE_BAND 0.)"""
+    monkeypatch.setattr(auto_module, "EXPLORE_BAND", 0.0)
     costs = CostProfile((0.010, 0.012, 0.014, 0.016), 300, 1e4, {"model": DrafterCost(0.0, 0.0015)})
     assert best_choice(costs, {"model": 0.3}, {"model": 3}).method is None
     pace = Pace()
@@ -791,12 +794,13 @@ def test_auto_counts_one_forward_a_step_and_only_for_steps_it_proposed():
     assert wrapped.drafter.forwards == [(3, 0.1)]
 
 
-def test_a_steps_overhead_is_paid_once_a_token_by_plain_decoding_and_once_a_step_by_a_draft():
+def test_a_steps_overhead_is_paid_once_a_token_by_plain_decoding_and_once_a_step_by_a_draft(monkeypatch):
     """Seconds a step costs besides its forward and drafting (verification, bookkeeping) make a
     draft pay that the forward alone prices out (not for a seeded answer, priced by the profile
     alone); auto reads them from its steps' periods, at most as one forward (a pause of the
     process is not overhead), and not across a sequence's start, after a seeded step or after a
-    step a wrapper drafted itself."""
+    step a wrapper drafted itself. (No trials: EXPLORE_BAND 0.)"""
+    monkeypatch.setattr(auto_module, "EXPLORE_BAND", 0.0)
     costs = CostProfile((0.010, 0.012, 0.014, 0.016), 300, 1e4,
                         {"model": DrafterCost(0.0, 0.0015, 0.3)})
     assert best_choice(costs, {"model": 0.3}, {"model": 3}).method is None
@@ -952,6 +956,36 @@ def test_a_drafter_priced_out_by_refusals_comes_back_at_longer_and_longer_interv
         auto.commit(0)
     auto.commit(3)
     assert auto.acceptance["model"].recovery == 1 - auto_module.RECOVERY
+
+
+def test_a_drafter_priced_a_little_under_plain_decoding_is_tried_and_kept_where_it_pays(monkeypatch):
+    """A model drafter whose prior prices it just under plain decoding is tried at the answer's
+    first plain step, then after EXPLORE_EVERY steps, each refused trial doubling the wait: where
+    its drafts are kept it takes over the answer, where they are refused it costs a few trials.
+    One priced far under plain decoding is never tried. (Slowdown held at 1, as above.)"""
+    monkeypatch.setattr(auto_module, "COST_DECAY", 1.0)
+    request = DraftRequest(torch.zeros(10, dtype=torch.int64), 3, SamplingParams(), None)
+
+    def run(prior: float, kept: bool, steps: int = 128) -> list[bool]:
+        costs = CostProfile((0.010, 0.012, 0.014, 0.016), 300, 1e4,
+                            {"model": DrafterCost(0.0, 0.0015, prior)})
+        auto = AutoDrafter(costs, {}, {"model": CatchingUp()}, {"model": 3}, PLAIN)
+        drafted = []
+        for _ in range(steps):
+            choice = auto.propose(request).choice
+            drafted.append(choice != (PLAIN, 0))
+            auto.commit(choice[1] if kept else 0)
+        return drafted
+
+    # at 0.3 a one-token draft models 1.3 / 0.0135 = 96 tokens/s against plain decoding's 100
+    assert best_choice(CostProfile((0.010, 0.012), 300, 1e4, {"model": DrafterCost(0.0, 0.0015)}),
+                       {"model": 0.3}, {"model": 3}).method is None
+    paying = run(0.3, kept=True)
+    assert paying[0] and sum(paying) > 0.9 * len(paying)
+    refused = run(0.3, kept=False)
+    tried = [step for step, drafted in enumerate(refused) if drafted]
+    assert tried == [0, 33, 98], tried  # each refusal doubles the wait: 32, then 64 plain steps
+    assert not any(run(0.1, kept=True))  # 1.1 / 0.0135 = 81 tokens/s: out of the band
 
 
 class Watched(EagleDrafter):

@@ -89,6 +89,16 @@ TREE_LEVEL = 1.3
 # drafting an answer against EAGLE's 0.18 s (docs/tuning.md).
 STRETCH_PRIOR = 4.0
 STRETCH_DECAY = 0.8
+# A model drafter priced a little under plain decoding is tried now and then, or it is never
+# judged on this text: on a held-out prompt of the built-in 4-bit target EAGLE's prior (0.39, from
+# the profile's one paragraph) and a noisy T(2) priced it 4.5% under plain decoding at the first
+# step, so it sat out all 115 steps, where EAGLE alone ran 1.25x `ar` (docs/tuning.md). At a plain
+# step, a model drafter within EXPLORE_BAND of plain decoding's rate that has not drafted for
+# EXPLORE_EVERY steps of this answer (nor ever, at its first plain step) drafts its best k; each
+# trial whose first token is refused doubles the wait for the next, one that keeps a token puts it
+# back. A trial costs at most the band's share of a step: under 1% of the answer at these settings.
+EXPLORE_BAND = 0.1
+EXPLORE_EVERY = 16
 
 
 @dataclass(frozen=True)
@@ -132,11 +142,12 @@ class CostProfile:
 @dataclass(frozen=True)
 class Choice:
     """One step's decision: the candidate (None: plain decoding), its draft length, the expected
-    rate."""
+    rate; trial: drafted to judge a candidate priced under plain decoding (`explore`)."""
 
     method: str | None
     k: int
     tokens_per_second: float
+    trial: bool = False
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -168,7 +179,7 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
                 limits: dict[str, int], batch: int = 1, slowdown: dict[str, float] | None = None,
                 whole: Collection[str] = (), pace: Callable[[int], float] | None = None,
                 overhead: float = 0.0, trees: dict[str, int] | None = None,
-                catchup: dict[str, float] | None = None) -> Choice:
+                catchup: dict[str, float] | None = None, explore: Collection[str] = ()) -> Choice:
     """The candidate and draft length (1..limits[name]; exactly limits[name] for the names in
     `whole` and in `trees`) with the most expected tokens per second for each of `batch` sequences
     sharing the target pass; plain decoding when none beats it. acceptance: name -> a per-token
@@ -181,7 +192,8 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
     level costs TREE_LEVEL drafted tokens; its rate is what its own trees kept a level); catchup:
     name -> seconds this step adds for re-reading what the drafter sat out (AutoDrafter spreads a
     return's re-read over the steps it buys). A candidate displaces plain decoding only where its
-    rate beats plain decoding's by MARGIN.
+    rate beats plain decoding's by MARGIN; where none does, the best of `explore` (candidates owed
+    a trial) whose rate is within EXPLORE_BAND under plain decoding's is drafted as a trial.
 
     >>> profile = CostProfile((0.010, 0.011, 0.012, 0.013), 300, 1e4, {
     ...     "lookup": DrafterCost(0.0, 0.0), "model": DrafterCost(0.0, 0.008)})
@@ -190,6 +202,11 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
     ('lookup', 3, 265)
     >>> best_choice(profile, {"model": 0.5}, {"model": 3}).method is None
     True
+    >>> best_choice(profile, {"model": 0.75}, {"model": 3}).method is None  # 92 tokens/s against 100
+    True
+    >>> trial = best_choice(profile, {"model": 0.75}, {"model": 3}, explore={"model"})
+    >>> trial.method, trial.k, trial.trial
+    ('model', 1, True)
     """
     def forward(rows: int) -> float:
         return profile.forward_seconds(rows) * (1.0 if pace is None else pace(rows)) + overhead
@@ -197,6 +214,7 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
     trees = trees or {}
     plain = Choice(None, 0, batch / forward(batch))
     best = replace(plain, tokens_per_second=plain.tokens_per_second * (1 + MARGIN))
+    trial = replace(plain, tokens_per_second=plain.tokens_per_second * (1 - EXPLORE_BAND))
     for name, limit in limits.items():
         cost = profile.drafters[name]
         for k in (limit,) if name in whole or name in trees else range(1, limit + 1):
@@ -206,7 +224,11 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
             rate = expected_by_length(acceptance[name], k) / seconds
             if rate > best.tokens_per_second:
                 best = Choice(name, k, rate)
-    return plain if best.method is None else best
+            if name in explore and rate > trial.tokens_per_second:
+                trial = Choice(name, k, rate, trial=True)
+    if best.method is not None:
+        return best
+    return plain if trial.method is None else trial
 
 
 class Acceptance:
@@ -398,6 +420,10 @@ class AutoDrafter(Drafter):
         # sequence), and the tokens this step's proposal re-read of a stretch it sat out (0: none)
         self.fed: dict[str, int | None] = {name: None for name in self.models}
         self.caught_up = 0
+        # name -> (steps since the model drafter last drafted in this sequence, steps a trial
+        # waits for: EXPLORE); owed at its first plain step
+        self.idle = {name: (EXPLORE_EVERY, EXPLORE_EVERY) for name in self.models}
+        self.trial = False  # this step drafts as a trial
         self._end_run()
         self.timed = True  # whether this step's drafting time counts (not in a seeded sequence)
         self.step_started = None  # a sequence's first step follows its prefill: no overhead read
@@ -473,8 +499,10 @@ class AutoDrafter(Drafter):
         catchup = None if request.seeded else {
             name: self.reread[name] * self._behind(name, context) / self.stretch[name]
             for name in self.models if self.fed[name] is not None}
+        owed = {name for name, (idle, wait) in self.idle.items() if idle >= wait}
         choice = best_choice(self.profile, rates, limits, request.batch, slowdown, drafts, pace, overhead,
-                             self.trees, catchup)
+                             self.trees, catchup, owed)
+        self.trial = choice.trial
         self.awaiting = True
         self.timed = not request.seeded
         self.chosen = choice.method
@@ -520,6 +548,13 @@ class AutoDrafter(Drafter):
         if self.chosen in self.models:
             self.acceptance[self.chosen].observe(self.drafted, num_accepted)
             self.learnt[self.chosen].observe(self.drafted, num_accepted)
+            wait = self.idle[self.chosen][1]
+            if self.trial:  # a refused trial doubles the wait for the next; a kept one puts it back
+                wait = EXPLORE_EVERY if num_accepted else 2 * wait
+            self.idle[self.chosen] = (0, wait)
+        for name, (idle, wait) in self.idle.items():
+            if name != self.chosen:
+                self.idle[name] = (idle + 1, wait)
         # A step that caught up on a stretch the drafter sat out is no measure of its pace (counted,
         # it would price the drafter out) but of its re-reading: what it took beyond the drafting
         # its pace predicts, per token re-read.
