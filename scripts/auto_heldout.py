@@ -9,7 +9,7 @@ Prints the profile auto decides by (measured again first), then per prompt each 
 against `ar` (auto's first; with --repeats N, each time the least of N rounds: on a shared VM
 another process only ever slows a round down), overall auto against the best fixed method,
 whether every output equals `ar`'s, what auto chose, how its target's forwards ran against the
-profile (auto.Pace) and what a step cost besides; then
+profile (auto.Pace), what a step cost besides and how many trials it drafted; then
 the issue's bar (auto >= 0.97x ar on every prompt, >= 0.95x the best fixed method overall, every
 output identical): PASS or FAIL. Exit status 1 where an output differs from ar's.
 """
@@ -105,6 +105,8 @@ def main() -> int:
     print("auto's forwards against the profile's T(rows) at the end: " + ", ".join(
         f"{rows} rows {auto.pace(rows):.2f}" for rows in sorted(auto.pace.counts))
           + f"; a step's overhead {1000 * auto.overhead:.2f} ms")
+    print(f"auto's trials of a drafter priced under plain decoding: {auto.trials[0]}, "
+          f"{auto.trials[1]} of them with their first token kept")
     print("outputs identical to ar's: " + ("yes, every one" if not differing else ", ".join(differing)))
     passed = (worst_prompt >= PER_PROMPT_BAR and total[best] / total["auto"] >= BEST_BAR
               and not differing)

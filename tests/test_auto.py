@@ -966,7 +966,8 @@ def test_a_drafter_priced_a_little_under_plain_decoding_is_tried_and_kept_where_
     monkeypatch.setattr(auto_module, "COST_DECAY", 1.0)
     request = DraftRequest(torch.zeros(10, dtype=torch.int64), 3, SamplingParams(), None)
 
-    def run(prior: float, kept: bool, steps: int = 128) -> list[bool]:
+    def run(prior: float, kept: bool, steps: int = 128) -> tuple[list[bool], list[int]]:
+        """Whether each step drafted, and auto's trials (drafted, first token kept)."""
         costs = CostProfile((0.010, 0.012, 0.014, 0.016), 300, 1e4,
                             {"model": DrafterCost(0.0, 0.0015, prior)})
         auto = AutoDrafter(costs, {}, {"model": CatchingUp()}, {"model": 3}, PLAIN)
@@ -975,17 +976,17 @@ def test_a_drafter_priced_a_little_under_plain_decoding_is_tried_and_kept_where_
             choice = auto.propose(request).choice
             drafted.append(choice != (PLAIN, 0))
             auto.commit(choice[1] if kept else 0)
-        return drafted
+        return drafted, auto.trials
 
     # at 0.3 a one-token draft models 1.3 / 0.0135 = 96 tokens/s against plain decoding's 100
     assert best_choice(CostProfile((0.010, 0.012), 300, 1e4, {"model": DrafterCost(0.0, 0.0015)}),
                        {"model": 0.3}, {"model": 3}).method is None
-    paying = run(0.3, kept=True)
-    assert paying[0] and sum(paying) > 0.9 * len(paying)
-    refused = run(0.3, kept=False)
+    paying, trials = run(0.3, kept=True)
+    assert paying[0] and sum(paying) > 0.9 * len(paying) and trials == [1, 1]
+    refused, trials = run(0.3, kept=False)
     tried = [step for step, drafted in enumerate(refused) if drafted]
-    assert tried == [0, 33, 98], tried  # each refusal doubles the wait: 32, then 64 plain steps
-    assert not any(run(0.1, kept=True))  # 1.1 / 0.0135 = 81 tokens/s: out of the band
+    assert tried == [0, 33, 98] and trials == [3, 0], tried  # a refusal doubles the wait: 32, then 64
+    assert run(0.1, kept=True) == ([False] * 128, [0, 0])  # 1.1 / 0.0135 = 81 tokens/s: out of the band
 
 
 class Watched(EagleDrafter):

@@ -405,6 +405,7 @@ class AutoDrafter(Drafter):
         # for good (it would draft no more, and the figure could not recover)
         self.learnt = {name: Acceptance(self.priors[name], 1.0, LEARNT_WEIGHT) for name in models}
         self.run: tuple[str | None, int] = (None, 0)  # the model drafter chosen last, steps in a row
+        self.trials = [0, 0]  # trials drafted (explore), and those whose first token was kept: all sequences
         self.reset()
 
     def reset(self) -> None:
@@ -551,6 +552,8 @@ class AutoDrafter(Drafter):
             wait = self.idle[self.chosen][1]
             if self.trial:  # a refused trial doubles the wait for the next; a kept one puts it back
                 wait = EXPLORE_EVERY if num_accepted else 2 * wait
+                self.trials[0] += 1
+                self.trials[1] += bool(num_accepted)
             self.idle[self.chosen] = (0, wait)
         for name, (idle, wait) in self.idle.items():
             if name != self.chosen:
