@@ -522,7 +522,7 @@ MUTANTS = (
            ("tests/test_auto.py::test_a_drafter_priced_a_little_under_plain_decoding_is_tried_and_kept_where_it_pays",),
            "a model drafter priced a little under plain decoding from the first step is never judged"),
     Mutant("auto-tries-a-refused-drafter-at-a-steady-pace", "verispec/drafters/auto.py",
-           "EXPLORE_EVERY if num_accepted else 2 * wait", "EXPLORE_EVERY",
+           "                wait *= 2\n", "                wait *= 1\n",
            ("tests/test_auto.py::test_a_drafter_priced_a_little_under_plain_decoding_is_tried_and_kept_where_it_pays",),
            "a drafter whose trials are refused is tried every EXPLORE_EVERY steps all answer long"),
     Mutant("auto-never-forgives-refusals", "verispec/drafters/auto.py",

@@ -95,8 +95,9 @@ STRETCH_DECAY = 0.8
 # step, so it sat out all 115 steps, where EAGLE alone ran 1.25x `ar` (docs/tuning.md). At a plain
 # step, a model drafter within EXPLORE_BAND of plain decoding's rate that has not drafted for
 # EXPLORE_EVERY steps of this answer (nor ever, at its first plain step) drafts its best k; each
-# trial whose first token is refused doubles the wait for the next, one that keeps a token puts it
-# back. A trial costs at most the band's share of a step: under 1% of the answer at these settings.
+# trial whose first token is refused doubles the wait for the next, and any of its drafts that
+# keeps a token puts it back. A trial costs at most the band's share of a step: under 1% of the
+# answer at these settings.
 EXPLORE_BAND = 0.1
 EXPLORE_EVERY = 16
 
@@ -549,9 +550,13 @@ class AutoDrafter(Drafter):
         if self.chosen in self.models:
             self.acceptance[self.chosen].observe(self.drafted, num_accepted)
             self.learnt[self.chosen].observe(self.drafted, num_accepted)
+            # a refused trial doubles the wait for the next; any draft that keeps a token puts it back
             wait = self.idle[self.chosen][1]
-            if self.trial:  # a refused trial doubles the wait for the next; a kept one puts it back
-                wait = EXPLORE_EVERY if num_accepted else 2 * wait
+            if num_accepted:
+                wait = EXPLORE_EVERY
+            elif self.trial:
+                wait *= 2
+            if self.trial:
                 self.trials[0] += 1
                 self.trials[1] += bool(num_accepted)
             self.idle[self.chosen] = (0, wait)
