@@ -405,7 +405,8 @@ class AutoDrafter(Drafter):
         # 0.52), from the profile's otherwise: a few unlucky answers must not price a drafter out
         # for good (it would draft no more, and the figure could not recover)
         self.learnt = {name: Acceptance(self.priors[name], 1.0, LEARNT_WEIGHT) for name in models}
-        self.run: tuple[str | None, int] = (None, 0)  # the model drafter chosen last, steps in a row
+        # the model drafter chosen last, its steps in a row, whether the run began as a trial
+        self.run: tuple[str | None, int, bool] = (None, 0, False)
         self.trials = [0, 0]  # trials drafted (explore), and those whose first token was kept: all sequences
         self.reset()
 
@@ -443,11 +444,13 @@ class AutoDrafter(Drafter):
         return context - fed if context - fed > self.limits[name] + 1 else 0
 
     def _end_run(self) -> None:
-        """The chosen model drafter's run of steps ended: its stretch learns the run's length."""
-        name, steps = self.run
-        if name is not None:
+        """The chosen model drafter's run of steps ended: its stretch learns the run's length, but
+        from a trial that was all the run (a return chosen to judge the drafter, not for what it
+        buys: counted, refused trials shortened EAGLE's stretch and priced its chosen returns out)."""
+        name, steps, trial = self.run
+        if name is not None and not (trial and steps == 1):
             self.stretch[name] = STRETCH_DECAY * self.stretch[name] + (1 - STRETCH_DECAY) * steps
-        self.run = (None, 0)
+        self.run = (None, 0, False)
 
     def adopt_prefill(self, target) -> None:
         for drafter in (*self.lookups.values(), *self.models.values()):
@@ -579,7 +582,7 @@ class AutoDrafter(Drafter):
         if self.chosen != self.run[0]:
             self._end_run()
         if self.chosen in self.models:
-            self.run = (self.chosen, self.run[1] + 1)
+            self.run = (self.chosen, self.run[1] + 1, self.run[2] or (self.run[1] == 0 and self.trial))
         for name in self.models:  # the others drift back to the profile's figures
             if name != self.chosen:
                 self.slowdown[name] = 1 + (self.slowdown[name] - 1) * RECOVERY
