@@ -976,6 +976,8 @@ def test_a_drafter_priced_a_little_under_plain_decoding_is_tried_and_kept_where_
             choice = auto.propose(request).choice
             drafted.append(choice != (PLAIN, 0))
             auto.commit(choice[1] if kept else 0)
+        # runs that were one refused trial each leave the drafter's stretch at its prior
+        assert kept or auto.stretch["model"] == auto_module.STRETCH_PRIOR, auto.stretch
         return drafted, auto.trials
 
     # at 0.3 a one-token draft models 1.3 / 0.0135 = 96 tokens/s against plain decoding's 100
