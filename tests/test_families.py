@@ -24,6 +24,7 @@ from verispec.drafters.self_spec import SelfDrafter, SelfSettings
 from verispec.methods import build_engine
 from verispec.model.cached_model import CachedModel
 from verispec.model.gguf_blocks import stored_types
+from verispec.model.kernels import rows
 from verispec.model.lean import LeanDecoder, LeanWeights, family_of, lean_supported, windows
 from verispec.model.loading import BUILTIN_MODELS, LoadedModel, load_model
 from verispec.model.lowbit import int4_target
@@ -63,6 +64,39 @@ def test_lean_forward_is_the_familys_own(name):
     pieces = [tokens[:12], *tokens[12:20].split(1), tokens[20:]]
     got = torch.cat([decoder.logits(decoder.forward(piece)) for piece in pieces])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
+
+
+WINDOWED = [name for name in FAMILY_NAMES if name != "llama"]
+
+
+@pytest.mark.skipif(not rows.available(), reason=f"row kernels: {rows.unavailable_reason()}")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", WINDOWED)
+@torch.no_grad()
+def test_windowed_layers_attend_through_the_row_kernel(name, dtype, monkeypatch):
+    """With heads of 16 the row kernel attends on every layer, sliding windows included (it is
+    called with them): the lean forward is still the family's own (float32), and a block's rows
+    are still a one-token step's bits (blocks 2..17 after the prefix, longer than the window)."""
+    model = tiny_family(name, seed=2, head_dim=16).to(getattr(torch, dtype))
+    weights = LeanWeights.of(model)
+    assert weights.row_kernel_attention and any(layer.window for layer in weights.layers)
+    windows_seen = []
+    attention = rows.attention
+
+    def spy(*args, window=None):
+        windows_seen.append(window)
+        return attention(*args, window=window)
+
+    monkeypatch.setattr(rows, "attention", spy)
+    tokens = torch.randint(3, 64, (invariance.PREFIX + 17,), generator=torch.Generator().manual_seed(1))
+    if dtype == "float32":
+        expected = model(tokens[None]).logits[0]
+        decoder = LeanDecoder(weights, torch.device("cpu"))
+        pieces = [tokens[:12], *tokens[12:20].split(1), tokens[20:]]
+        got = torch.cat([decoder.logits(decoder.forward(piece)) for piece in pieces])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
+    assert invariance.blocks_differing(weights, tokens, invariant=True) == []
+    assert WINDOW in windows_seen
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)

@@ -252,6 +252,27 @@ def test_attention_rows_match_one_query_each(kernel, dtype, head_dim):
     assert (tree.double() - reference).abs().max() < tolerance
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sliding_window_sees_each_rows_last_keys(kernel, dtype):
+    """With a window of 7, a causal block's row i is the one-query call over its own last 7 keys
+    (slots 40 - 5 + i - 6 .. 40 - 5 + i), and the same bits as a mask naming those keys; without
+    the window it sees all of them, and differs."""
+    q, keys, values = attention_inputs(dtype, 64)
+    block = rows.attention(q, keys, values, 40, None, 0.125, kernel, window=7)
+    mask = torch.zeros(5, 40, dtype=torch.bool)
+    for i in range(5):
+        end = 40 - 5 + i + 1
+        mask[i, end - 7: end] = True
+        window = [t[:, :, end - 7: end].contiguous() for t in (keys, values)]
+        alone = rows.attention(q[:, :, i: i + 1], *window, 7, None, 0.125, kernel)
+        assert torch.equal(block[:, i], alone[:, 0])
+        step = rows.attention(q[:, :, i: i + 1], keys, values, end, None, 0.125, kernel, window=7)
+        assert torch.equal(block[:, i], step[:, 0])  # a one-token step at that position
+    assert torch.equal(block, rows.attention(q, keys, values, 40, mask, 0.125, kernel))
+    assert not torch.equal(block, rows.attention(q, keys, values, 40, None, 0.125, kernel))
+
+
 
 @functools.cache
 def builtin(dtype: str) -> torch.nn.Module:

@@ -64,17 +64,18 @@ FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 
 def tiny_family(name: str, seed: int = 0, layers: int = 3, vocab: int = VOCAB,
-                hidden: int = 32) -> PreTrainedModel:
+                hidden: int = 32, head_dim: int = 8) -> PreTrainedModel:
     """A random float32 model of a lean family (FAMILY_NAMES): Mistral with a model-wide window,
     Qwen2 with q/k/v biases and windows on layers 1.., Qwen3 with per-head q/k norms and
     windows on layers 2.., Gemma 3 with its sandwich norms, GeGLU, scaled embeddings, a tied head
     and local layers (window, rotary base 10k) around a global one (base 1M). Norm weights and
     biases are random too (Hugging Face starts them at 1, 0 or Gemma's 0), so the tests see them.
+    head_dim: 8 by default; 16 or more where the row kernels' attention must run (rows.HEAD_DIMS).
     """
     if name == "llama":
         return tiny_llama(seed, layers, vocab, hidden)
     torch.manual_seed(seed)
-    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, head_dim=8,
+    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, head_dim=head_dim,
                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=512, bos_token_id=1, eos_token_id=None, pad_token_id=0)
     if name == "mistral":

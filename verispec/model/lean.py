@@ -716,7 +716,7 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
                     decoders, [qkv_all] if len(blocks) == 1 else qkv_all.split(sizes, dim=1),
                     sizes, rotary[layer.kind], sights[layer.window]):
                 cache = decoder.caches[index]
-                if invariant and not seen.whole and layer.window is None and w.row_kernel_attention:
+                if invariant and not seen.whole and w.row_kernel_attention:
                     if layer.q_norm is None and layer.k_norm is None and not fixed:  # one C++ call
                         start = cache.claim(n, 1, w.kv_heads, w.head_dim, qkv)
                         q = rows.heads_into_cache(qkv, cos, sin, cache.keys, cache.values, start, w.heads)
@@ -724,7 +724,8 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
                         q, k, v = split_heads(w, layer, qkv, cos, sin, run)
                         cache.write(k, v)
                     attended.append(rows.attention(q, cache.keys, cache.values, cache.length, seen.rows,
-                                                   w.scaling, w.row_kernel))
+                                                   w.scaling, w.row_kernel,
+                                                   window=None if seen.rows is not None else layer.window))
                     continue
                 q, k, v = split_heads(w, layer, qkv, cos, sin, run)
                 cache.write(k, v)

@@ -1147,8 +1147,10 @@ constexpr int head_block() { return C >= 8 ? 1 : C >= 4 ? 3 : 4; }
 
 template <int C, typename T>
 void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                    const at::Tensor& mask, int64_t length, double scale, at::Tensor& out, int64_t isa) {
-  // q: [heads, n, D] (any strides but D's); keys, values: [kv_heads, capacity, D] contiguous
+                    const at::Tensor& mask, int64_t length, int64_t window, double scale, at::Tensor& out,
+                    int64_t isa) {
+  // q: [heads, n, D] (any strides but D's); keys, values: [kv_heads, capacity, D] contiguous;
+  // window > 0: a causal row sees only its last `window` keys (its own included)
   constexpr int64_t D = 16 * C;
   constexpr int BLOCK = head_block<C>();
   const int64_t heads = q.size(0), n = q.size(1), kv_heads = keys.size(0);
@@ -1173,8 +1175,9 @@ void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
       const int64_t h = first / group;
       int64_t count = 0;
       if (causal) {
-        count = length - n + i + 1;
-        for (int64_t j = 0; j < count; ++j) index[j] = static_cast<int32_t>(j);
+        const int64_t end = length - n + i + 1, start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+        count = end - start;
+        for (int64_t j = 0; j < count; ++j) index[j] = static_cast<int32_t>(start + j);
       } else {
         for (int64_t j = 0; j < length; ++j)
           if (m[i * length + j]) index[count++] = static_cast<int32_t>(j);
@@ -1211,15 +1214,16 @@ void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
 
 template <typename T>
 void attention_dispatch(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                        const at::Tensor& mask, int64_t length, double scale, at::Tensor& out, int64_t isa) {
+                        const at::Tensor& mask, int64_t length, int64_t window, double scale, at::Tensor& out,
+                        int64_t isa) {
   switch (q.size(2) / 16) {
-    case 1: attention_rows<1, T>(q, keys, values, mask, length, scale, out, isa); break;
-    case 2: attention_rows<2, T>(q, keys, values, mask, length, scale, out, isa); break;
-    case 4: attention_rows<4, T>(q, keys, values, mask, length, scale, out, isa); break;
-    case 5: attention_rows<5, T>(q, keys, values, mask, length, scale, out, isa); break;
-    case 6: attention_rows<6, T>(q, keys, values, mask, length, scale, out, isa); break;
-    case 8: attention_rows<8, T>(q, keys, values, mask, length, scale, out, isa); break;
-    case 16: attention_rows<16, T>(q, keys, values, mask, length, scale, out, isa); break;
+    case 1: attention_rows<1, T>(q, keys, values, mask, length, window, scale, out, isa); break;
+    case 2: attention_rows<2, T>(q, keys, values, mask, length, window, scale, out, isa); break;
+    case 4: attention_rows<4, T>(q, keys, values, mask, length, window, scale, out, isa); break;
+    case 5: attention_rows<5, T>(q, keys, values, mask, length, window, scale, out, isa); break;
+    case 6: attention_rows<6, T>(q, keys, values, mask, length, window, scale, out, isa); break;
+    case 8: attention_rows<8, T>(q, keys, values, mask, length, window, scale, out, isa); break;
+    case 16: attention_rows<16, T>(q, keys, values, mask, length, window, scale, out, isa); break;
     default: check(false, "head_dim of 16, 32, 64, 80, 96, 128 or 256");
   }
 }
@@ -1388,7 +1392,8 @@ at::Tensor linear_dense_rows(const at::Tensor& x, const at::Tensor& weight, int6
 // buffers), the first `length` slots valid; mask [n, length] bool or None (causal: row i sees the
 // first length - n + i + 1). Returns [1, n, heads * D] in q's dtype.
 at::Tensor attention(const at::Tensor& q4, const at::Tensor& keys4, const at::Tensor& values4,
-                     const c10::optional<at::Tensor>& mask, int64_t length, double scale, int64_t isa) {
+                     const c10::optional<at::Tensor>& mask, int64_t length, double scale, int64_t isa,
+                     int64_t window) {
 #if VERISPEC_X86
   check(runs(isa), "this CPU does not run this kernel class");
   check(q4.dim() == 4 && keys4.dim() == 4 && values4.dim() == 4 && q4.size(0) == 1 && keys4.size(0) == 1 &&
@@ -1399,14 +1404,15 @@ at::Tensor attention(const at::Tensor& q4, const at::Tensor& keys4, const at::Te
   const int64_t D = q.size(2);
   check(q.size(0) % keys.size(0) == 0 && D % 16 == 0, "heads % kv_heads == 0, head_dim % 16 == 0");
   check(length <= keys.size(1) && length >= q.size(1), "length within the cache");
+  check(window >= 0, "window >= 0 (0: none)");
   at::Tensor m;
   if (mask.has_value() && mask->defined()) {
     m = mask->contiguous();
     check(m.scalar_type() == at::kBool && m.size(0) == q.size(1) && m.size(1) == length, "mask [n, length] bool");
   }
   at::Tensor out = at::empty({q.size(1), q.size(0) * D}, q.options());
-  if (q.scalar_type() == at::kFloat) attention_dispatch<float>(q, keys, values, m, length, scale, out, isa);
-  else if (q.scalar_type() == at::kBFloat16) attention_dispatch<at::BFloat16>(q, keys, values, m, length, scale, out, isa);
+  if (q.scalar_type() == at::kFloat) attention_dispatch<float>(q, keys, values, m, length, window, scale, out, isa);
+  else if (q.scalar_type() == at::kBFloat16) attention_dispatch<at::BFloat16>(q, keys, values, m, length, window, scale, out, isa);
   else check(false, "float32 or bfloat16 attention");
   return out.unsqueeze(0);
 #else
@@ -1670,7 +1676,7 @@ struct Stack {
       const at::Tensor normed = i == 0 && attn_input ? *attn_input : norm(x, layer.attn_norm);
       const at::Tensor q = heads_into_cache(multiply(layer.qkv, normed, least[0]), cos, signed_sin, k, v, start,
                                             heads);
-      x = x + multiply(layer.out, attention(q, k, v, mask, length, scale, isa), least[1]);
+      x = x + multiply(layer.out, attention(q, k, v, mask, length, scale, isa, 0), least[1]);
       const std::vector<at::Tensor> gate_up =
           multiply(layer.gate_up, norm(x, layer.mlp_norm), least[2]).chunk(2, -1);
       x = x + multiply(layer.down, at::silu(gate_up[0]) * gate_up[1], least[3]);
