@@ -102,6 +102,19 @@ def test_a_hugging_face_model_is_quantized_to_groups_of_32(tmp_path):
         SequenceSpec([1, 2, 3], StoppingRules.build(12))).token_ids == reference
 
 
+def test_the_logits_width_is_read_without_dequantizing_the_head(tmp_path, monkeypatch):
+    """A 4-bit head computes its `weight` on each read (the built-in target's: 0.1 s, 113 MB);
+    vocab_size, which every request with logprobs and the bench's forward table read, must not."""
+    loaded = load_model(str(save_tiny(tmp_path / "tiny")), "int4")
+    assert isinstance(loaded.model.get_output_embeddings(), QuantLinear)
+
+    def refuse(self):
+        raise AssertionError("vocab_size dequantized the head")
+
+    monkeypatch.setattr(QuantLinear, "weight", property(refuse))
+    assert loaded.vocab_size == loaded.model.config.vocab_size
+
+
 def test_bad_4bit_requests_get_clear_errors(tmp_path):
     with pytest.raises(VerispecError, match="unknown dtype 'int3'"):
         load_model(DEFAULT_MODEL, "int3")

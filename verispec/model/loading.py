@@ -92,8 +92,12 @@ class LoadedModel:
 
     @property
     def vocab_size(self) -> int:
-        """Width of the model's logits."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        """Width of the model's logits: the head's `out_features` where it has one (a low-bit
+        target's head computes its `weight` on each read: 0.1 s and 113 MB of float32 on the
+        built-in 4-bit target, paid by every request that asked for logprobs), else its rows."""
+        head = self.model.get_output_embeddings()
+        width = getattr(head, "out_features", None)
+        return int(width if width is not None else head.weight.shape[0])
 
     @property
     def context_length(self) -> int:
