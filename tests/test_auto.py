@@ -814,8 +814,12 @@ def test_a_steps_overhead_is_paid_once_a_token_by_plain_decoding_and_once_a_step
     auto.reset()
     assert auto.propose(unseeded).choice == ("model", 1)
     auto.commit(0)
-    auto.reset()
-    auto.overhead = 0.0
+    # The periods below are wall time, which a loaded machine stretches (a 10 ms sleep as the
+    # forward, read as 10 ms): drafting kept 0.05 of the time pays at no overhead from none to a forward's,
+    # so every step stays plain however the sleeps overrun.
+    costs = CostProfile(costs.forward, 300, 1e4, {"model": DrafterCost(0.0, 0.0015, 0.05)})
+    auto = AutoDrafter(costs, {}, {"model": Slow()}, {"model": 3}, PLAIN)
+    assert best_choice(costs, {"model": 0.05}, {"model": 3}, overhead=0.01).method is None
     decay = auto_module.OVERHEAD_DECAY
 
     def step(request: DraftRequest, pause: float, forward: float = 0.01) -> float:
