@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -295,19 +295,30 @@ def time_forward(target: LoadedModel, lm: CachedModel, prompt: list[int]) -> For
     started = time.perf_counter()
     lm.forward(context)
     prefill_rate = cached / (time.perf_counter() - started)
-    times: dict[int, list[float]] = {rows: [] for rows in range(1, MAX_ROWS + 1)}
-    for repeat in range(1 + REPEATS):  # the first round warms every shape up, untimed
-        for rows in times:
-            block = text[cached:cached + rows]  # the text going on
-            started = time.perf_counter()
-            forward_rows([lm], [block], [None])  # the engine's pass (under inference mode)
-            if repeat:
-                times[rows].append(time.perf_counter() - started)
-            lm.rewind(cached)
+    times = forward_times(lm, text, cached, range(1, MAX_ROWS + 1), REPEATS)
     lm.reset()
     forward = non_decreasing([statistics.median(times[rows]) for rows in times])
     noise = statistics.median((max(t) - min(t)) / statistics.median(t) for t in times.values())
     return ForwardCost(forward, cached, prefill_rate, noise)
+
+
+def forward_times(lm: CachedModel, text: torch.Tensor, cached: int, sizes: Iterable[int],
+                  rounds: int) -> dict[int, list[float]]:
+    """Seconds of the engine's pass over each of `sizes` rows of the text going on (text [cached
+    + the most rows], its first `cached` tokens in lm's cache), `rounds` times each, after an
+    untimed round that warms every shape up; the cache is left holding `cached` tokens."""
+    times: dict[int, list[float]] = {rows: [] for rows in sizes}
+    for repeat in range(1 + rounds):
+        for rows in times:
+            block = text[cached:cached + rows].to(lm.device)
+            started = time.perf_counter()
+            forward_rows([lm], [block], [None])  # the engine's pass (under inference mode)
+            if lm.device.type == "cuda":
+                torch.cuda.synchronize()  # GPU work is asynchronous: time it to the end
+            if repeat:
+                times[rows].append(time.perf_counter() - started)
+            lm.rewind(cached)
+    return times
 
 
 def non_decreasing(values: list[float]) -> tuple[float, ...]:

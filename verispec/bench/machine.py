@@ -7,50 +7,38 @@ import os
 import platform
 import statistics
 import threading
-import time
 from pathlib import Path
 
 import torch
 
 from verispec.bench.records import ForwardTimings
 from verispec.core.cores import usable_cores
-from verispec.model.cached_model import CachedModel, forward_rows
+from verispec.model.cached_model import CachedModel
 from verispec.model.loading import LoadedModel
 from verispec.model.packed import packed_view
-from verispec.profile import cpu_description
+from verispec.profile import cpu_description, forward_times
 
 
 def measure_forward(target: LoadedModel, context: list[int], sizes=(1, 2, 4, 8, 16),
                     repeats: int = 7) -> ForwardTimings:
     """Median time of one target forward over n new tokens with the context cached, as the engine
     runs it (its own pass, prepacked weights where they apply) and, for comparison, through the
-    model's own linear layers as Hugging Face generate() runs it. Each forward scores the text
-    going on (the context's own tokens again), as a decoding step does. The two variants take
-    turns round by round, so that the machine's drifts in speed fall on both alike, and each
-    round starts with an untimed forward, so that no timed one follows the other variant's
-    (which sweeps the caches: timed forward by forward in turn, and each after a dequantized copy
-    of the 4-bit head that `vocab_size` used to make, the built-in 4-bit target's one-token
-    forward read 4.6 ms where decoding ran 3.5)."""
+    model's own linear layers as Hugging Face generate() runs it: each variant alone, after a
+    warm-up round, on the text going on, as the cost profile times it (profile.forward_times).
+    (Timed forward by forward in turn with the other variant, each after a dequantized copy of the
+    4-bit head that `vocab_size` used to make, the built-in 4-bit target's one-token forward read
+    4.6 ms where decoding ran 3.5.)"""
     variants = {"by_tokens": CachedModel(target.model, pack=True)}
     if packed_view(target.model) is not target.model:  # else both would be the same measurement
         variants["unpacked_by_tokens"] = CachedModel(target.model, pack=False)
     cached = len(context)
-    text = torch.tensor(context * (1 + max(sizes) // cached + 1))  # [context + what goes on]
-    for lm in variants.values():
+    text = torch.tensor(context * (2 + max(sizes) // cached))  # [context + what goes on]
+    medians = {}
+    for key, lm in variants.items():
         lm.forward(text[:cached].to(lm.device))
-    times: dict[str, dict[int, list[float]]] = {key: {n: [] for n in sizes} for key in variants}
-    for _ in range(repeats):
-        for key, lm in variants.items():
-            for i, n in enumerate((sizes[0], *sizes)):
-                block = text[cached: cached + n].to(lm.device)
-                started = time.perf_counter()
-                forward_rows([lm], [block], [None])
-                if lm.device.type == "cuda":
-                    torch.cuda.synchronize()  # GPU work is asynchronous: time it to the end
-                if i:  # the round's first forward warms up, untimed
-                    times[key][n].append(time.perf_counter() - started)
-                lm.rewind(cached)
-    medians = {key: {str(n): statistics.median(times[key][n]) for n in sizes} for key in variants}
+        times = forward_times(lm, text, cached, sizes, repeats)
+        medians[key] = {str(n): statistics.median(times[n]) for n in sizes}
+        lm.reset()
     return ForwardTimings(medians["by_tokens"], medians.get("unpacked_by_tokens"),
                           variants["by_tokens"].lean is not None, cached)
 

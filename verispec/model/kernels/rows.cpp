@@ -1390,7 +1390,8 @@ at::Tensor linear_dense_rows(const at::Tensor& x, const at::Tensor& weight, int6
 
 // q [1, heads, n, D] (after rotary), keys / values [1, kv_heads, capacity, D] (a cache's
 // buffers), the first `length` slots valid; mask [n, length] bool or None (causal: row i sees the
-// first length - n + i + 1). Returns [1, n, heads * D] in q's dtype.
+// first length - n + i + 1, or with window > 0 the last `window` of them). Returns [1, n, heads * D]
+// in q's dtype.
 at::Tensor attention(const at::Tensor& q4, const at::Tensor& keys4, const at::Tensor& values4,
                      const c10::optional<at::Tensor>& mask, int64_t length, double scale, int64_t isa,
                      int64_t window) {
