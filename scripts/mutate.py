@@ -80,6 +80,8 @@ AMX_BLOCKS = (f"{AVX2_BLOCKS}[tiny-int4-cpu-amx-bf16]", f"{AVX2_BLOCKS}[tiny-bfl
 # The Python layer loop (the C++ one takes every Llama-kind case where the row kernels run: the
 # case that runs the Python one, padded)
 PYTHON_LOOP = f"{AVX2_BLOCKS}[tiny-float32-cpu-python]"
+FAMILY_LOOP = ("tests/test_families.py::"
+               "test_each_familys_layers_run_in_one_cpp_call_with_the_python_loops_bits")
 MTP_ORDER = "tests/test_hydra_mtp.py::test_mtp_training_backpropagates_head_by_head"
 EXPORT_IDS = "tests/test_eagle3.py::test_exported_aux_ids_point_the_engine_at_the_layers_the_drafter_reads"
 GREEDY = "tests/test_greedy_equality.py::test_every_drafter_matches_plain_decoding[4]"
@@ -117,7 +119,7 @@ MUTANTS = (
            ("tests/test_learned_drafters.py::test_eagles_layer_runs_in_the_row_kernels_layer_loop",),
            "EAGLE's layer in rows.cpp's loop rotates its keys and queries the other way"),
     Mutant("eagle-loop-ignores-the-tree-mask", "verispec/drafters/eagle.py",
-           "cos, sin, start, mask, [],", "cos, sin, start, None, [],",
+           "[cos], [sin], start, [mask], [],", "[cos], [sin], start, [None], [],",
            ("tests/test_learned_drafters.py::test_eagles_layer_runs_in_the_row_kernels_layer_loop",),
            "EAGLE's layer in rows.cpp's loop lets a tree's nodes see each other (causal rows)"),
     Mutant("eagle3-loop-swaps-its-two-inputs", "verispec/drafters/eagle3.py",
@@ -435,6 +437,36 @@ MUTANTS = (
            ("tests/test_row_kernels.py::test_heads_into_cache_gives_the_queries_and_cache_of_the_ops_it_replaces",
             "tests/test_invariance.py::test_blocks_of_every_length_match_one_token_steps"),
            "a block's keys and values land in the cache in reverse order (a one-token step's are right)"),
+    Mutant("row-layer-loop-skips-qk-norms", "verispec/model/kernels/rows.cpp",
+           "      if (layer.q_norm.defined()) qkv = norm_heads(qkv, layer, k.size(1), k.size(3));",
+           "",
+           (f"{FAMILY_LOOP}[qwen3-bfloat16]",),
+           "the C++ layer loop rotates Qwen3's queries and keys without their per-head norms"),
+    Mutant("row-layer-loop-ignores-the-window", "verispec/model/kernels/rows.cpp",
+           "attention(q, k, v, mask, length, scale, isa, masked ? 0 : layer.window)",
+           "attention(q, k, v, mask, length, scale, isa, 0)",
+           (f"{FAMILY_LOOP}[mistral-float32]",),
+           "the C++ layer loop's chain rows attend past their sliding window"),
+    Mutant("row-layer-loop-one-mask-for-every-window", "verispec/model/lean.py",
+           "[sights[window][0].rows for window in self.windows]",
+           "[sights[self.windows[0]][0].rows for window in self.windows]",
+           (f"{FAMILY_LOOP}[gemma3-float32]",),
+           "a tree's global layers in the C++ loop see through the sliding layers' mask"),
+    Mutant("row-layer-loop-drops-the-sandwich-norm", "verispec/model/kernels/rows.cpp",
+           "maybe_norm(multiply(layer.out, attended, least[1]), layer.attn_post_norm)",
+           "multiply(layer.out, attended, least[1])",
+           (f"{FAMILY_LOOP}[gemma3-int4]",),
+           "the C++ layer loop adds Gemma 3's attention output without its post-attention norm"),
+    Mutant("row-layer-loop-exact-gelu", "verispec/model/kernels/rows.cpp",
+           'at::gelu(gate_up[0], "tanh")',
+           "at::gelu(gate_up[0])",
+           (f"{FAMILY_LOOP}[gemma3-float32]",),
+           "the C++ layer loop gates Gemma 3's MLP by the exact GELU, not its tanh form"),
+    Mutant("row-layer-loop-one-rotary-table", "verispec/model/kernels/rows.cpp",
+           "heads_into_cache(qkv, cos[layer.kind], signed_sin[layer.kind], k, v, start, heads)",
+           "heads_into_cache(qkv, cos[0], signed_sin[0], k, v, start, heads)",
+           (f"{FAMILY_LOOP}[gemma3-bfloat16]",),
+           "the C++ layer loop rotates Gemma 3's global layers by its local layers' table"),
     Mutant("row-layer-loop-mlp-reads-attention-norm", "verispec/model/kernels/rows.cpp",
            "multiply(layer.gate_up, norm(x, layer.mlp_norm), least[2])",
            "multiply(layer.gate_up, norm(x, layer.attn_norm), least[2])",

@@ -75,10 +75,12 @@ WINDOWED = [name for name in FAMILY_NAMES if name != "llama"]
 @torch.no_grad()
 def test_windowed_layers_attend_through_the_row_kernel(name, dtype, monkeypatch):
     """With heads of 16 the row kernel attends on every layer, sliding windows included (it is
-    called with them): the lean forward is still the family's own (float32), and a block's rows
-    are still a one-token step's bits (blocks 2..17 after the prefix, longer than the window)."""
+    called with them, here from the Python layer loop; the C++ one is the test below): the lean
+    forward is still the family's own (float32), and a block's rows are still a one-token step's
+    bits (blocks 2..17 after the prefix, longer than the window)."""
     model = tiny_family(name, seed=2, head_dim=16).to(getattr(torch, dtype))
-    weights = LeanWeights.of(model)
+    weights = LeanWeights(model)
+    weights.native = None
     assert weights.row_kernel_attention and any(layer.window for layer in weights.layers)
     windows_seen = []
     attention = rows.attention
@@ -97,6 +99,34 @@ def test_windowed_layers_attend_through_the_row_kernel(name, dtype, monkeypatch)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
     assert invariance.blocks_differing(weights, tokens, invariant=True) == []
     assert WINDOW in windows_seen
+
+
+@pytest.mark.skipif(not rows.available(), reason=f"row kernels: {rows.unavailable_reason()}")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+@torch.no_grad()
+def test_each_familys_layers_run_in_one_cpp_call_with_the_python_loops_bits(name, dtype):
+    """With heads of 16 (the row kernels' attention) every family runs its decoder layers in
+    rows.cpp's layer loop (lean.native_layers) in float32, bfloat16 and 4 bits (Qwen2, whose q/k/v
+    carry biases, in float32 only: oneDNN adds them): sliding windows, Qwen3's and Gemma 3's
+    per-head q/k norms, Gemma 3's sandwich norms, GeGLU and two rotary tables included. Its bits
+    are the Python loop's for one-token steps, blocks of 2..17 rows, the states after given
+    layers, and a tree the window cuts into."""
+    model = tiny_family(name, seed=2, hidden=64, head_dim=16)
+    if dtype == "int4":
+        int4_target(model, None)
+    else:
+        model = model.to(getattr(torch, dtype))
+    weights = LeanWeights(model)
+    if name == "qwen2" and dtype != "float32":
+        assert weights.native is None  # q/k/v biases added after a row kernel's product: the Python loop
+        return
+    if name != "llama":  # windowed layers (Mistral: all) and others, each seeing through a mask of its own
+        windows = weights.native.windows
+        assert WINDOW in windows and len(windows) == (1 if name == "mistral" else 2)
+    if name == "gemma3":
+        assert len(weights.native.kinds) == 2  # local and global rotary tables
+    invariance.assert_the_cpp_loop_gives_the_python_loops_bits(weights, 64, prompt=invariance.PREFIX + 2)
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)

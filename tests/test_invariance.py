@@ -97,6 +97,45 @@ def blocks_differing(weights: LeanWeights, tokens: torch.Tensor, invariant: bool
     return differing
 
 
+def assert_the_cpp_loop_gives_the_python_loops_bits(weights: LeanWeights, vocab: int, prompt: int) -> None:
+    """`weights`' layers run in one C++ call (rows.cpp's Stack: lean.native_layers) and give the
+    bits of lean.forward_rows' Python loop: one-token steps and blocks of 2..17 rows after a prompt
+    of `prompt` tokens, the states after given layers (EAGLE's features), and a tree after them
+    (past any sliding window the layers have, so the window cuts into the tree's mask)."""
+    stack = weights.native
+    assert stack is not None
+    device = device_of(weights)
+    native, python = LeanDecoder(weights, device), LeanDecoder(weights, device)
+    hidden = weights.embed.weight.shape[1]
+    captured = (0, len(weights.layers) - 1)
+
+    def both(tokens, positions=None, mask=None, layers=()):
+        try:
+            out = native.forward(tokens, positions, mask, layers)
+            weights.native = None
+            return out, python.forward(tokens, positions, mask, layers)
+        finally:
+            weights.native = stack
+
+    generator = torch.Generator().manual_seed(0)
+    both(torch.randint(0, vocab, (prompt,), generator=generator))  # the prompt: one causal block either way
+    for n in (1, 2, 5, 1, 17, 1):
+        a, b = both(torch.randint(0, vocab, (n,), generator=generator), layers=captured)
+        assert a.shape == (n, 3 * hidden) and torch.equal(a, b), n
+    past = native.length
+    parents = [-1, 0, 0, 1, 2]  # a tree: a root, two children, a grandchild under each
+    mask = torch.zeros(5, past + 5, dtype=torch.bool)
+    mask[:, :past] = True
+    depth = []
+    for i, parent in enumerate(parents):
+        mask[i, past + i] = True
+        if parent >= 0:
+            mask[i, past:] |= mask[parent, past:]
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    a, b = both(torch.randint(0, vocab, (5,), generator=generator), past + torch.tensor(depth), mask)
+    assert torch.equal(a, b)
+
+
 @pytest.fixture(scope="module", params=[
     pytest.param((model, dtype, device, None), marks=NO_CUDA if device == "cuda" else (),
                  id=f"{model}-{dtype}-{device}")
@@ -118,8 +157,9 @@ def weights(request) -> LeanWeights:
     product takes held to what a lone row needs (`narrow`) or WIDE_ROWS (`wide`, as where that
     streams faster), whichever this machine chose at load (the built-in model's under slow: its
     plain case runs this machine's choice in the default suite); and the tiny Llama through the
-    Python layer loop (`python`: as a family the C++ loop does not take runs, Gemma 3's), its
-    products padded to WIDE_ROWS, attending through the row kernel where it runs."""
+    Python layer loop (`python`: as a batch of sequences, Qwen2's biased 4-bit products and a
+    decoder that is not invariant run), its products padded to WIDE_ROWS, attending through the
+    row kernel where it runs."""
     model, dtype, device, kernel = request.param
     if device in ("cpu-narrow", "cpu-wide", "cpu-python"):  # weights of their own: the cached ones
         module = tiny_llama(hidden=64) if model == "tiny" else load_model(DEFAULT_MODEL, dtype).model

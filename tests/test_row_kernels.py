@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from tests.test_invariance import assert_the_cpp_loop_gives_the_python_loops_bits
 from tests.tiny import tiny_llama
 from verispec.model.cached_model import CachedModel
 from verispec.model.gguf_blocks import RowsBlocksKernel
@@ -315,36 +316,7 @@ def test_the_layer_loop_in_cpp_gives_the_python_loops_bits(dtype):
     bits of lean.forward_rows' Python loop, for one-token steps, blocks of 2..17 rows, a tree,
     and the states after given layers (EAGLE's features)."""
     model = builtin(dtype)
-    weights = LeanWeights.of(model)
-    stack = weights.native
-    assert stack is not None
-    native, python = LeanDecoder(weights, model.device), LeanDecoder(weights, model.device)
-
-    def both(tokens, positions=None, mask=None, layers=()):
-        try:
-            out = native.forward(tokens, positions, mask, layers)
-            weights.native = None
-            return out, python.forward(tokens, positions, mask, layers)
-        finally:
-            weights.native = stack
-
-    generator = torch.Generator().manual_seed(0)
-    both(torch.randint(0, 49152, (30,), generator=generator))  # the prompt: one causal block either way
-    for n in (1, 2, 5, 1, 17, 1):
-        a, b = both(torch.randint(0, 49152, (n,), generator=generator), layers=(3, 17))
-        assert a.shape == (n, 3 * 576) and torch.equal(a, b), n
-    past = native.length
-    parents = [-1, 0, 0, 1, 2]  # a tree: a root, two children, a grandchild under each
-    mask = torch.zeros(5, past + 5, dtype=torch.bool)
-    mask[:, :past] = True
-    depth = []
-    for i, parent in enumerate(parents):
-        mask[i, past + i] = True
-        if parent >= 0:
-            mask[i, past:] |= mask[parent, past:]
-        depth.append(0 if parent < 0 else depth[parent] + 1)
-    a, b = both(torch.randint(0, 49152, (5,), generator=generator), past + torch.tensor(depth), mask)
-    assert torch.equal(a, b)
+    assert_the_cpp_loop_gives_the_python_loops_bits(LeanWeights.of(model), 49152, prompt=30)
 
 
 def test_the_float32_layer_loop_pads_a_lone_row_where_a_product_rounds_one_apart():

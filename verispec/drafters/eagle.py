@@ -233,7 +233,7 @@ class EagleDrafter(Drafter):
         x, attn_input = native.inputs(self.embed(ids)[None], inputs[None], **batched)  # [1, n, hidden]
         start = self.cache.claim(ids.shape[0], 1, native.kv_heads, native.head_dim, x)
         cos, sin = rotary_tables(positions, native.head_dim, x.dtype, native.theta)
-        return native.stack.run(x, [self.cache.keys], [self.cache.values], cos, sin, start, mask, [],
+        return native.stack.run(x, [self.cache.keys], [self.cache.values], [cos], [sin], start, [mask], [],
                                 attn_input)[0][0]
 
     def _propose_tree(self, feature: torch.Tensor, n: int, depth: int) -> Proposal:

@@ -520,12 +520,14 @@ def module_norm(module: nn.Module, offset: float = 0.0) -> Product:
     return module
 
 
-def native_norm(norm: Product, dtype: torch.dtype) -> tuple[bool, float, torch.Tensor] | None:
-    """(a module's norm, its eps, its scale in `dtype`) as the layer loop takes a norm, or None."""
+def native_norm(norm: Product | None, dtype: torch.dtype) -> tuple[str, float, torch.Tensor] | None:
+    """(a norm's kind as the layer loop runs it: "rms" (rms_norm), "module" or "gemma" (a Hugging
+    Face RMSNorm module's ops, Llama's or Gemma 3's), its eps, its scale) for a norm in activations
+    of `dtype`, or None where the loop does not run it."""
     if isinstance(norm, FusedNorm) and norm.own:
-        return False, norm.eps, norm.weight(dtype)
-    if isinstance(norm, ModuleNorm) and not norm.gemma and norm.weight.dtype == dtype:
-        return True, norm.eps, norm.weight
+        return "rms", norm.eps, norm.weight(dtype)
+    if isinstance(norm, ModuleNorm) and norm.weight.dtype == (torch.float32 if norm.gemma else dtype):
+        return "gemma" if norm.gemma else "module", norm.eps, norm.weight
     return None
 
 
@@ -547,30 +549,61 @@ def native_product(f: Product) -> list[object] | None:
 LAYER_ROLES = ("qkv", "out", "gate_up", "down")
 
 
-def native_layers(w: LeanWeights) -> object | None:
+@dataclass(frozen=True)
+class NativeLayers:
+    """rows.cpp's layer loop (Stack) over a LeanWeights' layers, and what its `run` takes by
+    position: the rotary kinds its layers read (each a pair of tables) and the windows they see
+    through (each a mask), in the order of the layers' `kind` and `sight` indices."""
+
+    stack: object
+    kinds: tuple[str | None, ...]
+    windows: tuple[int | None, ...]
+
+    def run(self, x: torch.Tensor, caches: Sequence[KVCache], start: int,
+            rotary: dict[str | None, list[tuple[torch.Tensor, torch.Tensor]]],
+            sights: dict[int | None, list[Sight]], layers: tuple[int, ...]) -> tuple[torch.Tensor, list]:
+        """One block's rows x [1, n, hidden] through every layer (forward_rows' `rotary` and
+        `sights` of its one block); returns (x after them, x before each of `layers`)."""
+        tables = [rotary[kind][0] for kind in self.kinds]
+        return self.stack.run(x, [cache.keys for cache in caches], [cache.values for cache in caches],
+                              [cos for cos, _ in tables], [sin for _, sin in tables], start,
+                              [sights[window][0].rows for window in self.windows], list(layers), None)
+
+
+def native_layers(w: LeanWeights) -> NativeLayers | None:
     """The layer loop as one C++ call (rows.cpp's Stack) over `w`'s layers, where every layer is
-    of the kind it runs: no window, q/k norm or sandwich norm, a SiLU-gated MLP, float32 or
-    bfloat16 activations, products by the row kernels or oneDNN, norms of one kind (the 4-bit,
-    GGUF, bfloat16 and float32 targets of the Llama kind; self-drafters of float32 and bfloat16
-    targets). None elsewhere: the Python loop of forward_rows runs."""
+    of the kind it runs: products by the row kernels or oneDNN (its biases its own), a SiLU- or
+    tanh-GELU-gated MLP, float32 or bfloat16 activations, norms of one kind and eps (the 4-bit,
+    GGUF, bfloat16 and float32 targets of every family, windows, per-head q/k norms and sandwich
+    norms included; self-drafters of float32 and bfloat16 targets). None elsewhere (Qwen2's q/k/v
+    biases, but in float32, where oneDNN adds them): the Python loop of forward_rows runs."""
     dtype = w.embed.weight.dtype
-    if (w.row_kernel is None or w.activation is not nn.functional.silu
-            or dtype not in (torch.float32, torch.bfloat16) or len({layer.kind for layer in w.layers}) != 1):
+    gelu = w.family.activation == "gelu_pytorch_tanh"
+    if (w.row_kernel is None or w.family.activation not in ("silu", "gelu_pytorch_tanh")
+            or dtype not in (torch.float32, torch.bfloat16)):
         return None
+    kinds = tuple(dict.fromkeys(layer.kind for layer in w.layers))
+    windows_seen = tuple(dict.fromkeys(layer.window for layer in w.layers))
     layers, norms = [], set()
     for layer in w.layers:
-        pair = [native_norm(norm, dtype) for norm in (layer.attn_norm, layer.mlp_norm)]
+        named = (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm, layer.attn_post_norm,
+                 layer.mlp_post_norm)
+        found = [None if norm is None else native_norm(norm, dtype) for norm in named]
         products = [native_product(f) for f in (layer.qkv, layer.out, layer.gate_up, layer.down)]
-        extras = (layer.q_norm, layer.k_norm, layer.attn_post_norm, layer.mlp_post_norm)
-        if layer.window is not None or any(f is not None for f in extras) or None in pair or None in products:
+        if (any(norm is not None and got is None for norm, got in zip(named, found))
+                or found[0] is None or found[1] is None or None in products):
             return None
-        norms.update((module, eps) for module, eps, _ in pair)
-        layers.append(rows.native_layer(*(scale for _, _, scale in pair), *products))
+        norms.update((kind, eps) for kind, eps, _ in filter(None, found))
+        scales = [None if got is None else got[2] for got in found]
+        layers.append(rows.native_layer(*scales[:2], *products, *scales[2:], window=layer.window,
+                                        kind=kinds.index(layer.kind), sight=windows_seen.index(layer.window)))
     if len(norms) != 1:  # one kind and one eps for every norm
         return None
-    (module_norms, eps), = norms
-    return rows.native_stack(layers, eps, w.scaling, w.heads, w.row_kernel, module_norms,
-                             [w.min_rows[role] for role in LAYER_ROLES])
+    (kind, eps), = norms
+    stack = rows.native_stack(layers, eps, w.scaling, w.heads, w.row_kernel, kind != "rms",
+                              [w.min_rows[role] for role in LAYER_ROLES], gemma_norms=kind == "gemma",
+                              gelu=gelu)
+    return NativeLayers(stack, kinds, windows_seen)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, swap: torch.Tensor) -> torch.Tensor:
@@ -702,9 +735,7 @@ def forward_rows(decoders: Sequence[LeanDecoder], blocks: Sequence[Block],
             and (invariant or not w.pads)):
         caches = decoders[0].caches
         start = [cache.claim(sizes[0], 1, w.kv_heads, w.head_dim, x) for cache in caches][0]
-        cos, sin = rotary[stack[0].kind][0]
-        x, captured = w.native.run(x, [cache.keys for cache in caches], [cache.values for cache in caches],
-                                   cos, sin, start, one.rows, list(layers), None)
+        x, captured = w.native.run(x, caches, start, rotary, sights, layers)
     else:
         captured = []
         for index, layer in enumerate(stack):

@@ -1629,44 +1629,70 @@ at::Tensor multiply(const std::vector<Part>& parts, const at::Tensor& x, int64_t
 }
 
 // A decoder layer as the layer loop runs it: RMSNorm weights (in the activations' dtype) and the
-// fused products (q/k/v, o, gate/up, down).
+// fused products (q/k/v, o, gate/up, down); where the family has them (lean.Layer), the norms over
+// each head of q and of k [D] and after attention and after the MLP [hidden] (undefined: none),
+// its sliding window (0: none), and which of run's rotary tables (`kind`) and masks (`sight`)
+// it reads.
 struct Layer {
   at::Tensor attn_norm, mlp_norm;
   std::vector<Part> qkv, out, gate_up, down;
+  at::Tensor q_norm, k_norm, attn_post_norm, mlp_post_norm;
+  int64_t window = 0, kind = 0, sight = 0;
 };
 
 // The decoder layers of a lean forward over one block, in one call (lean.NativeLayers): the ops
 // lean.forward_rows makes for a layer, in its order and on the same tensors (so the same bits),
 // without a return to Python between them (~15 a layer, the glue of a one-token step). For
-// layers without windows, q/k norms or sandwich norms, whose products all run here, a SiLU-gated
-// MLP.
+// layers whose products all run here, a SiLU- or tanh-GELU-gated MLP, norms of one kind.
 struct Stack {
   std::vector<Layer> layers;
   double eps, scale;
   int64_t heads, isa;
   bool module_norms;  // the norms are Hugging Face's RMSNorm modules (a float target's), not rms_norm
+  bool gemma_norms;   // ... of Gemma 3's kind (module_norm's `gemma`: the weight is 1 + the module's)
+  bool gelu;          // the MLP's gate is GELU's tanh form (Gemma 3), not SiLU
   // the fewest rows each product multiplies (q/k/v, o, gate/up, down: lean's min_rows)
   std::vector<int64_t> least;
 
-  // A layer's RMSNorm: rms_norm, or Llama's module by its own ops (module_norm: the module's bits).
+  // A layer's RMSNorm: rms_norm, or the module by its own ops (module_norm: the module's bits).
   at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const {
-    return module_norms ? module_norm(x, weight, eps, false) : rms_norm(x, weight, eps);
+    return module_norms ? module_norm(x, weight, eps, gemma_norms) : rms_norm(x, weight, eps);
+  }
+
+  // `norm` after x where the layer has that norm (a sandwich norm), else x.
+  at::Tensor maybe_norm(const at::Tensor& x, const at::Tensor& weight) const {
+    return weight.defined() ? norm(x, weight) : x;
+  }
+
+  // A qkv product [1, n, (heads + 2 kv_heads) * D] with each head of q and of k normed (lean's
+  // split_heads: each over n * count rows of D), v as it was.
+  at::Tensor norm_heads(const at::Tensor& qkv, const Layer& layer, int64_t kv_heads, int64_t D) const {
+    const int64_t n = qkv.size(1), q_size = heads * D, kv_size = kv_heads * D;
+    const at::Tensor q = norm(qkv.narrow(-1, 0, q_size).reshape({1, n * heads, D}), layer.q_norm);
+    const at::Tensor k = norm(qkv.narrow(-1, q_size, kv_size).reshape({1, n * kv_heads, D}), layer.k_norm);
+    return at::cat({q.view({1, n, q_size}), k.view({1, n, kv_size}), qkv.narrow(-1, q_size + kv_size, kv_size)}, -1);
   }
 
   // x [1, n, H] -> (x after every layer, x before each layer in `capture`); each layer's keys and
   // values written into its cache buffers keys[i], values[i] [1, kv_heads, capacity, D] at slots
-  // start .. start + n - 1 (claimed: KVCache.claim); cos, signed_sin [n, 1, D]; mask [n, start + n]
-  // bool or None (causal), as `attention` takes it. attn_input [1, n, width]: what the first
-  // layer's q/k/v product reads instead of norm(x) (an EAGLE-3 drafter's layer reads its normed
-  // embedding and normed feature side by side, the feature x its residual), or None.
+  // start .. start + n - 1 (claimed: KVCache.claim); cos[kind], signed_sin[kind] [n, 1, D] the
+  // rotary tables of each kind a layer reads; masks[sight] [n, start + n] bool or None (causal,
+  // a window cutting in by the layer's own), as `attention` takes it. attn_input [1, n, width]:
+  // what the first layer's q/k/v product reads instead of norm(x) (an EAGLE-3 drafter's layer
+  // reads its normed embedding and normed feature side by side, the feature x its residual), or None.
   std::tuple<at::Tensor, std::vector<at::Tensor>> run(
       at::Tensor x, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-      const at::Tensor& cos, const at::Tensor& signed_sin, int64_t start, const c10::optional<at::Tensor>& mask,
-      const std::vector<int64_t>& capture, const c10::optional<at::Tensor>& attn_input) const {
+      const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& signed_sin, int64_t start,
+      const std::vector<c10::optional<at::Tensor>>& masks, const std::vector<int64_t>& capture,
+      const c10::optional<at::Tensor>& attn_input) const {
     check(keys.size() == layers.size() && values.size() == layers.size(), "one cache per layer");
     check(!attn_input || (attn_input->dim() == 3 && attn_input->size(1) == x.size(1) &&
                           attn_input->scalar_type() == x.scalar_type()),
           "attn_input [1, n, width] in x's dtype");
+    for (const Layer& layer : layers)
+      check(layer.kind >= 0 && layer.kind < static_cast<int64_t>(std::min(cos.size(), signed_sin.size())) &&
+                layer.sight >= 0 && layer.sight < static_cast<int64_t>(masks.size()),
+            "a rotary table and a mask for each layer's kind and sight");
     const int64_t length = start + x.size(1);
     std::vector<at::Tensor> captured;
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -1675,12 +1701,17 @@ struct Stack {
         captured.push_back(x[0]);
       at::Tensor k = keys[i], v = values[i];
       const at::Tensor normed = i == 0 && attn_input ? *attn_input : norm(x, layer.attn_norm);
-      const at::Tensor q = heads_into_cache(multiply(layer.qkv, normed, least[0]), cos, signed_sin, k, v, start,
-                                            heads);
-      x = x + multiply(layer.out, attention(q, k, v, mask, length, scale, isa, 0), least[1]);
+      at::Tensor qkv = multiply(layer.qkv, normed, least[0]);
+      if (layer.q_norm.defined()) qkv = norm_heads(qkv, layer, k.size(1), k.size(3));
+      const at::Tensor q = heads_into_cache(qkv, cos[layer.kind], signed_sin[layer.kind], k, v, start, heads);
+      const c10::optional<at::Tensor>& mask = masks[layer.sight];
+      const bool masked = mask.has_value() && mask->defined();  // a tree's mask holds its window
+      const at::Tensor attended = attention(q, k, v, mask, length, scale, isa, masked ? 0 : layer.window);
+      x = x + maybe_norm(multiply(layer.out, attended, least[1]), layer.attn_post_norm);
       const std::vector<at::Tensor> gate_up =
           multiply(layer.gate_up, norm(x, layer.mlp_norm), least[2]).chunk(2, -1);
-      x = x + multiply(layer.down, at::silu(gate_up[0]) * gate_up[1], least[3]);
+      const at::Tensor gated = gelu ? at::gelu(gate_up[0], "tanh") : at::silu(gate_up[0]);
+      x = x + maybe_norm(multiply(layer.down, gated * gate_up[1], least[3]), layer.mlp_post_norm);
     }
     return {x, captured};
   }
@@ -1699,9 +1730,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def(pybind11::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t, int64_t, bool, bool>())
       .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>>());
   using Parts = std::vector<Part>;
+  using Norm = c10::optional<at::Tensor>;
   pybind11::class_<Layer>(module, "Layer")
-      .def(pybind11::init<at::Tensor, at::Tensor, Parts, Parts, Parts, Parts>());
+      .def(pybind11::init([](at::Tensor attn_norm, at::Tensor mlp_norm, Parts qkv, Parts out, Parts gate_up, Parts down,
+                             Norm q_norm, Norm k_norm, Norm attn_post_norm, Norm mlp_post_norm, int64_t window,
+                             int64_t kind, int64_t sight) {
+        check((q_norm.has_value() == k_norm.has_value()) && window >= 0, "q and k norms together, window >= 0");
+        return Layer{std::move(attn_norm), std::move(mlp_norm), std::move(qkv), std::move(out), std::move(gate_up),
+                     std::move(down), q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()),
+                     attn_post_norm.value_or(at::Tensor()), mlp_post_norm.value_or(at::Tensor()), window, kind, sight};
+      }));
   pybind11::class_<Stack>(module, "Stack")
-      .def(pybind11::init<std::vector<Layer>, double, double, int64_t, int64_t, bool, std::vector<int64_t>>())
+      .def(pybind11::init<std::vector<Layer>, double, double, int64_t, int64_t, bool, bool, bool, std::vector<int64_t>>())
       .def("run", &Stack::run, "the decoder layers over one block");
 }

@@ -380,19 +380,28 @@ def native_onednn(packed: torch.Tensor, bias: torch.Tensor | None) -> list[objec
 
 
 def native_layer(attn_norm: torch.Tensor, mlp_norm: torch.Tensor, qkv: object, out: object,
-                 gate_up: object, down: object) -> object:
+                 gate_up: object, down: object, q_norm: torch.Tensor | None = None,
+                 k_norm: torch.Tensor | None = None, attn_post_norm: torch.Tensor | None = None,
+                 mlp_post_norm: torch.Tensor | None = None, window: int | None = None, kind: int = 0,
+                 sight: int = 0) -> object:
     """A decoder layer for rows.cpp's layer loop: its RMSNorm scales [hidden] (the activations'
-    dtype) and its products (native_parts)."""
-    return library().Layer(attn_norm, mlp_norm, qkv, out, gate_up, down)
+    dtype) and its products (native_parts); where the family has them, its per-head q and k norm
+    scales [head_dim] and its sandwich norms' [hidden] (None: none), its sliding window, and the
+    indices of the rotary table (`kind`) and mask (`sight`) it reads among those `run` takes."""
+    return library().Layer(attn_norm, mlp_norm, qkv, out, gate_up, down, q_norm, k_norm, attn_post_norm,
+                           mlp_post_norm, window or 0, kind, sight)
 
 
 def native_stack(layers: list[object], eps: float, scale: float, heads: int, kernel: str,
-                 module_norms: bool, least: Sequence[int] = (1, 1, 1, 1)) -> object:
+                 module_norms: bool, least: Sequence[int] = (1, 1, 1, 1), gemma_norms: bool = False,
+                 gelu: bool = False) -> object:
     """rows.cpp's layer loop over `layers` (native_layer): `run(x, keys, values, cos, signed_sin,
-    start, mask, capture, attn_input)` is lean.forward_rows' layer loop for one block in one call,
-    the same bits (its attention in `kernel`'s class; its norms `rms_norm`, or with
-    `module_norms` Hugging Face's RMSNorm module's ops; the q/k/v, o, gate/up and down products
-    over at least `least` rows each, zero rows padding fewer, as an invariant pass multiplies
-    them); attn_input (or None) is what the first layer's q/k/v product reads instead of the norm
-    of x (an EAGLE-3 drafter's layer)."""
-    return library().Stack(layers, eps, scale, heads, isa(kernel), module_norms, list(least))
+    start, masks, capture, attn_input)` is lean.forward_rows' layer loop for one block in one call,
+    the same bits (cos, signed_sin and masks: one per kind and sight its layers read; its
+    attention in `kernel`'s class; its norms `rms_norm`, or with `module_norms` Hugging Face's
+    RMSNorm module's ops, Gemma 3's with `gemma_norms`; the MLP gated by SiLU, or with `gelu` by
+    GELU's tanh form; the q/k/v, o, gate/up and down products over at least `least` rows each,
+    zero rows padding fewer, as an invariant pass multiplies them); attn_input (or None) is what
+    the first layer's q/k/v product reads instead of the norm of x (an EAGLE-3 drafter's layer)."""
+    return library().Stack(layers, eps, scale, heads, isa(kernel), module_norms, gemma_norms, gelu,
+                           list(least))
