@@ -293,7 +293,7 @@ class LeanWeights:
         kept = range(len(body.layers)) if layers is None else layers
         layer_windows = windows(family, config)
         kinds = list(getattr(config, "layer_types", None) or [None] * len(body.layers))
-        on_cpu = model.get_output_embeddings().weight.device.type == "cpu"
+        on_cpu = self.embed.weight.device.type == "cpu"  # (a 4-bit head's .weight would dequantize it)
         # Off the CPU every product and norm of an invariant forward runs at FIXED_ROWS rows, and
         # every step after a prompt as a fixed-shape pass over a fixed KV buffer of this many keys.
         self.fixed_rows = not on_cpu
