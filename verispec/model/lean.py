@@ -587,11 +587,10 @@ def native_layers(w: LeanWeights) -> NativeLayers | None:
     layers, norms = [], set()
     for layer in w.layers:
         named = (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm, layer.attn_post_norm,
-                 layer.mlp_post_norm)
+                 layer.mlp_post_norm)  # the last four only where the family has them
         found = [None if norm is None else native_norm(norm, dtype) for norm in named]
         products = [native_product(f) for f in (layer.qkv, layer.out, layer.gate_up, layer.down)]
-        if (any(norm is not None and got is None for norm, got in zip(named, found))
-                or found[0] is None or found[1] is None or None in products):
+        if any(norm is not None and got is None for norm, got in zip(named, found)) or None in products:
             return None
         norms.update((kind, eps) for kind, eps, _ in filter(None, found))
         scales = [None if got is None else got[2] for got in found]
