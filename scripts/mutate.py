@@ -322,6 +322,13 @@ MUTANTS = (
            ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each",
             *AVX512_BLOCKS),
            "a block's rows attend with a scale one ulp off a one-token step's", needs="avx512-bf16"),
+    Mutant("row-attention-heads-by-their-block", "verispec/model/kernels/rows.cpp",
+           "  const __m512 scaling = _mm512_set1_ps(scale);",
+           "  const __m512 scaling = _mm512_set1_ps(GB < 3 ? std::nextafter(scale, 1.0f) : scale);",
+           ("tests/test_row_kernels.py::test_attention_rows_do_not_depend_on_how_the_threads_cut_the_heads"
+            "[9-3-avx512-bf16]",),
+           "a head attended in a block of fewer than three heads (a kv head's heads split between "
+           "threads) uses a scale one ulp off", needs="avx512-bf16"),
     Mutant("row-kernel-avx2-first-row-unfused", "verispec/model/kernels/rows.cpp",
            "  __m256 a0 = _mm256_fmadd_ps(lo, s0, _mm256_load_ps(a)), ",
            "  __m256 a0 = at == 0 ? _mm256_add_ps(_mm256_mul_ps(lo, s0), _mm256_load_ps(a))"

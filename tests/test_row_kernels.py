@@ -275,6 +275,41 @@ def test_a_sliding_window_sees_each_rows_last_keys(kernel, dtype):
 
 
 
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (8, 2), (6, 6)])
+def test_attention_rows_do_not_depend_on_how_the_threads_cut_the_heads(kernel, heads, kv_heads):
+    """With 1, 2 or 3 threads the heads and rows are cut into tasks differently (a one-token
+    step's query heads into one run a thread, a kv head's heads split between two threads; a
+    block's into a task per kv head and row), and a head runs in a block of 1, 2 or 3 heads:
+    every row gets the bits of its one-query call on one thread, causal and with a tree mask."""
+    generator = torch.Generator().manual_seed(5)
+    keys, values = (torch.randn(1, kv_heads, 48, 64, generator=generator) for _ in range(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        q = torch.randn(1, heads, 5, 64, generator=generator)
+        mask = torch.rand(5, 40, generator=generator) < 0.7
+        mask[:, 0] = True
+        expected = {}
+        for n in (1, 2, 5):
+            for i in range(n):
+                row = q[:, :, i: i + 1]
+                expected[n, i] = rows.attention(row, keys, values, 40 - n + i + 1, None, 0.125, kernel)[:, 0]
+                seen = mask[i].nonzero()[:, 0]
+                gathered = [t[:, :, seen].contiguous() for t in (keys, values)]
+                expected[n, i, "tree"] = rows.attention(row, *gathered, len(seen), None, 0.125, kernel)[:, 0]
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for n in (1, 2, 5):
+                causal = rows.attention(q[:, :, :n], keys, values, 40, None, 0.125, kernel)
+                tree = rows.attention(q[:, :, :n], keys, values, 40, mask[:n], 0.125, kernel)
+                for i in range(n):
+                    assert torch.equal(causal[:, i], expected[n, i]), (count, n, i)
+                    assert torch.equal(tree[:, i], expected[n, i, "tree"]), (count, n, i)
+    finally:
+        torch.set_num_threads(threads)
+
 @functools.cache
 def builtin(dtype: str) -> torch.nn.Module:
     """The built-in model in `dtype`, loaded once for this file's tests (the as-stored GGUF target

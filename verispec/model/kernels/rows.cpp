@@ -1162,21 +1162,27 @@ void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   const T* vp = reinterpret_cast<const T*>(values.data_ptr());
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t padded = (length + 15) / 16 * 16;
-  // Few rows (a one-token step): a task per query head, so that every thread has work; else a
-  // task per kv head, its keys loaded once for a block of its heads. A head's arithmetic is the
-  // same either way.
-  const int64_t per_task = n * kv_heads < 2 * at::get_num_threads() ? 1 : group;
-  const int64_t tasks_per_row = heads / per_task;
-  at::parallel_for(0, n * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
+  // Few rows (a one-token step): the n * heads query heads, in (row, head) order, cut into one
+  // contiguous chunk a thread, so that every thread has work while the heads of a kv head stay
+  // together (a one-token step over a long cache then reads each kv head's cache about once, not
+  // once a query head). Else a task per (kv head, row), kv head major, so that a thread's
+  // consecutive tasks read one kv head's cache (from its own cache, while that fits). Each task
+  // attends its heads in blocks of BLOCK that load each key and value once. A head's arithmetic is
+  // the same however the heads are cut.
+  const int64_t threads = at::get_num_threads();
+  const int64_t units = n * heads;
+  const bool few = n * kv_heads < 2 * threads;
+  const int64_t tasks = few ? std::min(threads, units) : n * kv_heads;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> index(padded);
     std::vector<float> scores(BLOCK * padded);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / tasks_per_row, first = task % tasks_per_row * per_task;
-      const int64_t h = first / group;
+    // query heads [lo, hi) of row i, all of one kv head
+    auto attend_row = [&](int64_t i, int64_t lo, int64_t hi) {
+      const int64_t h = lo / group;
       int64_t count = 0;
       if (causal) {
-        const int64_t end = length - n + i + 1, start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
-        count = end - start;
+        const int64_t stop = length - n + i + 1, start = window > 0 ? std::max<int64_t>(0, stop - window) : 0;
+        count = stop - start;
         for (int64_t j = 0; j < count; ++j) index[j] = static_cast<int32_t>(start + j);
       } else {
         for (int64_t j = 0; j < length; ++j)
@@ -1184,14 +1190,13 @@ void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
       }
       check(count > 0, "a row that sees no key");
       for (int64_t j = count; j < padded; ++j) index[j] = index[count - 1];
-      for (int64_t g0 = 0; g0 < per_task; g0 += BLOCK) {
+      for (int64_t g0 = lo; g0 < hi; g0 += BLOCK) {
         const T* qs[BLOCK];
         T* os[BLOCK];
-        const int64_t block = std::min<int64_t>(BLOCK, per_task - g0);
+        const int64_t block = std::min<int64_t>(BLOCK, hi - g0);
         for (int64_t b = 0; b < block; ++b) {
-          const int64_t head = first + g0 + b;
-          qs[b] = qp + head * q.stride(0) + i * q.stride(1);
-          os[b] = op + i * heads * D + head * D;
+          qs[b] = qp + (g0 + b) * q.stride(0) + i * q.stride(1);
+          os[b] = op + i * heads * D + (g0 + b) * D;
         }
         if (isa == ISA_AVX2) {
           for (int64_t b = 0; b < block; ++b)
@@ -1207,6 +1212,20 @@ void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
         else if (block == 1) run(attend<C, 1, T>);
         else if (block == 2) run(attend<C, BLOCK >= 2 ? 2 : 1, T>);
         else run(attend<C, BLOCK >= 3 ? 3 : 1, T>);
+      }
+    };
+    for (int64_t task = begin; task < end; ++task) {
+      if (!few) {
+        const int64_t h = task / n;
+        attend_row(task % n, h * group, (h + 1) * group);
+        continue;
+      }
+      const int64_t u1 = (task + 1) * units / tasks;
+      for (int64_t u = task * units / tasks; u < u1;) {
+        const int64_t i = u / heads, lo = u % heads;
+        const int64_t hi = std::min(u1 - i * heads, (lo / group + 1) * group);  // within one kv head
+        attend_row(i, lo, hi);
+        u = i * heads + hi;
       }
     }
   });
