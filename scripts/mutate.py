@@ -377,17 +377,27 @@ MUTANTS = (
             f"{AVX2_BLOCKS}[tiny-int4-cpu-avx2]", f"{AVX2_BLOCKS}[tiny-bfloat16-cpu-avx2]"),
            "the AVX2 class's block rows attend with a scale one ulp off a one-token step's", needs="avx2"),
     Mutant("row-kernel-amx-lone-row-order", "verispec/model/kernels/rows.cpp",
-           "          __m512 a = _mm512_fmadd_ps(_mm512_load_ps(sums + r * TILE), s, "
-           "_mm512_load_ps(acc + r * TILE));\n"
-           "          if constexpr (MINS) a = ",
-           "          __m512 a = _mm512_load_ps(acc + r * TILE);\n"
-           "          if (MINS && rows == 1) a = "
+           "        __m512 a = _mm512_fmadd_ps(_mm512_load_ps(sums + (i * 16 + r) * TILE), s, "
+           "_mm512_load_ps(a_at));\n"
+           "        if constexpr (MINS) a = ",
+           "        __m512 a = _mm512_load_ps(a_at);\n"
+           "        if (MINS && rows == 1) a = "
            "_mm512_fmadd_ps(_mm512_set1_ps(xsum[(r0 + r) * groups + g]), m, a);\n"
-           "          a = _mm512_fmadd_ps(_mm512_load_ps(sums + r * TILE), s, a);\n"
-           "          if (MINS && rows > 1) a = ",
+           "        a = _mm512_fmadd_ps(_mm512_load_ps(sums + (i * 16 + r) * TILE), s, a);\n"
+           "        if (MINS && rows > 1) a = ",
            ("tests/test_row_kernels.py::test_products_give_each_row_its_own_bits", *AMX_BLOCKS),
            "the AMX class: a tile holding one row adds its group's minimum term first, a fuller one last",
            AMX_EMULATED, needs="avx512-bf16"),  # the emulated tiles are AVX-512 code
+    Mutant("row-kernel-amx-third-tile-second-weights", "verispec/model/kernels/rows.cpp",
+           "      TILE_DPBF16PS(2, 3, 6);", "      TILE_DPBF16PS(2, 3, 5);",
+           ("tests/test_row_kernels.py::test_products_take_every_count_of_output_tiles[32-amx-bf16]",),
+           "the AMX class's third output tile of a group multiplies the second's weights",
+           AMX_EMULATED, needs="avx512-bf16"),
+    Mutant("row-kernel-amx-two-tiles-left-undone", "verispec/model/kernels/rows.cpp",
+           "    if (t1 - t == 2)\n", "    if (t1 - t == 2 && M < 0)\n",
+           ("tests/test_row_kernels.py::test_products_take_every_count_of_output_tiles[32-amx-bf16]",),
+           "the AMX class leaves a thread's last two output tiles uncomputed", AMX_EMULATED,
+           needs="avx512-bf16"),
     Mutant("row-kernel-amx-dense-tiles-not-zeroed", "verispec/model/kernels/rows.cpp",
            "      TILE_ZERO(0);\n      for (int64_t c = 0; c < chunks; ++c) {",
            "      for (int64_t c = 0; c < chunks; ++c) {",

@@ -109,6 +109,30 @@ def test_products_compute_the_weights_they_stand_for(kernel, kind):
     assert (got.double() - expected).abs().max() <= tolerance * expected.abs().max()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("group", [32, 16])
+def test_products_take_every_count_of_output_tiles(kernel, group):
+    """1..7 tiles of 16 outputs cut between 1, 2 or 3 threads: a thread's run of tiles is any
+    length, so every way the kernels step through it (the AMX class three tiles at a time, then
+    two or one) runs; each output is the weights' product, with the same bits however cut."""
+    threads = torch.get_num_threads()
+    x = activations()
+    try:
+        for tiles in range(1, 8):
+            q = Int4Groups.quantize(weight(16 * tiles), group)
+            product = rows.CodesProduct(q.codes, q.scales, q.mins, kernel=kernel)
+            expected = x.to(torch.bfloat16).double() @ q.dequantize().double().T
+            torch.set_num_threads(1)
+            alone = product(x)
+            tolerance = 1e-2 if kernel == rows.ONEDNN else 1e-5  # oneDNN's bfloat16 sums
+            assert (alone.double() - expected).abs().max() <= tolerance * expected.abs().max(), tiles
+            for count in (2, 3):
+                torch.set_num_threads(count)
+                assert torch.equal(product(x), alone), (tiles, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_check_catches_a_product_that_rounds_by_row_count():
     """A product that sums a lone row in another order than a block (as float32 F.linear did,
     docs/invariance.md) is caught: the test above would see a kernel that did so."""

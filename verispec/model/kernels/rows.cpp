@@ -827,9 +827,9 @@ AVX2 void attend_avx2(const T* q, const T* keys, const T* values, const int32_t*
 // A product runs every block of rows as 16-row tiles (the last padded with zero rows), so each
 // tdpbf16ps is the same instruction on the same shape whatever the row count: a row's sums are a
 // function of its own activations (row invariance by construction; tests/test_row_kernels.py
-// checks it on a CPU with AMX). Tile registers: 0 the 16 x 16 float32 sums, 1 / 2 a 16 x 32
-// bfloat16 block of rows and the weights' 16 pairs x 16 outputs (rows.py's packed layout is
-// tdpbf16ps's B layout), 3 / 4 the same for groups of 16 inputs. The group's sums go through
+// checks it on a CPU with AMX). Dense products' tile registers: 0 the 16 x 16 float32 sums, 1 / 2
+// a 16 x 32 bfloat16 block of rows and the weights' 16 pairs x 16 outputs (rows.py's packed layout
+// is tdpbf16ps's B layout); the codes kernels' are code_tile_config's. A group's sums go through
 // memory to the AVX-512 code that scales them, as codes_tiles does. The hardware's order within a
 // pair may differ from vdpbf16ps's, so this class's bits are its own.
 
@@ -924,14 +924,86 @@ AVX512_BF16 inline void dpbf16ps(int c, int a, int b) {
 #define TILE_RELEASE() _tile_release()
 #endif
 
-AMX_BF16 void configure_tiles() {
+// Tile configurations as constants (ldtilecfg reads them from memory): GCC 12 drops a local
+// configuration's stores as dead when ldtilecfg is the only reader, and the tile loads then fault.
+constexpr TileConfig dense_tile_config() {
   TileConfig config;
   config.colsb[0] = 64, config.rows[0] = 16;  // sums: 16 rows x 16 float32
   config.colsb[1] = 64, config.rows[1] = 16;  // rows: 16 x 32 bfloat16
   config.colsb[2] = 64, config.rows[2] = 16;  // weights: 16 pairs x 16 outputs x 2
-  config.colsb[3] = 32, config.rows[3] = 16;  // rows: 16 x 16 bfloat16 (groups of 16)
-  config.colsb[4] = 64, config.rows[4] = 8;   // weights: 8 pairs
-  TILE_LOADCONFIG(&config);
+  return config;
+}
+
+// The codes kernels': 0..2 the sums of three output tiles, 3 a block of rows' G inputs, 4..6 the
+// three output tiles' weights for the group (G / 2 pairs x 16 outputs).
+template <int G>
+constexpr TileConfig code_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 3; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  config.colsb[3] = 2 * G, config.rows[3] = 16;
+  for (int t = 4; t < 7; ++t) config.colsb[t] = 64, config.rows[t] = G / 2;
+  return config;
+}
+
+constexpr TileConfig DENSE_TILES = dense_tile_config();
+template <int G>
+constexpr TileConfig CODE_TILES = code_tile_config<G>();
+
+// NT (1..3) output tiles t.. for the rows r0..r0 + rows of xb: a group's three tdpbf16ps are
+// independent (their own sum tiles), so they overlap, where one tile's after one another wait on
+// each other's sums; each group's sums then scaled into acc [NT][16][16] in group order, as in
+// codes_tiles.
+template <int G, bool NIBBLES, bool HALF, bool MINS, int NT>
+AMX_BF16 inline void code_tiles_amx(const uint16_t* xb, const float* xsum, int64_t r0, int64_t rows, int64_t K,
+                                    const uint8_t* codes, const void* scales, const void* mins, float* out,
+                                    int64_t N, int64_t t, float* acc, float* sums, uint16_t* weights) {
+  constexpr int P = G / 2;
+  constexpr int64_t BYTES = NIBBLES ? TILE * G / 2 : TILE * G;
+  const int64_t groups = K / G;
+  for (int i = 0; i < NT; ++i)
+    for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(acc + (i * 16 + r) * TILE, _mm512_setzero_ps());
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int i = 0; i < NT; ++i) {
+      const int64_t tg = (t + i) * groups + g;
+      for (int64_t line = 0; line < BYTES; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(codes + tg * BYTES + PREFETCH + line), _MM_HINT_T0);
+      __m512bh w[P];
+      unpack<P, NIBBLES>(codes + tg * BYTES, w);
+      for (int p = 0; p < P; ++p) _mm512_store_si512(weights + (i * P + p) * 32, (__m512i)w[p]);
+    }
+    TILE_LOAD(3, xb + r0 * K + g * G, K * 2);
+    TILE_ZERO(0);
+    TILE_LOAD(4, weights, 64);
+    TILE_DPBF16PS(0, 3, 4);
+    if constexpr (NT > 1) {
+      TILE_ZERO(1);
+      TILE_LOAD(5, weights + P * 32, 64);
+      TILE_DPBF16PS(1, 3, 5);
+    }
+    if constexpr (NT > 2) {
+      TILE_ZERO(2);
+      TILE_LOAD(6, weights + 2 * P * 32, 64);
+      TILE_DPBF16PS(2, 3, 6);
+    }
+    TILE_STORE(0, sums, 64);
+    if constexpr (NT > 1) TILE_STORE(1, sums + 16 * TILE, 64);
+    if constexpr (NT > 2) TILE_STORE(2, sums + 32 * TILE, 64);
+    for (int i = 0; i < NT; ++i) {
+      const int64_t tg = (t + i) * groups + g;
+      const __m512 s = load_scales<HALF>(scales, tg * TILE);
+      __m512 m = _mm512_setzero_ps();
+      if constexpr (MINS) m = load_scales<HALF>(mins, tg * TILE);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* a_at = acc + (i * 16 + r) * TILE;
+        __m512 a = _mm512_fmadd_ps(_mm512_load_ps(sums + (i * 16 + r) * TILE), s, _mm512_load_ps(a_at));
+        if constexpr (MINS) a = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(r0 + r) * groups + g]), m, a);
+        _mm512_store_ps(a_at, a);
+      }
+    }
+  }
+  for (int i = 0; i < NT; ++i)
+    for (int64_t r = 0; r < rows; ++r)
+      _mm512_storeu_ps(out + (r0 + r) * N + (t + i) * TILE, _mm512_load_ps(acc + (i * 16 + r) * TILE));
 }
 
 // xb: [Mp, K] bfloat16, Mp = M rounded up to 16, padding rows zero.
@@ -939,47 +1011,19 @@ template <int G, bool NIBBLES, bool HALF, bool MINS>
 AMX_BF16 void codes_tiles_amx(const uint16_t* xb, const float* xsum, int64_t M, int64_t K,
                               const uint8_t* codes, const void* scales, const void* mins,
                               float* out, int64_t N, int64_t t0, int64_t t1) {
-  constexpr int P = G / 2;
-  constexpr int64_t BYTES = NIBBLES ? TILE * G / 2 : TILE * G;
-  const int64_t groups = K / G;
-  alignas(64) float acc[16 * TILE];
-  alignas(64) float sums[16 * TILE];
-  alignas(64) uint16_t weights[P * 32];
-  configure_tiles();
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t r0 = 0; r0 < M; r0 += 16) {
-      const int64_t rows = std::min<int64_t>(16, M - r0);
-      for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(acc + r * TILE, _mm512_setzero_ps());
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t tg = t * groups + g;
-        for (int64_t line = 0; line < BYTES; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(codes + tg * BYTES + PREFETCH + line), _MM_HINT_T0);
-        __m512bh w[P];
-        unpack<P, NIBBLES>(codes + tg * BYTES, w);
-        for (int p = 0; p < P; ++p) _mm512_store_si512(weights + 32 * p, (__m512i)w[p]);
-        TILE_ZERO(0);
-        if constexpr (G == 32) {
-          TILE_LOAD(1, xb + r0 * K + g * G, K * 2);
-          TILE_LOAD(2, weights, 64);
-          TILE_DPBF16PS(0, 1, 2);
-        } else {
-          TILE_LOAD(3, xb + r0 * K + g * G, K * 2);
-          TILE_LOAD(4, weights, 64);
-          TILE_DPBF16PS(0, 3, 4);
-        }
-        TILE_STORE(0, sums, 64);
-        const __m512 s = load_scales<HALF>(scales, tg * TILE);
-        __m512 m = _mm512_setzero_ps();
-        if constexpr (MINS) m = load_scales<HALF>(mins, tg * TILE);
-        for (int64_t r = 0; r < rows; ++r) {
-          __m512 a = _mm512_fmadd_ps(_mm512_load_ps(sums + r * TILE), s, _mm512_load_ps(acc + r * TILE));
-          if constexpr (MINS) a = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(r0 + r) * groups + g]), m, a);
-          _mm512_store_ps(acc + r * TILE, a);
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r)
-        _mm512_storeu_ps(out + (r0 + r) * N + t * TILE, _mm512_load_ps(acc + r * TILE));
-    }
+  alignas(64) float acc[3 * 16 * TILE];
+  alignas(64) float sums[3 * 16 * TILE];
+  alignas(64) uint16_t weights[3 * G / 2 * 32];
+  TILE_LOADCONFIG(&CODE_TILES<G>);
+  for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, M - r0);
+    int64_t t = t0;
+    for (; t + 3 <= t1; t += 3)
+      code_tiles_amx<G, NIBBLES, HALF, MINS, 3>(xb, xsum, r0, rows, K, codes, scales, mins, out, N, t, acc, sums, weights);
+    if (t1 - t == 2)
+      code_tiles_amx<G, NIBBLES, HALF, MINS, 2>(xb, xsum, r0, rows, K, codes, scales, mins, out, N, t, acc, sums, weights);
+    else if (t1 - t == 1)
+      code_tiles_amx<G, NIBBLES, HALF, MINS, 1>(xb, xsum, r0, rows, K, codes, scales, mins, out, N, t, acc, sums, weights);
   }
   TILE_RELEASE();
 }
@@ -995,7 +1039,7 @@ AMX_BF16 void dense_tiles_amx(const uint16_t* xb, int64_t M, int64_t K, const ui
                               void* out, int64_t N, int64_t t0, int64_t t1) {
   const int64_t chunks = K / 32;
   alignas(64) float sums[16 * TILE];
-  configure_tiles();
+  TILE_LOADCONFIG(&DENSE_TILES);
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t r0 = 0; r0 < M; r0 += 16) {
       const int64_t rows = std::min<int64_t>(16, M - r0);
