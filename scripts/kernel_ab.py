@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
+from scripts.product_times import SHAPES  # [out, in]: q/k/v, gate/up, down, head
 from verispec.model.kernels import build, rows
 
-SHAPES = ((960, 576), (3072, 576), (576, 1536), (49152, 576))  # [out, in]: q/k/v, gate/up, down, head
 PRODUCT_ROWS = (1, 2, 8, 16)
 CONTEXTS = (300, 1000, 3000)
 ATTENTION_ROWS = (1, 2, 8, 16)
