@@ -949,10 +949,10 @@ constexpr TileConfig DENSE_TILES = dense_tile_config();
 template <int G>
 constexpr TileConfig CODE_TILES = code_tile_config<G>();
 
-// NT (1..3) output tiles t.. for the rows r0..r0 + rows of xb: a group's three tdpbf16ps are
-// independent (their own sum tiles), so they overlap, where one tile's after one another wait on
-// each other's sums; each group's sums then scaled into acc [NT][16][16] in group order, as in
-// codes_tiles.
+// NT (1..3) output tiles t.. for the rows r0..r0 + rows of xb. A group's NT tdpbf16ps write
+// their own sum tiles, so they overlap (one output tile's groups, run in turn, would each wait on
+// the last one's sums); each group's sums are then scaled into acc [NT][16][16] in group order,
+// as in codes_tiles.
 template <int G, bool NIBBLES, bool HALF, bool MINS, int NT>
 AMX_BF16 inline void code_tiles_amx(const uint16_t* xb, const float* xsum, int64_t r0, int64_t rows, int64_t K,
                                     const uint8_t* codes, const void* scales, const void* mins, float* out,
