@@ -302,24 +302,21 @@ def test_a_sliding_window_sees_each_rows_last_keys(kernel, dtype):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (8, 2), (6, 6)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_attention_rows_do_not_depend_on_how_the_threads_cut_the_heads(kernel, heads, kv_heads, dtype):
+def test_attention_rows_do_not_depend_on_how_the_threads_cut_the_heads(kernel, heads, kv_heads):
     """With 1, 2 or 3 threads the heads and rows are cut into tasks differently (a one-token
     step's query heads into one run a thread, a kv head's heads split between two threads; a
-    block's into a task per kv head and row; the AMX class's bfloat16 cache into runs of (row,
-    head) units taken 16 at a time, 7 rows of 3 heads cutting a row's heads between two tiles),
-    and a head runs in a block of 1, 2 or 3 heads: every row gets the bits of its one-query call
-    on one thread, causal and with a tree mask."""
+    block's into a task per kv head and row), and a head runs in a block of 1, 2 or 3 heads:
+    every row gets the bits of its one-query call on one thread, causal and with a tree mask."""
     generator = torch.Generator().manual_seed(5)
-    keys, values = (torch.randn(1, kv_heads, 48, 64, generator=generator).to(dtype) for _ in range(2))
+    keys, values = (torch.randn(1, kv_heads, 48, 64, generator=generator) for _ in range(2))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        q = torch.randn(1, heads, 7, 64, generator=generator).to(dtype)
-        mask = torch.rand(7, 40, generator=generator) < 0.7
+        q = torch.randn(1, heads, 5, 64, generator=generator)
+        mask = torch.rand(5, 40, generator=generator) < 0.7
         mask[:, 0] = True
         expected = {}
-        for n in (1, 2, 5, 7):
+        for n in (1, 2, 5):
             for i in range(n):
                 row = q[:, :, i: i + 1]
                 expected[n, i] = rows.attention(row, keys, values, 40 - n + i + 1, None, 0.125, kernel)[:, 0]
@@ -328,7 +325,7 @@ def test_attention_rows_do_not_depend_on_how_the_threads_cut_the_heads(kernel, h
                 expected[n, i, "tree"] = rows.attention(row, *gathered, len(seen), None, 0.125, kernel)[:, 0]
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            for n in (1, 2, 5, 7):
+            for n in (1, 2, 5):
                 causal = rows.attention(q[:, :, :n], keys, values, 40, None, 0.125, kernel)
                 tree = rows.attention(q[:, :, :n], keys, values, 40, mask[:n], 0.125, kernel)
                 for i in range(n):
@@ -546,13 +543,3 @@ def test_the_choice_is_cached_per_cpu_and_build(monkeypatch, tmp_path):
     assert (tmp_path / f"choice-{rows.cpu_key()}.json").is_file()
     assert second.name == first.name and second.why == first.why + " (cached)"
     assert len(probed) == (1 if len(rows.supported()) > 1 else 0)
-
-
-def test_stats_name_the_attention_arithmetic_the_class_runs():
-    """The AMX class takes a bfloat16 cache's scores from tiles (heads a multiple of 32 wide);
-    every other case, and every other class, attends in float32 throughout."""
-    assert rows.attention_arithmetic(torch.bfloat16, 64, "amx-bf16").startswith("AMX tiles")
-    assert rows.attention_arithmetic(torch.bfloat16, 16, "amx-bf16") == "float32"
-    assert rows.attention_arithmetic(torch.float32, 64, "amx-bf16") == "float32"
-    for kernel in ("avx512-bf16", "avx2"):
-        assert rows.attention_arithmetic(torch.bfloat16, 64, kernel) == "float32"
