@@ -326,7 +326,7 @@ MUTANTS = (
            "  const __m512 scaling = _mm512_set1_ps(scale);",
            "  const __m512 scaling = _mm512_set1_ps(GB < 3 ? std::nextafter(scale, 1.0f) : scale);",
            ("tests/test_row_kernels.py::test_attention_rows_do_not_depend_on_how_the_threads_cut_the_heads"
-            "[9-3-avx512-bf16]",),
+            "[float32-9-3-avx512-bf16]",),
            "a head attended in a block of fewer than three heads (a kv head's heads split between "
            "threads) uses a scale one ulp off", needs="avx512-bf16"),
     Mutant("row-kernel-avx2-first-row-unfused", "verispec/model/kernels/rows.cpp",

@@ -302,21 +302,23 @@ def test_a_sliding_window_sees_each_rows_last_keys(kernel, dtype):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (8, 2), (6, 6)])
-def test_attention_rows_do_not_depend_on_how_the_threads_cut_the_heads(kernel, heads, kv_heads):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_attention_rows_do_not_depend_on_how_the_threads_cut_the_heads(kernel, heads, kv_heads, dtype):
     """With 1, 2 or 3 threads the heads and rows are cut into tasks differently (a one-token
     step's query heads into one run a thread, a kv head's heads split between two threads; a
     block's into a task per kv head and row), and a head runs in a block of 1, 2 or 3 heads:
-    every row gets the bits of its one-query call on one thread, causal and with a tree mask."""
+    every row gets the bits of its one-query call on one thread, causal and with a tree mask, over
+    a float32 and a bfloat16 cache, in blocks of up to 7 rows."""
     generator = torch.Generator().manual_seed(5)
-    keys, values = (torch.randn(1, kv_heads, 48, 64, generator=generator) for _ in range(2))
+    keys, values = (torch.randn(1, kv_heads, 48, 64, generator=generator).to(dtype) for _ in range(2))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        q = torch.randn(1, heads, 5, 64, generator=generator)
-        mask = torch.rand(5, 40, generator=generator) < 0.7
+        q = torch.randn(1, heads, 7, 64, generator=generator).to(dtype)
+        mask = torch.rand(7, 40, generator=generator) < 0.7
         mask[:, 0] = True
         expected = {}
-        for n in (1, 2, 5):
+        for n in (1, 2, 5, 7):
             for i in range(n):
                 row = q[:, :, i: i + 1]
                 expected[n, i] = rows.attention(row, keys, values, 40 - n + i + 1, None, 0.125, kernel)[:, 0]
@@ -325,7 +327,7 @@ def test_attention_rows_do_not_depend_on_how_the_threads_cut_the_heads(kernel, h
                 expected[n, i, "tree"] = rows.attention(row, *gathered, len(seen), None, 0.125, kernel)[:, 0]
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            for n in (1, 2, 5):
+            for n in (1, 2, 5, 7):
                 causal = rows.attention(q[:, :, :n], keys, values, 40, None, 0.125, kernel)
                 tree = rows.attention(q[:, :, :n], keys, values, 40, mask[:n], 0.125, kernel)
                 for i in range(n):
