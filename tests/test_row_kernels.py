@@ -308,7 +308,9 @@ def test_attention_rows_do_not_depend_on_how_the_threads_cut_the_heads(kernel, h
     step's query heads into one run a thread, a kv head's heads split between two threads; a
     block's into a task per kv head and row), and a head runs in a block of 1, 2 or 3 heads:
     every row gets the bits of its one-query call on one thread, causal and with a tree mask, over
-    a float32 and a bfloat16 cache, in blocks of up to 7 rows."""
+    a float32 and a bfloat16 cache, in blocks of up to 7 rows. (A bfloat16 output's rounding hides
+    a one-ulp change in the scale, which the float32 cases catch; the bfloat16 ones catch a 1%
+    change, 9 of 16 cases, and guard the bfloat16 instantiation.)"""
     generator = torch.Generator().manual_seed(5)
     keys, values = (torch.randn(1, kv_heads, 48, 64, generator=generator).to(dtype) for _ in range(2))
     threads = torch.get_num_threads()
