@@ -105,7 +105,7 @@ def main() -> int:
     print("auto's forwards against the profile's T(rows) at the end: " + ", ".join(
         f"{rows} rows {auto.pace(rows):.2f}" for rows in sorted(auto.pace.counts))
           + f"; a step's overhead {1000 * auto.overhead:.2f} ms")
-    print(f"auto's trials of a drafter priced under plain decoding: {auto.trials[0]}, "
+    print(f"auto's trials of a drafter priced under the step chosen: {auto.trials[0]}, "
           f"{auto.trials[1]} of them with their first token kept")
     print("outputs identical to ar's: " + ("yes, every one" if not differing else ", ".join(differing)))
     passed = (worst_prompt >= PER_PROMPT_BAR and total[best] / total["auto"] >= BEST_BAR

@@ -582,8 +582,28 @@ MUTANTS = (
            "if name is not None and not (trial and steps == 1):", "if name is not None:",
            ("tests/test_auto.py::test_a_drafter_priced_a_little_under_plain_decoding_is_tried_and_kept_where_it_pays",),
            "a refused trial's one-step run shortens the drafter's stretch and prices its returns out"),
+    Mutant("auto-rests-by-steps", "verispec/drafters/auto.py",
+           "share = 1.0 - (1.0 - self.recovery) ** tokens", "share = self.recovery",
+           ("tests/test_auto.py::"
+            "test_a_drafter_sitting_out_drifts_back_to_its_prior_by_the_text_that_went_by",),
+           "a drafter sitting out another's long steps drifts back to its prior by steps, not tokens"),
+    Mutant("auto-tries-only-against-plain-decoding", "verispec/drafters/auto.py",
+           "if name != chosen.method\n", "if best.method is None\n",
+           ("tests/test_auto.py::test_a_drafter_priced_a_little_under_the_chosen_one_is_tried_too",),
+           "a model drafter priced a little under the drafter chosen is never tried"),
+    Mutant("profile-prior-pools-the-answers", "verispec/profile.py",
+           "max(rates, default=None)", "min(rates, default=None)",
+           ("tests/test_auto.py::"
+            "test_a_drafters_prior_is_its_acceptance_in_the_best_of_several_answers",),
+           "a drafter's prior is its worst answer's acceptance: set too low, it is never judged"),
+    Mutant("profile-answers-run-past-the-end-of-text", "verispec/profile.py",
+           "StoppingRules.build(ANSWER_TOKENS, target.eos_token_ids)", "StoppingRules.build(ANSWER_TOKENS)",
+           ("tests/test_auto.py::"
+            "test_a_drafters_prior_is_its_acceptance_in_the_best_of_several_answers",),
+           "the profile's answers run past the model's end of text (a loop or an answer by a near-tie)"),
     Mutant("auto-never-forgives-refusals", "verispec/drafters/auto.py",
-           "                self.acceptance[name].rest(priced_out=self.chosen is None)\n", "",
+           "                self.acceptance[name].rest(priced_out=self.chosen is None, "
+           "tokens=num_accepted + 1)\n", "",
            ("tests/test_auto.py::test_a_drafter_priced_out_by_refusals_comes_back_at_longer_and_longer_intervals",),
            "a model drafter priced out by a few refusals sits out the rest of the answer"),
     Mutant("auto-hands-no-hidden-states", "verispec/drafters/auto.py",
@@ -663,9 +683,9 @@ MUTANTS = (
            ("tests/test_self_spec.py::test_the_kernel_choice_is_measured_once_per_machine",),
            "the self-drafters' kernel choice is read from the cache but never used"),
     Mutant("profile-reruns-the-drafters-while-busy", "verispec/profile.py",
-           "            timed = time_forward(target, lm, prompt)\n            if steady(timed):",
-           "            timed = time_forward(target, lm, prompt)\n"
-           "            costs = {name: drafter_cost(target, build(), limits[name], prompt)\n"
+           "            timed = time_forward(target, lm, prompts[0])\n            if steady(timed):",
+           "            timed = time_forward(target, lm, prompts[0])\n"
+           "            costs = {name: drafter_cost(target, build(), limits[name], prompts)\n"
            "                     for name, build in drafters.items()}\n            if steady(timed):",
            ("tests/test_auto.py::test_a_profile_measured_on_a_busy_machine_is_measured_again_and_not_cached",),
            "a busy machine's profile runs every drafter again with each timing of the forward"),

@@ -21,7 +21,7 @@ def pytest_configure(config) -> None:
         os.environ["VERISPEC_PROFILE_DIR"] = config._verispec_profiles
     # Measured briefly: tests check what a command does, never its speed (the profile's own tests
     # set these themselves); a full profile of the built-in model took 29 s of test_demo_runs.
-    profile.REPEATS, profile.DRAFT_TOKENS = 1, 16
+    profile.REPEATS, profile.ANSWER_TOKENS = 1, 8
     workers = getattr(config, "workerinput", {}).get("workercount")
     if workers:
         # `make test` runs one pytest-xdist worker per core: each on its share of the cores (one

@@ -71,7 +71,7 @@ def cache(tmp_path, monkeypatch):
     those two judgements set the readings themselves."""
     monkeypatch.setattr(profile, "cache_dir", lambda: tmp_path / "profiles")
     monkeypatch.setattr(profile, "REPEATS", 1)
-    monkeypatch.setattr(profile, "DRAFT_TOKENS", 8)
+    monkeypatch.setattr(profile, "ANSWER_TOKENS", 8)
     timed = profile.time_forward
     monkeypatch.setattr(profile, "time_forward", lambda *args: dataclasses.replace(timed(*args), noise=0.0))
     monkeypatch.setattr(profile.OthersLoad, "__exit__", lambda self, *exc: setattr(self, "cores", 0.0))
@@ -169,6 +169,21 @@ def test_acceptance_starts_at_the_prior_and_follows_what_is_seen():
     for _ in range(60):
         rate.observe(judged=4, kept=4)
     assert rate.rate > 0.95
+
+
+def test_a_drafter_sitting_out_drifts_back_to_its_prior_by_the_text_that_went_by():
+    """A step of another drafter's that committed 8 tokens moves a resting drafter's acceptance
+    back towards its prior as far as 8 plain steps do: by steps, a drafter refused twice sat out
+    most of an answer behind the int4 self-drafter's long steps on the bfloat16 target."""
+    plain, long = Acceptance(0.5), Acceptance(0.5)
+    for rate in (plain, long):
+        for _ in range(3):
+            rate.observe(judged=2, kept=0)
+    refused = plain.rate
+    for _ in range(8):
+        plain.rest(priced_out=False)
+    long.rest(priced_out=False, tokens=8)
+    assert refused < plain.rate < 0.5 and long.rate == pytest.approx(plain.rate)
 
 
 def test_an_unseeded_answer_starts_from_the_acceptance_of_the_answers_before_it_where_higher():
@@ -425,6 +440,51 @@ def test_a_stale_or_broken_file_is_measured_again(cache):
 
 
 
+class Knowing(Drafter):
+    """A drafter that knows the greedy continuation of each prompt: it drafts it where the prompt
+    is in `right`, and the next token shifted by one (always refused) elsewhere."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], right: set[tuple[int, ...]]) -> None:
+        self.continuations, self.right = continuations, right
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        context = tuple(request.tokens.tolist())
+        prompt = next(p for p in self.continuations if context[:len(p)] == p)
+        done = len(context) - len(prompt)
+        draft = self.continuations[prompt][done:done + request.k]
+        if prompt not in self.right:
+            draft = [(token + 1) % VOCAB for token in draft]
+        return Proposal(torch.tensor(draft, dtype=torch.int64))
+
+
+def test_a_drafters_prior_is_its_acceptance_in_the_best_of_several_answers(loaded, references, monkeypatch):
+    """The profile times each drafter answering several requests and takes as its prior the
+    acceptance of the answer where it drafted best: a prior set too low is never corrected (the
+    drafter is never chosen, so never judged), one too high is within a few steps. A drafter
+    that drafts one answer right and two wrong gets 1.0, not the pooled third; its answers'
+    steps all count towards its cost. An answer ends at the model's end of text."""
+    monkeypatch.setattr(profile, "ANSWER_TOKENS", 24)
+    continuations = {tuple(p): ref for p, ref in zip(PROMPTS, references)}
+    knowing = Knowing(continuations, right={tuple(PROMPTS[1])})
+    assert profile.drafter_cost(loaded, knowing, 3, PROMPTS).acceptance == 1.0
+    assert profile.drafter_cost(loaded, Knowing(continuations, right=set()), 3, PROMPTS).acceptance == 0.0
+
+    steps = []
+    real = SpeculativeEngine.generate
+
+    def counted(self, spec):
+        result = real(self, spec)
+        steps.append(len(result.token_ids))
+        return result
+
+    monkeypatch.setattr(SpeculativeEngine, "generate", counted)
+    ends = references[1][5]  # the end of text after the second prompt's fifth new token
+    monkeypatch.setattr(LoadedModel, "eos_token_ids", property(lambda self: {ends}))
+    profile.drafter_cost(loaded, knowing, 3, PROMPTS)
+    assert steps[0] == 4 and steps[1:] == [24 if ends not in ref else ref.index(ends) + 1
+                                           for ref in references], steps
+
+
 def test_a_profile_measured_on_a_busy_machine_is_measured_again_and_not_cached(cache, monkeypatch, capsys):
     """Forward timings whose repeats disagree by more than NOISY are a busy machine's: timed
     again (the drafters' runs are not), and if every attempt is noisy, used for this process but
@@ -453,7 +513,7 @@ def test_a_profile_measured_on_a_busy_machine_is_measured_again_and_not_cached(c
 
     monkeypatch.undo()
     monkeypatch.setattr(profile, "REPEATS", 2)
-    monkeypatch.setattr(profile, "DRAFT_TOKENS", 8)
+    monkeypatch.setattr(profile, "ANSWER_TOKENS", 8)
     slow = iter(range(10**6))
     real = profile.forward_rows
 
@@ -993,6 +1053,36 @@ def test_a_drafter_priced_a_little_under_plain_decoding_is_tried_and_kept_where_
     tried = [step for step, drafted in enumerate(refused) if drafted]
     assert tried == [0, 33, 98] and trials == [3, 0], tried  # a refusal doubles the wait: 32, then 64
     assert run(0.1, kept=True) == ([False] * 128, [0, 0])  # 1.1 / 0.0135 = 81 tokens/s: out of the band
+
+
+def test_a_drafter_priced_a_little_under_the_chosen_one_is_tried_too(monkeypatch):
+    """A trial is owed against whatever step was chosen, not only plain decoding: a model drafter
+    priced a little under the one chosen is tried (on the bfloat16 target EAGLE's prior priced it
+    under the int4 self-drafter, which then drafted whole answers untried by it), takes over where
+    its drafts are kept, and where they are refused is tried after 32, then 64 more steps."""
+    monkeypatch.setattr(auto_module, "COST_DECAY", 1.0)
+    request = DraftRequest(torch.zeros(10, dtype=torch.int64), 3, SamplingParams(), None)
+    costs = CostProfile((0.010, 0.012, 0.014, 0.016), 300, 1e4,
+                        {"first": DrafterCost(0.0, 0.0015, 0.5), "second": DrafterCost(0.0, 0.0015, 0.45)})
+
+    def run(kept: bool) -> list[str]:
+        """The drafter each step chose: first's drafts kept every other step, second's as `kept`."""
+        auto = AutoDrafter(costs, {}, {"first": CatchingUp(), "second": CatchingUp()},
+                           {"first": 3, "second": 3}, PLAIN)
+        chosen = []
+        for step in range(128):
+            name, k = auto.propose(request).choice
+            chosen.append(name)
+            auto.commit(k if (name == "second" and kept) or (name == "first" and step % 2) else 0)
+        return chosen
+
+    # at the first step first models 1.5 / 0.0135 = 111 tokens/s, second 1.45 / 0.0135 = 107
+    assert best_choice(costs, {"first": 0.5, "second": 0.45}, {"first": 3, "second": 3}).method == "first"
+    paying = run(kept=True)
+    assert paying[0] == "second" and paying.count("second") > 0.9 * len(paying), paying
+    refused = run(kept=False)
+    assert [step for step, name in enumerate(refused) if name == "second"] == [0, 33, 98]
+    assert refused.count("first") == len(refused) - 3
 
 
 class Watched(EagleDrafter):

@@ -45,15 +45,26 @@ from verispec.model.packed import linear_fingerprint
 CONTEXT = 300  # tokens cached while the forward is timed
 MAX_ROWS = 17  # the widest forward timed: a 16-token draft and the token before it
 REPEATS = 3  # timings per row count after a warm-up round (the median is kept)
-# New tokens each drafter's timing run generates. Its acceptance there chooses auto's one self
-# format: over 24 tokens two refusals decided it, and Gemma 3 held to AVX2 got the slower format
-# (self-int4 0.895 over 24 tokens, 0.922 over 64, 0.962 over 128; ~0.95 in use; docs/tuning.md).
-DRAFT_TOKENS = 128
-# Drafters are timed continuing this text (their acceptance on it is the profile's prior).
-TEXT = ("Write a short guide for a new gardener. Explain when to plant tomatoes, how often to "
-        "water them, which soil they like, and how to keep pests away without chemicals. Then "
-        "list three common mistakes beginners make and how to avoid each of them.")
-VERSION = 5  # of the file's layout and the way it is measured: a new one measures again
+# Drafters are timed answering these requests (through the model's chat template where it has one,
+# else continuing them raw), ANSWER_TOKENS new tokens each at most, an answer ending at the model's
+# end of text; their acceptance in the best answer is the profile's prior. Real answers of three
+# kinds (instructions, code, a rewrite that copies): continuing one text raw, most of the run was
+# what the built-in model wrote past its end of text after 14 tokens, a loop or an answer by a
+# near-tie, and a kernel with other roundings moved EAGLE's prior from 0.42 to 0.25 and suffix's
+# from 0.82 to 0.39 (docs/tuning.md, "A prior that hinges on one continuation").
+REQUESTS = (
+    "Write a short guide for a new gardener. Explain when to plant tomatoes, how often to water "
+    "them, which soil they like, and how to keep pests away without chemicals.",
+    "Write a Python function that counts how often each word appears in a text file, and explain "
+    "how it works.",
+    "Rewrite this paragraph in plain words for a child, keeping every fact: The river rises in "
+    "the northern hills and flows south for two hundred kilometres. Farmers along its banks grow "
+    "rice and beans, and in spring the water floods their fields, which makes the soil rich.",
+)
+# The acceptance also chooses auto's one self format, and an answer of 24 tokens was too short:
+# two refusals decided it (Gemma 3 held to AVX2 got the slower format: docs/tuning.md).
+ANSWER_TOKENS = 48
+VERSION = 6  # of the file's layout and the way it is measured: a new one measures again
 # A profile whose forward timings disagree between repeats by more than this (CostProfile.noise)
 # was measured on a busy machine: its forward is timed again, up to ATTEMPTS times, and if it never
 # agrees the profile is not cached (a test run beside a training run once cached T(8) = 14.8 T(1),
@@ -264,19 +275,19 @@ def measure(target: LoadedModel, lm: CachedModel, drafters: dict[str, Callable[[
     """Time the target's forward by rows and prefill (again while the repeats disagree, up to
     ATTEMPTS times: a second or two each), then each drafter once in a short generation (most of
     the time: a busy machine shows in the forward's repeats, and is not cached)."""
-    prompt = _prompt(target, torch.Generator().manual_seed(0))
+    prompts = _prompts(target, torch.Generator().manual_seed(0))
     # At a terminal, a bar: a first command waits on this (13-18 s for the built-in model).
     with tqdm(total=1 + len(drafters), desc=f"verispec: measuring {target.name}'s cost profile once",
               unit="part", file=sys.stderr, disable=None, leave=False) as bar:
         for _ in range(ATTEMPTS):
-            timed = time_forward(target, lm, prompt)
+            timed = time_forward(target, lm, prompts[0])
             if steady(timed):
                 break
         bar.update()
         costs = {}
         for name, build in drafters.items():
             bar.set_postfix_str(name)
-            costs[name] = drafter_cost(target, build(), limits[name], prompt)
+            costs[name] = drafter_cost(target, build(), limits[name], prompts)
             bar.update()
     return CostProfile(timed.forward, timed.context, timed.prefill_rate, costs, timed.noise)
 
@@ -340,14 +351,19 @@ def non_decreasing(values: list[float]) -> tuple[float, ...]:
     return tuple(total / count for total, count in blocks for _ in range(int(count)))
 
 
-def _prompt(target: LoadedModel, generator: torch.Generator) -> list[int]:
-    """TEXT in the target's tokens (random tokens for a model without a tokenizer, or whose
-    tokenizer makes little of it), within the context the drafters' runs leave."""
-    room = target.context_length - DRAFT_TOKENS - MAX_ROWS  # a draft is at most MAX_ROWS - 1 long
-    ids = [] if target.tokenizer is None else list(target.tokenizer(TEXT)["input_ids"])
-    if len(ids) < 8:
-        ids = torch.randint(0, target.vocab_size, (48,), generator=generator).tolist()
-    return ids[-room:]
+def _prompts(target: LoadedModel, generator: torch.Generator) -> list[list[int]]:
+    """REQUESTS in the target's tokens (one prompt of random tokens for a model without a
+    tokenizer, or whose tokenizer makes little of them), each within the context an answer leaves."""
+    def encoded(text: str) -> list[int]:
+        if target.has_chat_template:
+            return target.chat_ids([{"role": "user", "content": text}])
+        return list(target.tokenizer(text)["input_ids"])
+
+    room = target.context_length - ANSWER_TOKENS - MAX_ROWS  # a draft is at most MAX_ROWS - 1 long
+    prompts = [] if target.tokenizer is None else [encoded(text)[-room:] for text in REQUESTS]
+    if any(len(ids) < 8 for ids in prompts) or not prompts:
+        prompts = [torch.randint(0, target.vocab_size, (48,), generator=generator).tolist()[-room:]]
+    return prompts
 
 
 class _Alternating:
@@ -364,21 +380,30 @@ class _Alternating:
         self.count += 1
 
 
-def drafter_cost(target: LoadedModel, drafter: Drafter, limit: int, prompt: list[int]) -> DrafterCost:
-    """A drafter's seconds per proposal and per drafted token (least squares over the steps of a
-    short greedy generation, drafting 1 and `limit` tokens in turn) and its per-token acceptance
-    there (accepted tokens over accepted tokens plus refusals; None under 4 drafting steps)."""
+def drafter_cost(target: LoadedModel, drafter: Drafter, limit: int, prompts: list[list[int]]) -> DrafterCost:
+    """A drafter's seconds per proposal and per drafted token (least squares over the steps of
+    short greedy answers to `prompts`, drafting 1 and `limit` tokens in turn) and its per-token
+    acceptance (accepted tokens over accepted tokens plus refusals) in the answer where it was
+    highest, of those where it drafted at least 4 steps (None: in none). The best answer's and not
+    all of them pooled: auto corrects a prior set too high within a few steps, where the drafter is
+    chosen and refused, but not one set too low, where it is never chosen (on the bfloat16
+    target EAGLE kept 0.35 / 0.42 / 0.18 of REQUESTS' answers, 0.45-0.5 on held-out prompts, and
+    priced by all three pooled it drafted 17 of 1024 tokens there: docs/tuning.md)."""
     engine = SpeculativeEngine(target.model, drafter, _Alternating(1, limit))
-    engine.generate(SequenceSpec(prompt, StoppingRules.build(4)))  # warm-up
-    # the last step has no room to draft
-    steps = engine.generate(SequenceSpec(prompt, StoppingRules.build(DRAFT_TOKENS))).steps[:-1]
-    points = [(step.num_drafted, step.draft_seconds) for step in steps]
-    per_step, per_token = _fit(points)
-    drafting = [step for step in steps if step.num_drafted]
-    kept = sum(step.num_accepted for step in drafting)
-    refused = sum(step.num_accepted < step.num_drafted for step in drafting)
-    acceptance = kept / (kept + refused) if len(drafting) >= 4 and kept + refused else None
-    return DrafterCost(per_step, per_token, acceptance)
+    engine.generate(SequenceSpec(prompts[0], StoppingRules.build(4)))  # warm-up
+    stopping = StoppingRules.build(ANSWER_TOKENS, target.eos_token_ids)
+    # each answer's last step has no room to draft (a cap) or ended the answer (the end of text)
+    answers = [engine.generate(SequenceSpec(prompt, stopping)).steps[:-1] for prompt in prompts]
+    per_step, per_token = _fit([(step.num_drafted, step.draft_seconds)
+                                for steps in answers for step in steps])
+    rates = []
+    for steps in answers:
+        drafting = [step for step in steps if step.num_drafted]
+        kept = sum(step.num_accepted for step in drafting)
+        refused = sum(step.num_accepted < step.num_drafted for step in drafting)
+        if len(drafting) >= 4 and kept + refused:
+            rates.append(kept / (kept + refused))
+    return DrafterCost(per_step, per_token, max(rates, default=None))
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -407,7 +432,7 @@ def profile_table(profile: CostProfile) -> str:
                               if rows in (1, 2, 4, 8, 12, 16, 17)),
              f"prefill: {profile.prefill_rate:.0f} tokens/s; the forward's repeats varied by "
              f"{100 * profile.noise:.0f}% (median over row counts)",
-             "drafter      ms/proposal  ms/token  acceptance"]
+             "drafter      ms/proposal  ms/token  acceptance (best answer)"]
     for name, cost in profile.drafters.items():
         accepted = "-" if cost.acceptance is None else f"{cost.acceptance:.3f}"
         lines.append(f"{name:<12} {cost.per_step * 1e3:11.2f} {cost.per_token * 1e3:9.2f}  {accepted:>10}")

@@ -151,7 +151,7 @@ def encode_prompt(target: LoadedModel, inputs: str | list[int] | torch.Tensor,
         if target.tokenizer is None:
             raise VerispecError(f"{target.name} has no tokenizer: pass token ids instead of text")
         if chat is None:
-            chat = bool(getattr(target.tokenizer, "chat_template", None))
+            chat = target.has_chat_template
         if chat:
             return encode_chat(target, [{"role": "user", "content": inputs}])
         return target.tokenizer(inputs)["input_ids"]
@@ -174,12 +174,11 @@ def encode_chat(target: LoadedModel, messages: list[dict[str, str]]) -> list[int
     ready for the assistant's turn."""
     if target.tokenizer is None:
         raise VerispecError(f"{target.name} has no tokenizer: pass token ids instead of text")
-    if not getattr(target.tokenizer, "chat_template", None):
+    if not target.has_chat_template:
         raise VerispecError(f"{target.name} has no chat template: use a raw prompt")
     for message in messages:
         check_text(message.get("content"), "a message's content")
-    return list(target.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False))
+    return target.chat_ids(messages)
 
 
 def encode_prompts(target: LoadedModel, inputs: Prompts, chat: bool | None = False

@@ -161,7 +161,7 @@ def run_batched_bench(config: BatchBenchConfig, progress: bool = True) -> dict:
     if target.tokenizer is None:
         raise VerispecError(f"{config.model} has no tokenizer: the benchmark needs text prompts")
     draft = load_model(config.draft, config.dtype, config.device) if config.draft else None
-    chat = bool(getattr(target.tokenizer, "chat_template", None))
+    chat = target.has_chat_template
     prompts = [encode_prompt(target, q.prompt, chat=chat) for q in questions]
     contenders: dict[str, Decode] = {HF: hf_batched(target, config)}
     for label, (method, options) in contender_options(config, draft).items():

@@ -294,7 +294,7 @@ def encode_questions(target: LoadedModel, questions: list[Question], max_new_tok
                      ) -> dict[Question, list[int]]:
     """Each question's prompt ids (through the chat template where the model has one); a question
     too long for the model's context is refused by its id."""
-    chat = bool(getattr(target.tokenizer, "chat_template", None))
+    chat = target.has_chat_template
     prompts = {q: encode_prompt(target, q.prompt, chat=chat) for q in questions}
     for q, ids in prompts.items():
         if len(ids) + max_new_tokens > target.context_length:

@@ -89,15 +89,16 @@ TREE_LEVEL = 1.3
 # drafting an answer against EAGLE's 0.18 s (docs/tuning.md).
 STRETCH_PRIOR = 4.0
 STRETCH_DECAY = 0.8
-# A model drafter priced a little under plain decoding is tried now and then, or it is never
+# A model drafter priced a little under the step chosen is tried now and then, or it is never
 # judged on this text: on a held-out prompt of the built-in 4-bit target EAGLE's prior (0.39, from
 # the profile's one paragraph) and a noisy T(2) priced it 4.5% under plain decoding at the first
-# step, so it sat out all 115 steps, where EAGLE alone ran 1.25x `ar` (docs/tuning.md). At a plain
-# step, a model drafter within EXPLORE_BAND of plain decoding's rate that has not drafted for
-# EXPLORE_EVERY steps of this answer (nor ever, at its first plain step) drafts its best k; each
-# trial whose first token is refused doubles the wait for the next, and any of its drafts that
-# keeps a token puts it back. A trial costs at most the band's share of a step: under 1% of the
-# answer at these settings.
+# step, so it sat out all 115 steps, where EAGLE alone ran 1.25x `ar`; on the bfloat16 target a prior
+# of 0.25 priced it under the int4 self-drafter for a whole run, 0.86x the best fixed method
+# (docs/tuning.md). A model drafter within EXPLORE_BAND of the chosen step's rate (a lookup's, a
+# model drafter's, plain decoding's) that has not drafted for EXPLORE_EVERY steps of this answer (nor
+# ever, at its first chance) drafts its best k instead; each trial whose first token is refused
+# doubles the wait for the next, and any of its drafts that keeps a token puts it back. A trial
+# costs at most the band's share of a step: under 1% of the answer at these settings.
 EXPLORE_BAND = 0.1
 EXPLORE_EVERY = 16
 
@@ -193,8 +194,9 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
     level costs TREE_LEVEL drafted tokens; its rate is what its own trees kept a level); catchup:
     name -> seconds this step adds for re-reading what the drafter sat out (AutoDrafter spreads a
     return's re-read over the steps it buys). A candidate displaces plain decoding only where its
-    rate beats plain decoding's by MARGIN; where none does, the best of `explore` (candidates owed
-    a trial) whose rate is within EXPLORE_BAND under plain decoding's is drafted as a trial.
+    rate beats plain decoding's by MARGIN; the best of `explore` (candidates owed a trial) other than
+    the one chosen whose rate is within EXPLORE_BAND under the chosen one's (plain decoding's where
+    none beats it) is drafted instead, as a trial.
 
     >>> profile = CostProfile((0.010, 0.011, 0.012, 0.013), 300, 1e4, {
     ...     "lookup": DrafterCost(0.0, 0.0), "model": DrafterCost(0.0, 0.008)})
@@ -208,6 +210,10 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
     >>> trial = best_choice(profile, {"model": 0.75}, {"model": 3}, explore={"model"})
     >>> trial.method, trial.k, trial.trial
     ('model', 1, True)
+    >>> rates = {"lookup": (0.15,), "model": 0.8}  # the lookup chosen (105 tokens/s), the model at 95
+    >>> [best_choice(profile, rates, {"lookup": 1, "model": 3}, whole={"lookup"}, explore=owed).method
+    ...  for owed in ((), {"model"})]
+    ['lookup', 'model']
     """
     def forward(rows: int) -> float:
         return profile.forward_seconds(rows) * (1.0 if pace is None else pace(rows)) + overhead
@@ -215,7 +221,7 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
     trees = trees or {}
     plain = Choice(None, 0, batch / forward(batch))
     best = replace(plain, tokens_per_second=plain.tokens_per_second * (1 + MARGIN))
-    trial = replace(plain, tokens_per_second=plain.tokens_per_second * (1 - EXPLORE_BAND))
+    trials: dict[str, Choice] = {}  # name -> the best draft of a candidate owed a trial
     for name, limit in limits.items():
         cost = profile.drafters[name]
         for k in (limit,) if name in whole or name in trees else range(1, limit + 1):
@@ -225,11 +231,14 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
             rate = expected_by_length(acceptance[name], k) / seconds
             if rate > best.tokens_per_second:
                 best = Choice(name, k, rate)
-            if name in explore and rate > trial.tokens_per_second:
-                trial = Choice(name, k, rate, trial=True)
-    if best.method is not None:
-        return best
-    return plain if trial.method is None else trial
+            if name in explore and (name not in trials or rate > trials[name].tokens_per_second):
+                trials[name] = Choice(name, k, rate, trial=True)
+    chosen = plain if best.method is None else best
+    floor = chosen.tokens_per_second * (1 - EXPLORE_BAND)
+    trial = max((choice for name, choice in trials.items() if name != chosen.method
+                 and choice.tokens_per_second > floor), key=lambda choice: choice.tokens_per_second,
+                default=None)
+    return chosen if trial is None else trial
 
 
 class Acceptance:
@@ -263,12 +272,16 @@ class Acceptance:
         self.kept = self.decay * self.kept + kept
         self.refused = self.decay * self.refused + (1.0 if kept < judged else 0.0)
 
-    def rest(self, priced_out: bool) -> None:
-        """A step without drafting: the counts drift back towards the prior's. priced_out: the
-        step was a plain one (no candidate paid), so the next draft is a return to be judged;
-        a step another drafter took says nothing against this one."""
-        self.kept += self.recovery * (self.prior[0] - self.kept)
-        self.refused += self.recovery * (self.prior[1] - self.refused)
+    def rest(self, priced_out: bool, tokens: int = 1) -> None:
+        """A step without drafting, that committed `tokens`: the counts drift back towards the
+        prior's, by the text that went by (a stretch of another drafter's 8-token steps is as
+        long as 8 plain steps: counted by steps, the int4 self-drafter kept most of an answer on
+        the bfloat16 target after two of EAGLE's drafts were refused). priced_out: the step was a
+        plain one (no candidate paid), so the next draft is a return to be judged; a step another
+        drafter took says nothing against this one."""
+        share = 1.0 - (1.0 - self.recovery) ** tokens
+        self.kept += share * (self.prior[0] - self.kept)
+        self.refused += share * (self.prior[1] - self.refused)
         self.rested = self.rested or priced_out
 
     @property
@@ -586,7 +599,7 @@ class AutoDrafter(Drafter):
         for name in self.models:  # the others drift back to the profile's figures
             if name != self.chosen:
                 self.slowdown[name] = 1 + (self.slowdown[name] - 1) * RECOVERY
-                self.acceptance[name].rest(priced_out=self.chosen is None)
+                self.acceptance[name].rest(priced_out=self.chosen is None, tokens=num_accepted + 1)
 
     def describe(self) -> str:
         names = ", ".join([*self.lookups, *self.models])

@@ -112,6 +112,16 @@ class LoadedModel:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids for a conversation ({"role", "content"} dicts) through the model's chat
+        template, ready for the assistant's turn (verispec.request checks the input first)."""
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                       tokenize=True, return_dict=False))
+
 
 def first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
