@@ -405,6 +405,19 @@ MUTANTS = (
             "tests/test_row_kernels.py::test_products_give_each_row_its_own_bits", *AMX_BLOCKS),
            "the AMX class's dense product starts a tile of rows from the previous tile's sums",
            AMX_EMULATED, needs="avx512-bf16"),  # the emulated tiles are AVX-512 code
+    Mutant("row-attention-amx-wide-tile-scale", "verispec/model/kernels/rows.cpp",
+           "index.data(), count, a.scale, scores.data() + b * padded);",
+           "index.data(), count, u1 - u0 > 3 ? std::nextafter(a.scale, 1.0f) : a.scale, "
+           "scores.data() + b * padded);",
+           ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each[64-dtype1-amx-bf16]",),
+           "the AMX class's bfloat16 attention scales the scores of a tile holding more than one row's "
+           "heads one ulp off a one-token step's", AMX_EMULATED, needs="avx512-bf16"),
+    Mutant("row-attention-amx-reads-a-neighbours-scores", "verispec/model/kernels/rows.cpp",
+           "gather_scores(S.data() + (g0 + b - u0) * (padded + 16)",
+           "gather_scores(S.data() + ((g0 + b - u0) ^ 1) * (padded + 16)",
+           ("tests/test_row_kernels.py::test_attention_rows_match_one_query_each[128-dtype1-amx-bf16]",),
+           "the AMX class's bfloat16 attention reads another query's scores", AMX_EMULATED,
+           needs="avx512-bf16"),
     Mutant("build-waits-on-a-killed-builds-lock", "verispec/model/kernels/build.py",
            '        (directory / "lock").unlink(missing_ok=True)\n', "",
            ("tests/test_kernel_build.py::test_a_lock_left_by_a_killed_build_is_cleared_and_the_library_built",),

@@ -306,11 +306,12 @@ def test_a_sliding_window_sees_each_rows_last_keys(kernel, dtype):
 def test_attention_rows_do_not_depend_on_how_the_threads_cut_the_heads(kernel, heads, kv_heads, dtype):
     """With 1, 2 or 3 threads the heads and rows are cut into tasks differently (a one-token
     step's query heads into one run a thread, a kv head's heads split between two threads; a
-    block's into a task per kv head and row), and a head runs in a block of 1, 2 or 3 heads:
-    every row gets the bits of its one-query call on one thread, causal and with a tree mask, over
-    a float32 and a bfloat16 cache, in blocks of up to 7 rows. (A bfloat16 output's rounding hides
-    a one-ulp change in the scale, which the float32 cases catch; the bfloat16 ones catch a 1%
-    change, 9 of 16 cases, and guard the bfloat16 instantiation.)"""
+    block's into a task per kv head and row; the AMX class's bfloat16 cache into runs of (row,
+    head) units taken 16 at a time, 7 rows of 3 heads cutting a row's heads between two tiles),
+    and a head runs in a block of 1, 2 or 3 heads: every row gets the bits of its one-query call
+    on one thread, causal and with a tree mask, over a float32 and a bfloat16 cache. (A bfloat16
+    output's rounding hides a one-ulp change in the scale, which the float32 cases catch; the
+    bfloat16 ones catch a 1% change, 9 of 16 cases, and guard the bfloat16 instantiation.)"""
     generator = torch.Generator().manual_seed(5)
     keys, values = (torch.randn(1, kv_heads, 48, 64, generator=generator).to(dtype) for _ in range(2))
     threads = torch.get_num_threads()
@@ -547,3 +548,13 @@ def test_the_choice_is_cached_per_cpu_and_build(monkeypatch, tmp_path):
     assert (tmp_path / f"choice-{rows.cpu_key()}.json").is_file()
     assert second.name == first.name and second.why == first.why + " (cached)"
     assert len(probed) == (1 if len(rows.supported()) > 1 else 0)
+
+
+def test_stats_name_the_attention_arithmetic_the_class_runs():
+    """The AMX class takes a bfloat16 cache's scores from tiles (heads a multiple of 32 wide);
+    every other case, and every other class, attends in float32 throughout."""
+    assert rows.attention_arithmetic(torch.bfloat16, 64, "amx-bf16").startswith("AMX tiles")
+    assert rows.attention_arithmetic(torch.bfloat16, 16, "amx-bf16") == "float32"
+    assert rows.attention_arithmetic(torch.float32, 64, "amx-bf16") == "float32"
+    for kernel in ("avx512-bf16", "avx2"):
+        assert rows.attention_arithmetic(torch.bfloat16, 64, kernel) == "float32"

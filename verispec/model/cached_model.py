@@ -105,8 +105,10 @@ class CachedModel:
 
     def _products(self) -> str:
         lean = self.lean
-        attention = ("; attention verispec rows (float32)"
-                     if lean is not None and lean.invariant and lean.weights.row_kernel_attention else "")
+        attention = ""
+        if lean is not None and lean.invariant and lean.weights.row_kernel_attention:
+            arithmetic = rows.attention_arithmetic(self.model.dtype, lean.weights.head_dim)
+            attention = f"; attention verispec rows ({arithmetic})"
         quantized = {m.kernel.name: None for m in self.model.modules() if isinstance(m, QuantLinear)}
         if quantized:  # a 4-bit target: its layers', then its head's
             return "; ".join(quantized) + attention

@@ -15,7 +15,8 @@
 //     bfloat16; then y += sum * scale + sum(x over the group) * min, in float32.
 //   * dense: bfloat16 weights (a bfloat16 target's layers, LM heads), the same dot products.
 // Attention: each query row over exactly the keys it sees, in cache order (a causal row i over
-// the first L - n + i + 1 keys, a tree row over its mask's keys), float32 arithmetic.
+// the first L - n + i + 1 keys, a tree row over its mask's keys), float32 arithmetic (the AMX
+// class's scores over a bfloat16 cache: tiles, see attention_tiles).
 //
 // Layouts (made once at load by rows.py): output columns come in tiles of 16 (one 512-bit lane
 // each). For tile t and group g, codes are 16 * G / 2 bytes: byte 32 q + 2 j + e holds, in its
@@ -946,6 +947,15 @@ constexpr TileConfig code_tile_config() {
 }
 
 constexpr TileConfig DENSE_TILES = dense_tile_config();
+// Attention's (attention_tiles): 0 the scores of 16 keys x 16 queries, 1 16 keys' 32 dimensions,
+// 2..7 the queries' dimensions 32 at a time (tdpbf16ps's B layout).
+constexpr TileConfig attention_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  return config;
+}
+
+constexpr TileConfig ATTENTION_TILES = attention_tile_config();
 template <int G>
 constexpr TileConfig CODE_TILES = code_tile_config<G>();
 
@@ -1113,41 +1123,15 @@ AVX512_BF16 inline __m512 lane_sums(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
 
-// GB query heads (of one kv head's group) of one row over the keys index[0..count) (cache
-// slots, in order; the index is padded to a multiple of 16 with its last slot), loading each key
-// and value once for the GB heads. q[b]: [16 C]; keys, values: one kv head's cache rows
-// [slots, 16 C]; scores: scratch [GB][count rounded up to 16]; out[b]: [16 C].
-// A head's arithmetic does not depend on GB or on the other heads.
+// The softmax and the values of GB query heads (of one kv head's group) of one row, from their
+// scaled scores over the keys index[0..count) (scores [GB][stride], stride >= count rounded up to 16;
+// top[b]: each lane's maximum of head b's scores over its lanes of the valid keys). values: one kv
+// head's cache rows [slots, 16 C]; out[b]: [16 C]. A head's arithmetic does not depend on GB, on
+// the other heads, or on how its scores were made.
 template <int C, int GB, typename T>
-AVX512_BF16 void attend(const T* const* q, const T* keys, const T* values, const int32_t* index,
-                        int64_t count, int64_t stride, float scale, float* scores, T* const* out) {
+AVX512_BF16 void attend_scored(const T* values, const int32_t* index, int64_t count, int64_t stride,
+                               float* scores, const __m512* top, T* const* out) {
   constexpr int64_t D = 16 * C;
-  __m512 qv[GB][C];
-  for (int b = 0; b < GB; ++b)
-    for (int c = 0; c < C; ++c) qv[b][c] = load16(q[b] + 16 * c);
-  const __m512 scaling = _mm512_set1_ps(scale);
-  __m512 top[GB];
-  for (int b = 0; b < GB; ++b) top[b] = _mm512_set1_ps(-INFINITY);
-  alignas(64) __m512 dots[GB][16];
-  for (int64_t j0 = 0; j0 < count; j0 += 16) {
-    for (int i = 0; i < 16; ++i) {
-      const T* k = keys + static_cast<int64_t>(index[j0 + i]) * D;
-      _mm_prefetch(reinterpret_cast<const char*>(keys + static_cast<int64_t>(index[std::min<int64_t>(j0 + i + 16, stride - 1)]) * D), _MM_HINT_T0);
-      __m512 kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = load16(k + 16 * c);
-      for (int b = 0; b < GB; ++b) {
-        __m512 a = _mm512_mul_ps(qv[b][0], kv[0]);
-        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[b][c], kv[c], a);
-        dots[b][i] = a;
-      }
-    }
-    const __mmask16 valid = count - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - j0)) - 1);
-    for (int b = 0; b < GB; ++b) {
-      const __m512 s = _mm512_mul_ps(lane_sums(dots[b]), scaling);
-      _mm512_storeu_ps(scores + b * stride + j0, s);
-      top[b] = _mm512_mask_max_ps(top[b], valid, top[b], s);
-    }
-  }
   __m512 inverse[GB];
   for (int b = 0; b < GB; ++b) {
     const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top[b]));
@@ -1185,9 +1169,226 @@ AVX512_BF16 void attend(const T* const* q, const T* keys, const T* values, const
     }
 }
 
+// GB query heads (of one kv head's group) of one row over the keys index[0..count) (cache
+// slots, in order; the index is padded to a multiple of 16 with its last slot), loading each key
+// and value once for the GB heads. q[b]: [16 C]; keys, values: one kv head's cache rows
+// [slots, 16 C]; scores: scratch [GB][count rounded up to 16]; out[b]: [16 C].
+// A head's arithmetic does not depend on GB or on the other heads.
+template <int C, int GB, typename T>
+AVX512_BF16 void attend(const T* const* q, const T* keys, const T* values, const int32_t* index,
+                        int64_t count, int64_t stride, float scale, float* scores, T* const* out) {
+  constexpr int64_t D = 16 * C;
+  __m512 qv[GB][C];
+  for (int b = 0; b < GB; ++b)
+    for (int c = 0; c < C; ++c) qv[b][c] = load16(q[b] + 16 * c);
+  const __m512 scaling = _mm512_set1_ps(scale);
+  __m512 top[GB];
+  for (int b = 0; b < GB; ++b) top[b] = _mm512_set1_ps(-INFINITY);
+  alignas(64) __m512 dots[GB][16];
+  for (int64_t j0 = 0; j0 < count; j0 += 16) {
+    for (int i = 0; i < 16; ++i) {
+      const T* k = keys + static_cast<int64_t>(index[j0 + i]) * D;
+      _mm_prefetch(reinterpret_cast<const char*>(keys + static_cast<int64_t>(index[std::min<int64_t>(j0 + i + 16, stride - 1)]) * D), _MM_HINT_T0);
+      __m512 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load16(k + 16 * c);
+      for (int b = 0; b < GB; ++b) {
+        __m512 a = _mm512_mul_ps(qv[b][0], kv[0]);
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[b][c], kv[c], a);
+        dots[b][i] = a;
+      }
+    }
+    const __mmask16 valid = count - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - j0)) - 1);
+    for (int b = 0; b < GB; ++b) {
+      const __m512 s = _mm512_mul_ps(lane_sums(dots[b]), scaling);
+      _mm512_storeu_ps(scores + b * stride + j0, s);
+      top[b] = _mm512_mask_max_ps(top[b], valid, top[b], s);
+    }
+  }
+  attend_scored<C, GB, T>(values, index, count, stride, scores, top, out);
+}
+
 // Heads attended together: as many as keep their queries and sums in registers (at most 4).
 template <int C>
 constexpr int head_block() { return C >= 8 ? 1 : C >= 4 ? 3 : 4; }
+
+#if VERISPEC_AMX
+// Attention over a bfloat16 cache on AMX tiles (the AMX class's own bits, as its products are):
+// the scores of up to 16 query vectors (a tile's columns: rows and heads of one kv head) against
+// 16 cache slots at a time (a tile's rows, read from the cache as they lie), each a tdpbf16ps
+// chain over the head's dimensions 32 at a time. A score is a function of its query and its key
+// alone, never of the tile's other rows or columns, so a row's scores, and with them its softmax
+// and values (attend_scored, as the other classes), are the same bits whatever rows, heads or
+// keys share its tiles: a one-token step, a block, a tree. The tiles are ATTENTION_TILES.
+//
+// queries: [C / 2][16 pairs][16 columns][2] bfloat16, tdpbf16ps's B layout (columns past
+// `columns` zero); keys: one kv head's cache [capacity, 16 C]; S: [columns][stride], S[m][k] query
+// m's score of slot lo + k (k up to hi - lo rounded up to 16; past hi, whatever the slots there
+// hold). Each tile of scores goes through a 1 KB buffer into its columns, so a one-token step's
+// few columns stay in the L1 cache over a long cache (16 columns of 3000 keys would not).
+template <int C>
+AMX_BF16 void tile_scores(const uint16_t* queries, const uint16_t* keys, int64_t lo, int64_t hi,
+                          int64_t capacity, int64_t columns, float* S, int64_t stride) {
+  constexpr int64_t D = 16 * C;
+  constexpr int HELD = C / 2 <= 6 ? C / 2 : 0;  // query tiles held in tiles 2.. for every key block
+  alignas(64) uint16_t tail[16 * D];
+  alignas(64) float block[16 * 16];
+  const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));  // key j's score of a column at 16 j
+  if constexpr (HELD > 0) TILE_LOAD(2, queries, 64);
+  if constexpr (HELD > 1) TILE_LOAD(3, queries + 512, 64);
+  if constexpr (HELD > 2) TILE_LOAD(4, queries + 2 * 512, 64);
+  if constexpr (HELD > 3) TILE_LOAD(5, queries + 3 * 512, 64);
+  if constexpr (HELD > 4) TILE_LOAD(6, queries + 4 * 512, 64);
+  if constexpr (HELD > 5) TILE_LOAD(7, queries + 5 * 512, 64);
+  for (int64_t k0 = lo; k0 < hi; k0 += 16) {
+    const uint16_t* a = keys + k0 * D;
+    if (k0 + 16 > capacity) {  // the tile would read past the cache: its slots, then zeros
+      std::memset(tail, 0, sizeof(tail));
+      std::memcpy(tail, a, (hi - k0) * D * 2);
+      a = tail;
+    }
+    TILE_ZERO(0);
+    if constexpr (HELD == 0) {
+      for (int c = 0; c < C / 2; ++c) {
+        TILE_LOAD(1, a + 32 * c, D * 2);
+        TILE_LOAD(2, queries + c * 512, 64);
+        TILE_DPBF16PS(0, 1, 2);
+      }
+    } else {
+      // tile register numbers are immediates: each chunk spelt out
+      TILE_LOAD(1, a, D * 2);
+      TILE_DPBF16PS(0, 1, 2);
+      if constexpr (HELD > 1) { TILE_LOAD(1, a + 32, D * 2); TILE_DPBF16PS(0, 1, 3); }
+      if constexpr (HELD > 2) { TILE_LOAD(1, a + 64, D * 2); TILE_DPBF16PS(0, 1, 4); }
+      if constexpr (HELD > 3) { TILE_LOAD(1, a + 96, D * 2); TILE_DPBF16PS(0, 1, 5); }
+      if constexpr (HELD > 4) { TILE_LOAD(1, a + 128, D * 2); TILE_DPBF16PS(0, 1, 6); }
+      if constexpr (HELD > 5) { TILE_LOAD(1, a + 160, D * 2); TILE_DPBF16PS(0, 1, 7); }
+    }
+    TILE_STORE(0, block, 64);
+    for (int64_t m = 0; m < columns; ++m)
+      _mm512_storeu_ps(S + m * stride + (k0 - lo), _mm512_i32gather_ps(_mm512_add_epi32(rows16, _mm512_set1_epi32(static_cast<int32_t>(m))), block, 4));
+  }
+}
+
+// One query's scaled scores of the keys index[0..count) from its column of S (slot lo + k's at
+// k), into scores[0..count), and its lanes' maximum over them. first >= 0: the keys are the slots
+// first, first + 1, ... (a causal row), read as they lie; else gathered.
+AMX_BF16 inline __m512 gather_scores(const float* column, int64_t lo, int64_t first, const int32_t* index,
+                                     int64_t count, float scale, float* scores) {
+  const __m512 factor = _mm512_set1_ps(scale);
+  const __m512i base = _mm512_set1_epi32(static_cast<int32_t>(-lo));
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < count; j0 += 16) {
+    const __mmask16 valid = count - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - j0)) - 1);
+    const __m512 raw = first >= 0
+        ? _mm512_maskz_loadu_ps(valid, column + first - lo + j0)
+        : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid,
+                                   _mm512_add_epi32(_mm512_loadu_si512(index + j0), base), column, 4);
+    const __m512 s = _mm512_mul_ps(raw, factor);
+    _mm512_storeu_ps(scores + j0, s);
+    top = _mm512_mask_max_ps(top, valid, top, s);
+  }
+  return top;
+}
+
+// What attention_tiles' tasks share: as attention_rows takes it, bfloat16 throughout.
+struct TileAttention {
+  const uint16_t* q;  // [heads, n, D], strides q_head and q_row
+  int64_t q_head, q_row;
+  const uint16_t* keys;  // [kv_heads, capacity, D]
+  const at::BFloat16* values;  // [kv_heads, capacity, D]
+  const bool* mask;  // [n, length] or null: causal
+  at::BFloat16* out;  // [n, heads, D]
+  int64_t heads, n, group, kv_heads, capacity, length, window, padded, tasks;
+  float scale;
+};
+
+// Tasks begin..end of attention_tiles on one thread: a task is a run of the (kv head, row, head)
+// units, kv head major, taken a piece at a time (one kv head's, at most 16: a tile's columns).
+template <int C>
+AMX_BF16 void tile_tasks(const TileAttention& a, int64_t begin, int64_t end) {
+  using T = at::BFloat16;
+  constexpr int64_t D = 16 * C;
+  constexpr int BLOCK = head_block<C>();
+  const int64_t units = a.n * a.group, group = a.group, length = a.length, n = a.n, padded = a.padded;
+  std::vector<int32_t> index(padded);
+  std::vector<float> scores(BLOCK * padded);
+  std::vector<float> S((padded + 16) * 16);  // [16 columns][padded + 16]
+  alignas(64) uint16_t queries[C / 2 * 512];
+  TILE_LOADCONFIG(&ATTENTION_TILES);
+  const int64_t total = a.kv_heads * units;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t run_end = (task + 1) * total / a.tasks;
+    for (int64_t unit = task * total / a.tasks; unit < run_end;) {  // pieces: one kv head, at most 16 units
+      const int64_t h = unit / units, u0 = unit % units, u1 = std::min({units, u0 + 16, run_end - h * units});
+      unit = h * units + u1;
+      std::memset(queries, 0, sizeof(queries));
+      for (int64_t u = u0; u < u1; ++u) {
+        const uint16_t* qv = a.q + (h * group + u % group) * a.q_head + u / group * a.q_row;
+        for (int64_t d = 0; d < D; ++d) queries[d / 32 * 512 + d % 32 / 2 * 32 + (u - u0) * 2 + d % 2] = qv[d];
+      }
+      int64_t lo = 0, hi = length;
+      if (!a.mask) {
+        hi = length - n + (u1 - 1) / group + 1;
+        lo = a.window > 0 ? std::max<int64_t>(0, length - n + u0 / group + 1 - a.window) : 0;
+      }
+      tile_scores<C>(queries, a.keys + h * a.capacity * D, lo, hi, a.capacity, u1 - u0, S.data(), a.padded + 16);
+      const T* v = a.values + h * a.capacity * D;
+      for (int64_t u = u0; u < u1;) {
+        const int64_t i = u / group, stop = std::min(u1, (i + 1) * group);
+        int64_t count = 0;
+        if (!a.mask) {
+          const int64_t last = length - n + i + 1, first = a.window > 0 ? std::max<int64_t>(0, last - a.window) : 0;
+          count = last - first;
+          for (int64_t j = 0; j < count; ++j) index[j] = static_cast<int32_t>(first + j);
+        } else {
+          for (int64_t j = 0; j < length; ++j)
+            if (a.mask[i * length + j]) index[count++] = static_cast<int32_t>(j);
+        }
+        check(count > 0, "a row that sees no key");
+        for (int64_t j = count; j < padded; ++j) index[j] = index[count - 1];
+        for (int64_t g0 = u; g0 < stop; g0 += BLOCK) {
+          const int64_t block = std::min<int64_t>(BLOCK, stop - g0);
+          __m512 top[BLOCK];
+          T* os[BLOCK];
+          for (int64_t b = 0; b < block; ++b) {
+            top[b] = gather_scores(S.data() + (g0 + b - u0) * (padded + 16), lo, a.mask ? -1 : index[0],
+                                   index.data(), count, a.scale, scores.data() + b * padded);
+            os[b] = a.out + i * a.heads * D + (h * group + (g0 + b) % group) * D;
+          }
+          if (block == BLOCK) attend_scored<C, BLOCK, T>(v, index.data(), count, padded, scores.data(), top, os);
+          else if (block == 1) attend_scored<C, 1, T>(v, index.data(), count, padded, scores.data(), top, os);
+          else if (block == 2) attend_scored<C, BLOCK >= 2 ? 2 : 1, T>(v, index.data(), count, padded, scores.data(), top, os);
+          else attend_scored<C, BLOCK >= 3 ? 3 : 1, T>(v, index.data(), count, padded, scores.data(), top, os);
+        }
+        u = stop;
+      }
+    }
+  }
+  TILE_RELEASE();
+}
+
+template <int C>
+void attention_tiles(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                     const at::Tensor& mask, int64_t length, int64_t window, double scale, at::Tensor& out) {
+  // as attention_rows, bfloat16 throughout, 16 C a multiple of 32. The kv_heads * n * group (kv
+  // head, row, head) units are cut into equal runs: few rows (a one-token step), one a thread, as
+  // attention_rows cuts them; else as many as a kv head's tiles of 16 units, rounded up to a
+  // multiple of the threads so that each has as many units.
+  const int64_t heads = q.size(0), n = q.size(1), kv_heads = keys.size(0), group = heads / kv_heads;
+  const int64_t threads = at::get_num_threads(), units = n * group;
+  const int64_t tiles = kv_heads * ((units + 15) / 16);
+  const int64_t tasks = std::min(kv_heads * units,
+                                 n * kv_heads < 2 * threads ? threads : (tiles + threads - 1) / threads * threads);
+  const TileAttention a{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1),
+                        reinterpret_cast<const uint16_t*>(keys.data_ptr()),
+                        reinterpret_cast<const at::BFloat16*>(values.data_ptr()),
+                        mask.defined() ? mask.data_ptr<bool>() : nullptr,
+                        reinterpret_cast<at::BFloat16*>(out.data_ptr()), heads, n, group, kv_heads, keys.size(1),
+                        length, window, (length + 15) / 16 * 16, tasks, static_cast<float>(scale)};
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { tile_tasks<C>(a, begin, end); });
+}
+#endif  // VERISPEC_AMX
 
 template <int C, typename T>
 void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
@@ -1195,6 +1396,11 @@ void attention_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
                     int64_t isa) {
   // q: [heads, n, D] (any strides but D's); keys, values: [kv_heads, capacity, D] contiguous;
   // window > 0: a causal row sees only its last `window` keys (its own included)
+#if VERISPEC_AMX
+  if constexpr (std::is_same_v<T, at::BFloat16> && C % 2 == 0) {
+    if (isa == ISA_AMX_BF16) return attention_tiles<C>(q, keys, values, mask, length, window, scale, out);
+  }
+#endif
   constexpr int64_t D = 16 * C;
   constexpr int BLOCK = head_block<C>();
   const int64_t heads = q.size(0), n = q.size(1), kv_heads = keys.size(0);

@@ -325,13 +325,23 @@ class DenseProduct:
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int,
               mask: torch.Tensor | None, scale: float, kernel: str | None = None,
               window: int | None = None) -> torch.Tensor:
-    """Each query row over exactly the keys it sees, in cache order, in float32: a causal row i
-    (mask None) over the first length - n + i + 1 keys (with a sliding `window`, the last
-    `window` of them), a tree row over its mask's keys (a window already applied to it).
-    q: [1, heads, n, head_dim]; keys, values: a cache's whole buffers [1, kv_heads, capacity,
-    head_dim] (KVCache), the first `length` slots valid; mask: [n, length] bool. Returns
-    [1, n, heads * head_dim] in q's dtype; `kernel` as CodesProduct's."""
+    """Each query row over exactly the keys it sees, in cache order, in float32 (the scores of
+    a bfloat16 cache on the AMX class: attention_arithmetic): a causal row i (mask None) over the
+    first length - n + i + 1 keys (with a sliding `window`, the last `window` of them), a tree row
+    over its mask's keys (a window already applied to it). q: [1, heads, n, head_dim]; keys,
+    values: a cache's whole buffers [1, kv_heads, capacity, head_dim] (KVCache), the first
+    `length` slots valid; mask: [n, length] bool. Returns [1, n, heads * head_dim] in q's dtype;
+    `kernel` as CodesProduct's."""
     return library().attention(q, keys, values, mask, length, scale, isa(kernel), window or 0)
+
+
+def attention_arithmetic(dtype: torch.dtype, head_dim: int, kernel: str | None = None) -> str:
+    """How `attention` computes over a cache of `dtype`, for stats: float32 throughout, but for
+    a bfloat16 cache on the AMX class with heads a multiple of 32 wide, whose scores come from AMX
+    tiles (rows.cpp's attention_tiles; the softmax and the values in float32 as elsewhere)."""
+    if (kernel or choice().name) == AMX and dtype == torch.bfloat16 and head_dim % 32 == 0:
+        return "AMX tiles' scores, float32 softmax and values"
+    return "float32"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
