@@ -601,7 +601,7 @@ MUTANTS = (
             "test_a_drafter_sitting_out_drifts_back_to_its_prior_by_the_text_that_went_by",),
            "a drafter sitting out another's long steps drifts back to its prior by steps, not tokens"),
     Mutant("auto-tries-only-against-plain-decoding", "verispec/drafters/auto.py",
-           "if name != chosen.method\n", "if best.method is None\n",
+           "if choice.method != chosen.method\n", "if best.method is None\n",
            ("tests/test_auto.py::test_a_drafter_priced_a_little_under_the_chosen_one_is_tried_too",),
            "a model drafter priced a little under the drafter chosen is never tried"),
     Mutant("profile-prior-pools-the-answers", "verispec/profile.py",

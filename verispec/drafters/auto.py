@@ -221,7 +221,7 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
     trees = trees or {}
     plain = Choice(None, 0, batch / forward(batch))
     best = replace(plain, tokens_per_second=plain.tokens_per_second * (1 + MARGIN))
-    trials: dict[str, Choice] = {}  # name -> the best draft of a candidate owed a trial
+    trials: list[Choice] = []  # every draft of a candidate owed a trial
     for name, limit in limits.items():
         cost = profile.drafters[name]
         for k in (limit,) if name in whole or name in trees else range(1, limit + 1):
@@ -231,11 +231,11 @@ def best_choice(profile: CostProfile, acceptance: dict[str, float | tuple[float,
             rate = expected_by_length(acceptance[name], k) / seconds
             if rate > best.tokens_per_second:
                 best = Choice(name, k, rate)
-            if name in explore and (name not in trials or rate > trials[name].tokens_per_second):
-                trials[name] = Choice(name, k, rate, trial=True)
+            if name in explore:
+                trials.append(Choice(name, k, rate, trial=True))
     chosen = plain if best.method is None else best
     floor = chosen.tokens_per_second * (1 - EXPLORE_BAND)
-    trial = max((choice for name, choice in trials.items() if name != chosen.method
+    trial = max((choice for choice in trials if choice.method != chosen.method
                  and choice.tokens_per_second > floor), key=lambda choice: choice.tokens_per_second,
                 default=None)
     return chosen if trial is None else trial
