@@ -42,18 +42,25 @@ def best_of(call: Callable[[], object], count: int) -> float:
     return best
 
 
-def compare(calls: list[Callable[[], torch.Tensor]], rounds: int, count: int) -> str:
-    """'mine / theirs = ratio' in ms, after checking the two calls give the same bits."""
-    assert torch.equal(calls[0](), calls[1]()), "the two builds give different bits"
+def compare(calls: list[Callable[[], torch.Tensor]], rounds: int, count: int, new_bits: bool = False) -> str:
+    """'mine / theirs = ratio' in ms, after checking the two calls give the same bits (or, where
+    the change is one of arithmetic, saying how far apart they are)."""
+    mine_out, theirs_out = calls[0](), calls[1]()
+    apart = ""
+    if new_bits:
+        scale = theirs_out.abs().max().item() or 1.0
+        apart = f" (apart {(mine_out - theirs_out).abs().max().item() / scale:.1e} of the largest)"
+    else:
+        assert torch.equal(mine_out, theirs_out), "the two builds give different bits"
     times: list[list[float]] = [[], []]
     for _ in range(rounds):
         for which, call in enumerate(calls):
             times[which].append(best_of(call, count))
     mine, theirs = (statistics.median(t) * 1e3 for t in times)
-    return f"{mine:.3f} / {theirs:.3f} = {mine / theirs:.2f}"
+    return f"{mine:.3f} / {theirs:.3f} = {mine / theirs:.2f}{apart}"
 
 
-def products(libraries: tuple, isa: int, rounds: int) -> None:
+def products(libraries: tuple, isa: int, rounds: int, new_bits: bool) -> None:
     generator = torch.Generator().manual_seed(0)
     print("\nproducts (4-bit g32 with minimums; bfloat16)\nshape | rows | 4-bit | bfloat16")
     for out_features, in_features in SHAPES:
@@ -67,7 +74,7 @@ def products(libraries: tuple, isa: int, rounds: int) -> None:
             w = weights
             codes = compare([functools.partial(lib.linear_codes, x, w.codes, w.scales, w.mins, w.group,
                                                w.nibbles, out_features, isa) for lib in libraries],
-                            rounds, count)
+                            rounds, count, new_bits)
             packed = compare([functools.partial(lib.linear_dense, x, dense.packed, out_features, False, isa)
                               for lib in libraries], rounds, count)
             print(f"{out_features}x{in_features} | {n} | {codes} | {packed}", flush=True)
@@ -93,6 +100,8 @@ def main() -> None:
     parser.add_argument("baseline", type=Path, help="the other rows.cpp")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--only", choices=("products", "attention"))
+    parser.add_argument("--new-bits", action="store_true",
+                        help="the 4-bit products' arithmetic changed: say how far apart, not the same bits")
     args = parser.parse_args()
     kernel = rows.choice().name
     isa = rows.isa(kernel)
@@ -106,7 +115,7 @@ def main() -> None:
                                   extra_cflags=build.flags(), extra_ldflags=["-fopenmp"], verbose=False)
     print(f"{kernel}, {torch.get_num_threads()} threads; ms a call: this checkout / baseline = ratio")
     if args.only != "attention":
-        products((here, base), isa, args.rounds)
+        products((here, base), isa, args.rounds, args.new_bits)
     if args.only != "products":
         attention((here, base), isa, args.rounds)
 
