@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
 
 import verispec.request
 from verispec.bench import baselines, runner
+from verispec.bench.records import Results
 from verispec.bench.report import results_json
 from verispec.bench.runner import BenchConfig, choose_methods, run_bench
 from verispec.cli import main
@@ -154,6 +156,21 @@ def test_a_method_at_two_ks_never_drafts_the_others_answer_to_the_same_question(
 
     both = forwards([4, 8], "both")
     assert len(both) == 4 and both == forwards([4], "four") | forwards([8], "eight")
+
+
+def test_the_report_says_what_auto_chose(tiny_dir, questions, tmp_path):
+    """auto's stretches are kept on its runs, through results.json, and the report counts every
+    new token of every question once, under the method that drafted it."""
+    out = tmp_path / "auto"
+    run_bench(config(tiny_dir, questions, out, methods=["auto"]), progress=False)
+    results = Results.load(out / "results.json")
+    runs = [r for r in results.runs if r.method == "auto"]
+    assert runs and all(r.choices and r.choices[0][0] == 0 for r in runs)
+    assert not any(r.choices for r in results.runs if r.method != "auto")
+    section = (out / "report.md").read_text().split("## What `auto` chose", 1)[1].split("\n## ", 1)[0]
+    [row] = [line for line in section.splitlines() if line.startswith("| auto |")]
+    counted = sum(int(n) for n in re.findall(r"(\d+) tokens in", row))
+    assert counted == sum(r.new_tokens for r in runs) > 0
 
 
 def test_compare_prints_the_change(tiny_dir, questions, tmp_path, capsys):

@@ -94,24 +94,31 @@ def acceptance_line(stats: GenerationStats, limit: int = 12) -> str:
     return "acceptance by draft position: " + (" ".join(f"{r:.2f}" for r in rates) or "(no drafts)")
 
 
-def choices_line(stats: GenerationStats, shown: int = 8) -> str:
-    """What a choosing drafter (`auto`) drafted with: tokens and stretches per method, then the
-    first stretches as `token index: method k`.
+def chosen(stats: GenerationStats) -> str:
+    """What a choosing drafter (`auto`) drafted with: tokens and stretches per method, most first.
 
-    >>> print(choices_line(GenerationStats(new_tokens=30, choices=[(0, "ar", 0), (4, "suffix", 7)])))
-    chose: suffix 26 tokens in 1 stretch (k <= 7), ar 4 tokens in 1 stretch; stretches: 0: ar, 4: suffix k7
+    >>> chosen(GenerationStats(new_tokens=30, choices=[(0, "ar", 0), (4, "suffix", 7), (20, "ar", 0)]))
+    'suffix 16 tokens in 1 stretch (k <= 7), ar 14 tokens in 2 stretches'
     """
     ends = [start for start, _, _ in stats.choices[1:]] + [stats.new_tokens]
     tokens: dict[str, list[int]] = {}  # method -> [tokens, stretches, longest k]
     for (start, method, k), end in zip(stats.choices, ends):
         total = tokens.setdefault(method, [0, 0, 0])
         total[0], total[1], total[2] = total[0] + end - start, total[1] + 1, max(total[2], k)
-    parts = [f"{method} {count} tokens in {runs} stretch{'es' if runs > 1 else ''}"
-             + (f" (k <= {k})" if k else "")
-             for method, (count, runs, k) in sorted(tokens.items(), key=lambda item: -item[1][0])]
+    return ", ".join(f"{method} {count} tokens in {runs} stretch{'es' if runs > 1 else ''}"
+                     + (f" (k <= {k})" if k else "")
+                     for method, (count, runs, k) in sorted(tokens.items(), key=lambda item: -item[1][0]))
+
+
+def choices_line(stats: GenerationStats, shown: int = 8) -> str:
+    """`chosen`, then the first stretches as `token index: method k`.
+
+    >>> print(choices_line(GenerationStats(new_tokens=30, choices=[(0, "ar", 0), (4, "suffix", 7)])))
+    chose: suffix 26 tokens in 1 stretch (k <= 7), ar 4 tokens in 1 stretch; stretches: 0: ar, 4: suffix k7
+    """
     stretches = [f"{start}: {method}" + (f" k{k}" if k else "") for start, method, k in stats.choices[:shown]]
     more = ", ..." if len(stats.choices) > shown else ""
-    return f"chose: {', '.join(parts)}; stretches: {', '.join(stretches)}{more}"
+    return f"chose: {chosen(stats)}; stretches: {', '.join(stretches)}{more}"
 
 
 def render_tree(tree: DraftTree, tokenizer) -> str:

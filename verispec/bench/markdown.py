@@ -31,6 +31,7 @@ from verispec.bench.summary import (
     verdict,
 )
 from verispec.decoding.beam import BeamSettings
+from verispec.display import chosen
 
 DISAGREEMENT = 0.20  # theory vs measurement flagged beyond this relative difference
 
@@ -319,6 +320,19 @@ def _acceptance_section(runs: list[Run]) -> list[str]:
     return ["", "## Acceptance by draft position", "", intro, ""] + _table(header, rows)
 
 
+def _choices_section(runs: list[Run]) -> list[str]:
+    """What a choosing drafter (`auto`) drafted with, per label, over all its runs."""
+    grouped = by_label(runs)
+    rows = [[_name(label), chosen(stats)] for label in labels_in_order(runs)
+            if (stats := pooled_stats(grouped[label])).choices]
+    if not rows:
+        return []
+    intro = ("New tokens per method a choosing drafter drafted with (plain decoding: `ar`) over all "
+             "questions (each question's run of median seconds), and its stretches: a new one wherever "
+             "the method changed.")
+    return ["", "## What `auto` chose", "", intro, ""] + _table(["method", "chose"], rows)
+
+
 def _boundary_section(runs: list[Run]) -> list[str]:
     """What crossed the tokenizer boundary, per label whose draft model has another tokenizer."""
     grouped = by_label(runs)
@@ -385,7 +399,7 @@ def render_markdown(results: Results, figures: list[str] = ()) -> str:
     note on `ar` against the bare-forward limit, or under beam search its own table (vs hf and
     ar, search steps per pass, seconds, tok/s, best sequences identical to hf's); trees against
     chains; theory vs measurement; drafters and memory; exactness (every non-identical run, its
-    first difference and logit gap); acceptance per draft position; what a draft model with
+    first difference and logit gap); acceptance per draft position; what `auto` chose; what a draft model with
     another tokenizer lost at the boundary; the figures.
     """
     runs = results.runs
@@ -405,6 +419,7 @@ def render_markdown(results: Results, figures: list[str] = ()) -> str:
     lines += _memory_section(results)
     lines += _exactness_section(runs, greedy, results.config.get("dtype") or "float32", results.reference)
     lines += _acceptance_section(runs)
+    lines += _choices_section(runs)
     lines += _boundary_section(runs)
     if figures:
         lines += ["", "## Figures", ""] + [f"![{Path(f).stem.replace('_', ' ')}]({f})" for f in figures]

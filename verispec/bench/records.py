@@ -61,6 +61,8 @@ class Run:
     # A draft model with another tokenizer: its own tokens drafted, and those lost at the boundary.
     foreign_tokens: int = 0
     boundary_lost: int = 0
+    # A choosing drafter's (auto's) stretches, as GenerationStats.choices: (first new token, method, k).
+    choices: tuple[tuple[int, str, int], ...] = ()
 
     @property
     def mean_accepted_tokens(self) -> float | None:
@@ -85,6 +87,7 @@ class Run:
         values = {key: value for key, value in data.items() if key in known}
         for key in ("drafted_by_position", "accepted_by_position", "reached_by_position", "repeat_seconds"):
             values[key] = tuple(values.get(key) or ())
+        values["choices"] = tuple(tuple(choice) for choice in values.get("choices") or ())
         if values.get("first_difference"):
             values["first_difference"] = FirstDifference(**values["first_difference"])
         values.setdefault("baseline", data["method"] == AR or data["method"].startswith(HF))

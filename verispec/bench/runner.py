@@ -251,7 +251,8 @@ def run_record(contender: Contender, question: Question, outcome: Outcome) -> Ru
         "accepted_by_position": tuple(stats.accepted_by_position),
         "reached_by_position": tuple(stats.reached_by_position),
         "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,
-        "foreign_tokens": stats.foreign_tokens, "boundary_lost": stats.boundary_lost}
+        "foreign_tokens": stats.foreign_tokens, "boundary_lost": stats.boundary_lost,
+        "choices": tuple(stats.choices)}
     return Run(method=contender.method, label=contender.label, task=question.task,
                question_id=question.question_id, k=contender.k, new_tokens=len(outcome.tokens),
                seconds=outcome.seconds, target_forwards=outcome.target_forwards, tree=contender.tree,

@@ -100,8 +100,10 @@ def summary_tasks(summaries: Iterable[MethodSummary]) -> list[str]:
 
 
 def pooled_stats(runs: Iterable[Run]) -> GenerationStats:
-    """The runs' per-position counters summed, as GenerationStats holds them."""
+    """The runs' per-position counters and a choosing drafter's stretches summed, as
+    GenerationStats holds them."""
     return GenerationStats.total([GenerationStats(
+        new_tokens=r.new_tokens, choices=list(r.choices),
         drafted_by_position=list(r.drafted_by_position),
         accepted_by_position=list(r.accepted_by_position),
         reached_by_position=list(r.reached_by_position),
