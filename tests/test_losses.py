@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verispec.training import trainer
-from verispec.training.losses import agreement, distill_loss, feature_loss
+from verispec.training.losses import agreement, distill_loss, feature_loss, head_distillation
 
 P = torch.tensor([0.5, 0.5])
 Q = torch.tensor([0.9, 0.1])
@@ -50,6 +50,59 @@ def test_agreement_counts_every_position_and_the_answers_apart():
         {"top1": 3 / 5, "top1_answer": 1 / 3})
     assert agreement("x", teacher, teacher, mask, answer) == {"x": 1.0, "x_answer": 1.0}
     assert agreement("x", student, teacher, mask, torch.zeros_like(mask))["x_answer"] == 0.0
+
+
+def reference_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str) -> torch.Tensor:
+    """Each loss straight from its definition over whole [N, vocab] logits: the mean over rows."""
+    p, q = teacher_logits.softmax(-1), student_logits.softmax(-1)
+    if kind == "fkl":
+        rows = (p * (p.log() - q.log())).sum(-1)
+    elif kind == "rkl":
+        rows = (q * (q.log() - p.log())).sum(-1)
+    else:
+        rows = 0.5 * (p - q).abs().sum(-1)
+    return rows.mean()
+
+
+@pytest.mark.parametrize("kind", ["fkl", "rkl", "tvd"])
+@pytest.mark.parametrize("rows", [3, 64])
+def test_head_distillation_in_blocks_matches_the_definition_and_its_gradient(kind, rows):
+    # 10 rows in blocks of 3 (the last one ragged) or in one block: the loss and the gradient in
+    # the student's states equal autograd through the definition over the whole logits
+    torch.manual_seed(0)
+    head_t = torch.randn(6, 13, dtype=torch.float64)  # [hidden, vocab]
+    student = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
+    teacher = student.detach() + 0.5 * torch.randn(10, 6, dtype=torch.float64)
+    value, same = head_distillation(student, teacher, head_t, kind, rows)
+    (grad,) = torch.autograd.grad(3.0 * value, student)
+    expected = reference_loss(student @ head_t, teacher @ head_t, kind)
+    (expected_grad,) = torch.autograd.grad(3.0 * expected, student)
+    assert value.item() == pytest.approx(expected.item(), rel=1e-9)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-9, atol=1e-12)
+    assert grad.abs().max() > 1e-3  # a gradient was there to get wrong
+    top = ((student @ head_t).argmax(-1) == (teacher @ head_t).argmax(-1))
+    assert torch.equal(same, top) and 0 < int(same.sum()) < 10
+
+
+def test_the_fused_forward_kl_passes_gradcheck():
+    torch.manual_seed(1)
+    student = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(4, 7, dtype=torch.float64)
+    mask = torch.tensor([True, False, True, True])
+    assert torch.autograd.gradcheck(lambda z: distill_loss(z, teacher, "fkl", mask), (student,))
+
+
+def test_head_distillation_under_bfloat16_autocast_and_without_gradients():
+    torch.manual_seed(2)
+    head_t = torch.randn(16, 50)
+    student, teacher = torch.randn(20, 16, requires_grad=True), torch.randn(20, 16)
+    exact = reference_loss(student @ head_t, teacher @ head_t, "fkl").item()
+    with torch.autocast("cpu", torch.bfloat16):
+        value, _ = head_distillation(student, teacher, head_t, "fkl", rows=8)
+    value.backward()
+    assert value.item() == pytest.approx(exact, rel=0.05) and student.grad.abs().max() > 0
+    with torch.no_grad():  # evaluation: no gradient taken in the blocks
+        assert head_distillation(student, teacher, head_t)[0].item() == pytest.approx(exact, rel=1e-5)
 
 
 def test_unknown_loss_is_refused():

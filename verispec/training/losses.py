@@ -21,27 +21,119 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
     return (values * mask).sum() / mask.sum().clamp_min(1)
 
 
+LOSSES = ("fkl", "rkl", "tvd")
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 at least (bfloat16 logits are widened; float64 stays, for gradcheck)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class _ForwardKL(torch.autograd.Function):
+    """KL(p || softmax(z)) of each row, its gradient in z fused: softmax(z) - p.
+
+    Through log_softmax, exp, sub and mul, autograd passes over the [rows, vocab] logits some ten
+    times, which on a CPU costs more than the drafter's own matrix products (docs/training.md,
+    "What a training step costs"); this takes two passes forward and two back.
+    z: [N, V] student logits (any float dtype); p: [N, V] teacher probabilities, plogp: [N] the
+    sum of p log p, both as wide as z's float32 form. Returns [N] in that dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, p: torch.Tensor, plogp: torch.Tensor) -> torch.Tensor:
+        zf = _wide(z)
+        lse = torch.logsumexp(zf, -1)  # [N]
+        ctx.save_for_backward(zf, p, lse)
+        ctx.dtype = z.dtype
+        # sum p (log p - log q) with log q = z - lse and sum p = 1
+        return plogp - torch.linalg.vecdot(p, zf) + lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        zf, p, lse = ctx.saved_tensors
+        return torch.exp(zf - lse[:, None]).sub_(p).mul_(grad[:, None]).to(ctx.dtype), None, None
+
+
 def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str = "fkl",
                  mask: torch.Tensor | None = None) -> torch.Tensor:
-    """student_logits, teacher_logits: [..., vocab]; mask: [...] bool. Returns a scalar.
+    """student_logits, teacher_logits: [..., vocab]; mask: [...] bool. Returns a scalar: the mean
+    over the positions mask keeps (over all where it is None; 0 where it keeps none).
 
     >>> p = torch.tensor([[2.0, 0.0]]); distill_loss(p, p, "tvd").item()
     0.0
     """
-    log_q = F.log_softmax(student_logits.float(), -1)
-    log_p = F.log_softmax(teacher_logits.float(), -1)
-    if kind == "fkl":
-        per_position = (log_p.exp() * (log_p - log_q)).sum(-1)
-    elif kind == "rkl":
-        per_position = (log_q.exp() * (log_q - log_p)).sum(-1)
-    elif kind == "tvd":
-        per_position = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
-    else:
+    if kind not in LOSSES:
         raise ValueError(f"unknown distillation loss {kind!r}; choose fkl, rkl or tvd")
-    return _masked_mean(per_position, mask)
+    if mask is not None:  # only the kept rows: padding costs nothing
+        student_logits, teacher_logits = student_logits[mask], teacher_logits[mask]
+    vocab = student_logits.shape[-1]
+    per_position = distill_rows(student_logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab), kind)
+    return per_position.sum() / max(1, len(per_position))
 
 
-LOSSES = ("fkl", "rkl", "tvd")
+def distill_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str) -> torch.Tensor:
+    """The distillation loss of each row: student_logits, teacher_logits [N, vocab] -> [N], in
+    float32 at least."""
+    log_p = F.log_softmax(_wide(teacher_logits), -1)
+    if kind == "fkl":
+        p = log_p.exp()
+        return _ForwardKL.apply(student_logits, p, (p * log_p).sum(-1))
+    log_q = F.log_softmax(_wide(student_logits), -1)
+    if kind == "rkl":
+        return (log_q.exp() * (log_q - log_p)).sum(-1)
+    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+
+
+class _HeadDistillation(torch.autograd.Function):
+    """The distillation loss of a student read through a frozen head, row block by row block.
+
+    The logits of every row ([N, vocab] for student and teacher, and each elementwise step of the
+    loss and its gradient) would pass through memory some fifteen times; in blocks of `rows` rows
+    they stay in cache, and the gradient in the student's states is taken in the forward pass
+    (the loss is a leaf of the graph), so backward only scales it. Same loss, same gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, head_t: torch.Tensor, kind: str,
+                rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # student, teacher: [N, hidden]; head_t: [hidden, vocab]
+        # -> (per-row loss [N] float32, student's top token [N], teacher's top token [N])
+        losses = torch.empty(len(student), dtype=torch.promote_types(student.dtype, torch.float32))
+        tops = torch.empty(2, len(student), dtype=torch.int64)
+        grad = torch.zeros_like(student) if ctx.needs_input_grad[0] else None
+        device = student.device.type
+        if torch.is_autocast_enabled(device):  # cast once, not once a block
+            head_t = head_t.to(torch.get_autocast_dtype(device))
+        for start in range(0, len(student), rows):
+            block = slice(start, start + rows)
+            with torch.enable_grad():
+                s = student[block].detach().requires_grad_(grad is not None)
+                z_s, z_t = s @ head_t, teacher[block] @ head_t  # [rows, vocab]
+                per_row = distill_rows(z_s, z_t, kind)
+                if grad is not None:
+                    grad[block] = torch.autograd.grad(per_row.sum(), s)[0]
+            losses[block] = per_row.detach()
+            tops[0, block], tops[1, block] = z_s.max(-1).indices, z_t.max(-1).indices
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(tops)
+        return losses, tops[0], tops[1]
+
+    @staticmethod
+    def backward(ctx, grad_losses: torch.Tensor, *_: torch.Tensor) -> tuple:
+        (grad,) = ctx.saved_tensors
+        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None
+
+
+def head_distillation(student: torch.Tensor, teacher: torch.Tensor, head_t: torch.Tensor,
+                      kind: str = "fkl", rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean distillation loss, top-1 agreement per row [N] bool) of student states [N, hidden]
+    read through the frozen head head_t [hidden, vocab], against the teacher's states [N, hidden]
+    through the same head: distill_loss(student @ head_t, teacher @ head_t, kind) without the
+    [N, vocab] logits ever in memory at once."""
+    if kind not in LOSSES:
+        raise ValueError(f"unknown distillation loss {kind!r}; choose fkl, rkl or tvd")
+    losses, top_s, top_t = _HeadDistillation.apply(student, teacher, head_t, kind, rows)
+    return losses.sum() / max(1, len(losses)), top_s == top_t
 
 
 def feature_loss(predicted: torch.Tensor, actual: torch.Tensor,
@@ -51,17 +143,22 @@ def feature_loss(predicted: torch.Tensor, actual: torch.Tensor,
     return _masked_mean(per_position, mask)
 
 
-def agreement(name: str, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+def agreement(name: str, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None,
               answer: torch.Tensor) -> dict[str, float]:
     """Top-1 agreement over every real position (`name`, what the loss covers) and over the
-    answer's only (`name_answer`, what decoding drafts). student, teacher: [B, T, vocab];
-    mask, answer: [B, T] bool."""
-    same = student.argmax(-1) == teacher.argmax(-1)  # [B, T], each argmax taken once
+    answer's only (`name_answer`, what decoding drafts). student, teacher: [..., vocab];
+    mask, answer: [...] bool; mask None: every position is real."""
+    if mask is not None:
+        student, teacher, answer = student[mask], teacher[mask], answer[mask]
+    # max's indices: the first maximum, as argmax's, in half the time on a CPU
+    return agreement_rates(name, student.max(-1).indices == teacher.max(-1).indices, answer)
 
-    def rate(where: torch.Tensor) -> float:
-        return float((same & where).sum() / where.sum().clamp_min(1))
 
-    return {name: rate(mask), f"{name}_answer": rate(mask & answer)}
+def agreement_rates(name: str, same: torch.Tensor, answer: torch.Tensor) -> dict[str, float]:
+    """agreement's two rates from each real position's top-1 match same [N] bool and whether it
+    drafts an answer token, answer [N] bool."""
+    return {name: float(same.float().mean()) if len(same) else 0.0,
+            f"{name}_answer": float((same & answer).sum() / answer.sum().clamp_min(1))}
 
 
 def multi_head_backward(trunk_out: torch.Tensor, head_losses: list[Callable[[torch.Tensor], torch.Tensor]],

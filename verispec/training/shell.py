@@ -21,7 +21,7 @@ from verispec.core.errors import VerispecError
 from verispec.drafters.learned import ReducedHead, frequent_tokens, load_drafter, save_drafter
 from verispec.model.loading import LoadedModel
 from verispec.training.data import Sequence
-from verispec.training.losses import agreement, distill_loss
+from verispec.training.losses import agreement, agreement_rates, distill_loss, head_distillation
 
 
 @dataclass(frozen=True)
@@ -173,9 +173,8 @@ class Recipe:
         """(loss, metrics) of a student whose final states hidden [batch, len, hidden] are read
         through the target's head, fitted to the target's own (b.hidden): the distillation loss
         and the top-1 agreement (the distilled draft model's, a trained early exit's)."""
-        student, teacher = self.teacher(hidden), self.teacher(b.hidden)
-        value = distill_loss(student, teacher, self.options.loss, b.mask)
-        return value, {"loss": float(value.detach()), **agreement("top1", student, teacher, b.mask, b.answer)}
+        value, same = head_distillation(hidden[b.mask], b.hidden[b.mask], self.head_t, self.options.loss)
+        return value, {"loss": float(value.detach()), **agreement_rates("top1", same, b.answer[b.mask])}
 
     def loss(self, items: list[Sequence], max_len: int) -> tuple[torch.Tensor | None, dict]:
         """(loss, metrics) of a batch; loss None where the kind has run its backward itself (MTP,

@@ -10,7 +10,7 @@ import torch
 from verispec.drafters.block import BlockDrafter, BlockNet, block_settings
 from verispec.drafters.mtp import unembedding_norm
 from verispec.training.data import Sequence
-from verispec.training.losses import agreement, distill_loss
+from verispec.training.losses import agreement_rates, head_distillation
 from verispec.training.shell import Batch, Built, Kind, Recipe, require_aux
 
 # Blocks trained per sequence per step (random answer positions as the newest token)
@@ -72,13 +72,14 @@ def loss(recipe: Recipe, b: Batch) -> tuple[torch.Tensor, dict]:
     for j in range(1, size):
         taught = anchors + j - 1  # [B, A]
         real = valid & (taught < lengths)
-        teacher = recipe.teacher(b.hidden.gather(1, taught.clamp_max(width - 1)[..., None]
-                                                 .expand(-1, -1, b.hidden.shape[-1])))
-        student = recipe.teacher(outputs[:, :, j])
+        teacher = b.hidden.gather(1, taught.clamp_max(width - 1)[..., None]
+                                  .expand(-1, -1, b.hidden.shape[-1]))  # [B, A, hidden]
+        tokens, same = head_distillation(outputs[:, :, j][real], teacher[real], recipe.head_t,
+                                         recipe.options.loss)
         weight = math.exp(-(j - 1) / (size / 2))
-        total = total + weight * distill_loss(student, teacher, recipe.options.loss, real)
+        total = total + weight * tokens
         weights += weight
-        metrics.update(agreement(f"top1_slot{j}", student, teacher, real, real))
+        metrics.update(agreement_rates(f"top1_slot{j}", same, torch.ones_like(same)))
     total = total / weights
     metrics["loss"] = float(total.detach())
     return total, metrics

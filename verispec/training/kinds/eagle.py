@@ -7,7 +7,7 @@ import torch
 
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
 from verispec.training.data import Sequence
-from verispec.training.losses import agreement, distill_loss, feature_loss
+from verispec.training.losses import agreement_rates, feature_loss, head_distillation
 from verispec.training.shell import Batch, Built, Kind, Recipe
 
 
@@ -32,14 +32,12 @@ def loss(recipe: Recipe, b: Batch) -> tuple[torch.Tensor, dict]:
         embeds = recipe.embed[b.tokens[:, step + 1: step + 1 + width]]
         predicted = recipe.module(embeds, features, torch.arange(width), mid=mid)
         mid = None
-        target_h = actual[:, step: step + width]
         m = mask[:, step: step + width]
-        student, teacher = recipe.teacher(predicted), recipe.teacher(target_h)
-        term = (options.feature_weight * feature_loss(predicted, target_h, m)
-                + 0.1 * distill_loss(student, teacher, options.loss, m))
-        total = total + term
-        metrics.update(agreement(f"top1_step{step + 1}", student, teacher, m,
-                                 answer[:, step: step + width]))
+        # the real positions' rows only [N, hidden]: padding never reaches the head
+        kept, target_h = predicted[m], actual[:, step: step + width][m]
+        tokens, same = head_distillation(kept, target_h, recipe.head_t, options.loss)
+        total = total + options.feature_weight * feature_loss(kept, target_h) + 0.1 * tokens
+        metrics.update(agreement_rates(f"top1_step{step + 1}", same, answer[:, step: step + width][m]))
         features = predicted[:, :-1]  # predicted h_{i+1}, paired next with x_{i+2}
     metrics["loss"] = float(total.detach())
     return total, metrics
