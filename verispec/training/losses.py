@@ -32,9 +32,9 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 class _ForwardKL(torch.autograd.Function):
     """KL(p || softmax(z)) of each row, its gradient in z fused: softmax(z) - p.
 
-    Through log_softmax, exp, sub and mul, autograd passes over the [rows, vocab] logits some ten
-    times, which on a CPU costs more than the drafter's own matrix products (docs/training.md,
-    "What a training step costs"); this takes two passes forward and two back.
+    Through log_softmax, exp, sub and mul, autograd passes over the [rows, vocab] logits many
+    times, which on a CPU cost more than the drafter's own matrix products (docs/training.md,
+    "What a training step costs"); this takes fewer, the gradient in one expression.
     z: [N, V] student logits (any float dtype); p: [N, V] teacher probabilities, plogp: [N] the
     sum of p log p, both as wide as z's float32 form. Returns [N] in that dtype.
     """
@@ -87,10 +87,11 @@ def distill_rows(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kin
 class _HeadDistillation(torch.autograd.Function):
     """The distillation loss of a student read through a frozen head, row block by row block.
 
-    The logits of every row ([N, vocab] for student and teacher, and each elementwise step of the
-    loss and its gradient) would pass through memory some fifteen times; in blocks of `rows` rows
-    they stay in cache, and the gradient in the student's states is taken in the forward pass
-    (the loss is a leaf of the graph), so backward only scales it. Same loss, same gradient.
+    Whole, the student's and teacher's logits and every elementwise step of the loss and its
+    gradient are [N, vocab] tensors written to memory and read back; in blocks of `rows` rows they
+    are a block's size. The loss ends the graph, so the gradient in the student's states is taken
+    block by block in the forward pass and backward only scales it. Same loss, same gradient
+    (docs/training.md, "What a training step costs").
     """
 
     @staticmethod
