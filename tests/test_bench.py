@@ -14,6 +14,7 @@ from verispec.bench.records import Results
 from verispec.bench.report import results_json
 from verispec.bench.runner import BenchConfig, choose_methods, run_bench
 from verispec.cli import main
+from verispec.core import cores
 from verispec.core.cores import usable_cores
 from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
@@ -172,6 +173,32 @@ def test_the_report_says_what_auto_chose(tiny_dir, questions, tmp_path):
     counted = sum(int(n) for n in re.findall(r"(\d+) tokens in", row))
     assert counted == sum(r.new_tokens for r in runs) > 0
 
+
+def test_a_busy_machine_is_said_where_the_timings_are_read(tiny_dir, questions, tmp_path, monkeypatch,
+                                                           capsys):
+    """Other processes' load during the timed runs (counted with the bench's own child processes,
+    its peers, as its own) goes to results.json, and where it took cores the bench's threads
+    needed, the report and stderr say the timings are not the machine's alone."""
+    made = []
+
+    class Loaded(cores.OthersLoad):
+        def __exit__(self, *exc: object) -> None:
+            made.append(self.children)
+            self.cores = self.capacity  # every core busy beside the bench
+
+    monkeypatch.setattr(runner, "OthersLoad", Loaded)
+    out = tmp_path / "busy"
+    run_bench(config(tiny_dir, questions, out, methods=["pld"]), progress=False)
+    assert made == [True]
+    saved = Results.load(out / "results.json").config
+    assert saved["crowded"] and saved["others_busy_cores"] == saved["cores"] == cores.capacity()[0]
+    assert "**busy machine**: other processes kept" in (out / "report.md").read_text()
+    assert "its timings are not this machine's alone" in capsys.readouterr().err
+    monkeypatch.undo()  # the real count: whatever it read, a figure or None, and no claim unless took
+    run_bench(config(tiny_dir, questions, tmp_path / "real", methods=["pld"]), progress=False)
+    saved = Results.load(tmp_path / "real" / "results.json").config
+    assert "others_busy_cores" in saved and saved.get("crowded", False) == ("busy machine" in (
+        tmp_path / "real" / "report.md").read_text())
 
 def test_compare_prints_the_change(tiny_dir, questions, tmp_path, capsys):
     out = tmp_path / "one"

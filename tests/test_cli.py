@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from tests.tiny import tiny_llama
-from verispec.cli import COMMANDS, main
+from verispec.cli import COMMANDS, demo, main
+from verispec.core import cores
 
 
 def test_generate_json_has_every_field(tiny_dir, capsys):
@@ -228,3 +229,20 @@ def test_a_commands_help_does_not_import_transformers(command: str) -> None:
     assert done.returncode == 0, done.stderr
     assert "--" in done.stdout
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_demo_says_when_other_processes_took_its_cores(tiny_dir, monkeypatch, capsys):
+    """The demo's speedup comes with a word where other processes kept the cores busy while it
+    decoded (every core, here, by a stand-in for the count), and without one where none did."""
+    for busy, said in ((None, False), (1.0, True)):
+        class Loaded(cores.OthersLoad):
+            share = busy
+
+            def __exit__(self, *exc: object) -> None:
+                self.cores = None if self.share is None else self.share * self.capacity
+
+        monkeypatch.setattr(demo, "OthersLoad", Loaded)
+        assert main(["demo", "--model", str(tiny_dir), "--method", "pld", "--max-new-tokens", "4",
+                     "--color", "never"]) == 0
+        out = capsys.readouterr().out
+        assert "speedup of pld" in out and ("a busy machine" in out) == said

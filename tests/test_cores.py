@@ -136,3 +136,29 @@ def test_the_command_line_holds_torchs_threads_to_the_cores_a_quota_allows(monke
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(threads)
+
+
+def test_with_children_this_processs_child_processes_work_is_its_own():
+    """OthersLoad(children=True) counts a child's CPU time as this process's own, both a child
+    that ended and was waited for (os.times) and one still running (psutil): the bench's peers."""
+    burn = "import time\nwhile time.process_time() < 0.3: pass"
+    with cores.OthersLoad(children=True) as load:
+        before = load.own_seconds()
+        subprocess.run([sys.executable, "-c", burn], check=True)
+        ended = load.own_seconds() - before
+    assert ended >= 0.3  # the child's 0.3 s of CPU at least (plus its start)
+    without = cores.OthersLoad()
+    started = without.own_seconds()
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    assert without.own_seconds() - started < 0.1  # not counted without children
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        load = cores.OthersLoad(children=True)
+        first = load.own_seconds()
+        time.sleep(0.5)
+        running = load.own_seconds() - first
+    finally:
+        burner.kill()
+        burner.wait()
+    assert running >= 0.1  # a running child's time, while this process only slept

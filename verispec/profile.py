@@ -233,9 +233,7 @@ def steady(timed: CostProfile | ForwardCost) -> bool:
 def crowded(others: OthersLoad, timed: CostProfile) -> bool:
     """Whether other processes took cores this process's threads needed while `timed` was
     measured (more than CROWDED beyond the spare ones); a tiny model's is not judged (steady)."""
-    if others.cores is None or timed.forward[0] < STEADY_FLOOR:
-        return False
-    return others.cores > max(0.0, others.capacity - torch.get_num_threads()) + CROWDED
+    return timed.forward[0] >= STEADY_FLOOR and others.took(torch.get_num_threads(), CROWDED)
 
 
 def read_profile(path: Path, key: dict) -> CostProfile | None:

@@ -96,6 +96,10 @@ def _header(results: Results) -> list[str]:
     if crashed := config.get("crashed"):
         lines.append("- **crashed** (a peer's child process died; its runs before and the others stand): "
                      + "; ".join(f"`{name}` {why}" for name, why in crashed.items()))
+    if config.get("crowded"):
+        lines.append(f"- **busy machine**: other processes kept {config['others_busy_cores']} of "
+                     f"{config['cores']:g} cores busy on average during the timed runs: these timings are "
+                     "not this machine's alone; run again on an idle machine")
     if machine:
         lines.append("- **machine**: " + ", ".join(f"{k}: {v}" for k, v in machine.items()))
     return lines

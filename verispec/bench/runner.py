@@ -27,6 +27,7 @@ from verispec.bench.peer_process import PeerCrashed
 from verispec.bench.questions import Question, load_questions
 from verispec.bench.records import AR, HF, FirstDifference, Results, Run
 from verispec.bench.report import write_results
+from verispec.core.cores import OthersLoad
 from verispec.core.errors import VerispecError
 from verispec.core.tree import TreeSettings
 from verispec.core.types import SamplingParams
@@ -40,6 +41,7 @@ from verispec.methods import Method, Needs, engine_for_checked, resolve_tree
 from verispec.model.cached_model import CachedModel
 from verispec.model.loading import LoadedModel, load_model
 from verispec.options import DEFAULT_TREE, DraftOptions
+from verispec.profile import CROWDED
 from verispec.request import Request, build_request, encode_prompt, run
 
 
@@ -386,6 +388,18 @@ def run_question(question: Question, prompt_ids: list[int], contenders: list[Con
     return records
 
 
+def note_others(results: Results, others: OthersLoad) -> None:
+    """Keep what other processes took of the cores during the timed runs (results.json), and say
+    so where it was enough to slow them (stderr, report.md): those timings are not this
+    machine's alone."""
+    results.config["others_busy_cores"] = None if others.cores is None else round(others.cores, 2)
+    results.config["cores"] = others.capacity
+    if others.took(torch.get_num_threads(), CROWDED):
+        results.config["crowded"] = True
+        print(f"verispec bench: other processes kept {others.cores:.1f} of {others.capacity:g} cores busy "
+              "during the timed runs: its timings are not this machine's alone", file=sys.stderr)
+
+
 def run_bench(config: BenchConfig, progress: bool = True) -> Results:
     """Run the benchmark; results.json is rewritten after every question, the report at the end.
 
@@ -421,13 +435,16 @@ def run_bench(config: BenchConfig, progress: bool = True) -> Results:
         # Timed after the warm-up: the first forwards after loading are slow. The warm-up's
         # outputs leave the suffix cache, or the first question would draft from its own answer.
         forget_outputs(target.model)
-        if config.beams is None:  # one path's forward costs: beam search's report does not use them
-            results.forward = measure_forward(target, (first_prompt * (300 // len(first_prompt) + 1))[:300])
-        for index, question in enumerate(questions):
-            results.runs += run_question(question, prompts[question], contenders, index % len(contenders),
-                                         target, config, results.reference if sampling.greedy else None, bar,
-                                         crashed)
-            write_results(results, config.out, report=False)
+        with OthersLoad(children=True) as others:  # the peers' processes are the bench's own
+            if config.beams is None:  # one path's forward costs: beam search's report does not use them
+                depth300 = (first_prompt * (300 // len(first_prompt) + 1))[:300]
+                results.forward = measure_forward(target, depth300)
+            for index, question in enumerate(questions):
+                results.runs += run_question(question, prompts[question], contenders, index % len(contenders),
+                                             target, config, results.reference if sampling.greedy else None,
+                                             bar, crashed)
+                write_results(results, config.out, report=False)
+        note_others(results, others)
     except KeyboardInterrupt:
         results.config["interrupted"] = True
     finally:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from verispec.cli import COMMANDS
 from verispec.cli.generate import use_colour
 from verispec.cli.options import add_draft_options, add_model_arguments, draft_options
+from verispec.core.cores import OthersLoad
 from verispec.core.types import GenerationStats
 from verispec.display import LEGEND, choices_line, render_steps, stats_table
 from verispec.methods import DEFAULT_METHOD, PLAIN, auto_profile
 from verispec.model.loading import load_model
-from verispec.profile import cpu_description, profile_table
+from verispec.profile import CROWDED, cpu_description, profile_table
 from verispec.request import build_request, run
 
 # Prompts whose answers reuse the prompt's words: where prompt lookup, the best drafter that needs
@@ -53,20 +56,21 @@ def run_command(args: argparse.Namespace) -> int:
     for method in totals:  # warm-up: the first forward passes are slow; keep them out of timings
         run(target, build_request(target, DEMO_PROMPTS[0], method=method, options=draft_options(args),
                                   max_new_tokens=4, chat=None))
-    for prompt in DEMO_PROMPTS:
-        print(f"\n>>> {prompt}")
-        for method in totals:
-            request = build_request(target, prompt, method=method, options=draft_options(args),
-                                    max_new_tokens=args.max_new_tokens, chat=None)
-            totals[method].append(run(target, request))
-        plain, fast = totals[PLAIN][-1], totals[args.method][-1]
-        print(render_steps(fast.steps, target.tokenizer, colour))
-        same = "identical to" if plain.token_ids == fast.token_ids else "DIFFERENT from"
-        print(f"[{args.method}: {fast.stats.tokens_per_second:.1f} tok/s, tau "
-              f"{fast.stats.mean_accepted_tokens:.2f}; ar: {plain.stats.tokens_per_second:.1f} tok/s; "
-              f"output {same} plain decoding]")
-        if fast.stats.choices:
-            print(f"[{args.method} {choices_line(fast.stats)}]")
+    with OthersLoad() as others:
+        for prompt in DEMO_PROMPTS:
+            print(f"\n>>> {prompt}")
+            for method in totals:
+                request = build_request(target, prompt, method=method, options=draft_options(args),
+                                        max_new_tokens=args.max_new_tokens, chat=None)
+                totals[method].append(run(target, request))
+            plain, fast = totals[PLAIN][-1], totals[args.method][-1]
+            print(render_steps(fast.steps, target.tokenizer, colour))
+            same = "identical to" if plain.token_ids == fast.token_ids else "DIFFERENT from"
+            print(f"[{args.method}: {fast.stats.tokens_per_second:.1f} tok/s, tau "
+                  f"{fast.stats.mean_accepted_tokens:.2f}; ar: {plain.stats.tokens_per_second:.1f} tok/s; "
+                  f"output {same} plain decoding]")
+            if fast.stats.choices:
+                print(f"[{args.method} {choices_line(fast.stats)}]")
     if colour:
         print("\n" + LEGEND)
     print()
@@ -75,4 +79,7 @@ def run_command(args: argparse.Namespace) -> int:
     print(stats_table(merged))
     print(f"\nspeedup of {args.method} over plain decoding (same run, same prompts): "
           f"{seconds[PLAIN] / seconds[args.method]:.2f}x, tau {merged[args.method].mean_accepted_tokens:.2f}")
+    if others.took(torch.get_num_threads(), CROWDED):
+        print(f"(a busy machine: other processes kept {others.cores:.1f} of {others.capacity:g} cores "
+              "busy while these ran; the speedup is not this machine's alone)")
     return 0

@@ -113,17 +113,43 @@ class OthersLoad:
     """How many cores other processes kept busy, on average, while the block ran (`cores`, of
     `capacity` this process may use; None where the machine does not say or its counters do not
     add up): the busy time of this process's CPUs (or of its cgroup, under a quota) less this
-    process's own (every thread of it)."""
+    process's own (every thread of it). children: this process's child processes' time counts
+    as its own too (the bench's peers, which it starts and times)."""
+
+    def __init__(self, children: bool = False) -> None:
+        self.children = children
+
+    def own_seconds(self) -> float:
+        """CPU seconds this process (and with `children`, its child processes, running or
+        ended) has spent so far."""
+        own = time.process_time()
+        if self.children:
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    times = child.cpu_times()
+                except psutil.Error:  # ended meanwhile: os.times counts it once waited for
+                    continue
+                own += times.user + times.system
+            ended = os.times()
+            own += ended.children_user + ended.children_system
+        return own
 
     def __enter__(self) -> OthersLoad:
         self.capacity, self.busy = capacity()
         self.cores: float | None = None
-        self._start = (self.busy(), time.process_time(), time.perf_counter())
+        self._start = (self.busy(), self.own_seconds(), time.perf_counter())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        busy, own, wall = self.busy(), time.process_time(), time.perf_counter()
+        busy, own, wall = self.busy(), self.own_seconds(), time.perf_counter()
         if busy is not None and self._start[0] is not None and wall > self._start[2]:
             others = max(0.0, ((busy - self._start[0]) - (own - self._start[1])) / (wall - self._start[2]))
             # more than the cores there are: counters that are not this machine's (say so: None)
             self.cores = others if others <= self.capacity + 0.5 else None
+
+    def took(self, threads: int, margin: float) -> bool:
+        """Whether other processes took cores that this process's `threads` needed: kept busy
+        more than `margin` cores beyond those the threads leave spare."""
+        return self.cores is not None and self.cores > max(0.0, self.capacity - threads) + margin
