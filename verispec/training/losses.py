@@ -98,9 +98,9 @@ class _HeadDistillation(torch.autograd.Function):
     def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, head_t: torch.Tensor, kind: str,
                 rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # student, teacher: [N, hidden]; head_t: [hidden, vocab]
-        # -> (per-row loss [N] float32, student's top token [N], teacher's top token [N])
+        # -> (per-row loss [N] in float32 at least, student's top token [N], teacher's [N])
         losses = torch.empty(len(student), dtype=torch.promote_types(student.dtype, torch.float32))
-        tops = torch.empty(2, len(student), dtype=torch.int64)
+        top_s, top_t = (torch.empty(len(student), dtype=torch.int64) for _ in range(2))
         grad = torch.zeros_like(student) if ctx.needs_input_grad[0] else None
         device = student.device.type
         if torch.is_autocast_enabled(device):  # cast once, not once a block
@@ -114,10 +114,10 @@ class _HeadDistillation(torch.autograd.Function):
                 if grad is not None:
                     grad[block] = torch.autograd.grad(per_row.sum(), s)[0]
             losses[block] = per_row.detach()
-            tops[0, block], tops[1, block] = z_s.max(-1).indices, z_t.max(-1).indices
+            top_s[block], top_t[block] = z_s.max(-1).indices, z_t.max(-1).indices
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(tops)
-        return losses, tops[0], tops[1]
+        ctx.mark_non_differentiable(top_s, top_t)
+        return losses, top_s, top_t
 
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor, *_: torch.Tensor) -> tuple:
