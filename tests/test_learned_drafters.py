@@ -162,6 +162,35 @@ def test_training_steps_reduce_the_loss(loaded, data, kind):
     assert after < 0.8 * before, f"{kind}: loss {before:.4f} -> {after:.4f}"
 
 
+
+def test_eagles_loss_is_its_definition_over_the_real_positions(loaded, data):
+    """EAGLE's training loss (its rows gathered, the head taken block by block) against the loss
+    written out over whole padded tensors: at unrolled step s, position i reads its step s - 1
+    prediction (the target's state at s = 0) and the token s + 1 ahead, and is taught the target's
+    state s + 1 ahead (smooth L1) and its distribution there (0.1 x forward KL through the reduced
+    head), padding left out."""
+    meta, sequences = load_dataset(data)
+    items = sorted(sequences, key=lambda s: len(s.tokens))[::len(sequences) // 3][:3]
+    torch.manual_seed(0)
+    recipe = recipe_for("eagle", loaded, meta, sequences, OPTIONS)
+    b = collate(items, 64)
+    assert not b.mask.all() and recipe.options.unroll >= 2  # padding to leave out, a step to unroll
+    loss, metrics = recipe.loss(items, 64)
+    mask, actual, features, expected = b.mask[:, 1:], b.hidden[:, 1:], b.hidden[:, :-1], 0.0
+    for step in range(recipe.options.unroll):
+        width = features.shape[1]
+        predicted = recipe.module(recipe.embed[b.tokens[:, step + 1: step + 1 + width]], features,
+                                  torch.arange(width))
+        real, taught = mask[:, step: step + width], actual[:, step: step + width]
+        smooth = torch.nn.functional.smooth_l1_loss(predicted, taught, reduction="none").mean(-1)
+        p, q = (taught @ recipe.head_t).softmax(-1), (predicted @ recipe.head_t).softmax(-1)
+        kl = (p * (p.log() - q.log())).sum(-1)
+        expected = expected + smooth[real].mean() + 0.1 * kl[real].mean()
+        same = (q.argmax(-1) == p.argmax(-1))[real].float().mean().item()
+        assert metrics[f"top1_step{step + 1}"] == pytest.approx(same)
+        features = predicted[:, :-1]
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_warm_start_begins_where_the_drafter_left_off(loaded, data, trained, kind):
     meta, sequences = load_dataset(data)

@@ -24,6 +24,12 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
 LOSSES = ("fkl", "rkl", "tvd")
 
 
+def check_loss(kind: str) -> None:
+    """Refuse a distillation loss that is not one of LOSSES."""
+    if kind not in LOSSES:
+        raise ValueError(f"unknown distillation loss {kind!r}; choose fkl, rkl or tvd")
+
+
 def _wide(x: torch.Tensor) -> torch.Tensor:
     """x in float32 at least (bfloat16 logits are widened; float64 stays, for gradcheck)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -62,8 +68,7 @@ def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kin
     >>> p = torch.tensor([[2.0, 0.0]]); distill_loss(p, p, "tvd").item()
     0.0
     """
-    if kind not in LOSSES:
-        raise ValueError(f"unknown distillation loss {kind!r}; choose fkl, rkl or tvd")
+    check_loss(kind)
     if mask is not None:  # only the kept rows: padding costs nothing
         student_logits, teacher_logits = student_logits[mask], teacher_logits[mask]
     vocab = student_logits.shape[-1]
@@ -131,8 +136,7 @@ def head_distillation(student: torch.Tensor, teacher: torch.Tensor, head_t: torc
     read through the frozen head head_t [hidden, vocab], against the teacher's states [N, hidden]
     through the same head: distill_loss(student @ head_t, teacher @ head_t, kind) without the
     [N, vocab] logits ever in memory at once."""
-    if kind not in LOSSES:
-        raise ValueError(f"unknown distillation loss {kind!r}; choose fkl, rkl or tvd")
+    check_loss(kind)
     losses, top_s, top_t = _HeadDistillation.apply(student, teacher, head_t, kind, rows)
     return losses.sum() / max(1, len(losses)), top_s == top_t
 
@@ -144,13 +148,12 @@ def feature_loss(predicted: torch.Tensor, actual: torch.Tensor,
     return _masked_mean(per_position, mask)
 
 
-def agreement(name: str, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None,
+def agreement(name: str, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
               answer: torch.Tensor) -> dict[str, float]:
     """Top-1 agreement over every real position (`name`, what the loss covers) and over the
     answer's only (`name_answer`, what decoding drafts). student, teacher: [..., vocab];
-    mask, answer: [...] bool; mask None: every position is real."""
-    if mask is not None:
-        student, teacher, answer = student[mask], teacher[mask], answer[mask]
+    mask, answer: [...] bool."""
+    student, teacher, answer = student[mask], teacher[mask], answer[mask]
     # max's indices: the first maximum, as argmax's, in half the time on a CPU
     return agreement_rates(name, student.max(-1).indices == teacher.max(-1).indices, answer)
 
