@@ -4,8 +4,12 @@ the held-out top-1 agreement with the target (teacher-forced, over the split's a
 `step1` is what position 1 of a draft meets, `step2` one step on from a predicted feature) and
 the seconds it took. The extra layers exist only here, for training: verispec's EAGLE drafts with
 one layer, and this experiment (docs/training.md, "Does a deeper EAGLE accept more?") is why.
+The same runs at other settings of the one-layer drafter (`--lr`, `--feature-weight`,
+`--unroll`, `--batch-size`) compare training recipes at equal steps ("What moves EAGLE at equal
+steps").
 
     python scripts/eagle_depth.py runs/sg-teacher-bf16 runs/depth2 2 379
+    python scripts/eagle_depth.py runs/sg-teacher-bf16 runs/fw0.1 1 379 --feature-weight 0.1
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from verispec.drafters.nn import DecoderLayer
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.training import recipes
 from verispec.training.kinds import eagle
+from verispec.training.shell import RecipeOptions
 from verispec.training.trainer import TrainConfig
 
 
@@ -50,17 +55,25 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("depth", type=int)
     parser.add_argument("steps", type=int)
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    parser.add_argument("--feature-weight", type=float, default=RecipeOptions.feature_weight,
+                        help="the feature regression's weight beside the token loss's 0.1")
+    parser.add_argument("--unroll", type=int, default=RecipeOptions.unroll)
     args = parser.parse_args()
     target = load_model(DEFAULT_MODEL)
     settings = eagle_settings(target.model)
     recipes.RECIPES[eagle.KIND.name] = replace(
         eagle.KIND, build=lambda recipe, meta, sequences: (settings, DeepEagle(**settings, depth=args.depth)))
     started = time.perf_counter()
-    drafter = recipes.train_drafter(eagle.KIND.name, target, [args.data], args.out,
-                                    TrainConfig(steps=args.steps))
+    config = TrainConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size)
+    options = RecipeOptions(feature_weight=args.feature_weight, unroll=args.unroll)
+    drafter = recipes.train_drafter(eagle.KIND.name, target, [args.data], args.out, config, options)
     final_eval = json.loads((drafter / "drafter.json").read_text())["training"]["final_eval"]
     params = sum(p.numel() for p in DeepEagle(**settings, depth=args.depth).parameters())
-    print(json.dumps({"depth": args.depth, "steps": args.steps, "params": params,
+    print(json.dumps({"depth": args.depth, "steps": args.steps, "lr": args.lr,
+                      "batch_size": args.batch_size, "feature_weight": args.feature_weight,
+                      "unroll": args.unroll, "params": params,
                       "seconds": round(time.perf_counter() - started, 1), **final_eval}))
 
 

@@ -10,8 +10,9 @@ from the code again.
   by one file's commands, in order, so a later command finds what an earlier one trained); serve
   only parses (tests/test_serve*.py serve). A `scripts/` command: the script exists and parses its
   documented arguments (the measurements themselves take minutes to hours; each doc gives what its
-  run printed). A `python -m timeit` command runs its statement once. Any other program must be
-  one of OTHER_PROGRAMS.
+  run printed). A `bash scripts/X.sh` command: the script exists and bash parses it (`bash -n`).
+  A `python -m timeit` command runs its statement once. Any other program must be one of
+  OTHER_PROGRAMS.
 - Names that stand for the user's own files (PLACEHOLDERS) are replaced by files that exist here;
   a `--questions` file by a one-question file.
 """
@@ -26,6 +27,7 @@ import os
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 import timeit
 from dataclasses import dataclass
@@ -128,7 +130,8 @@ def commands(path: Path) -> list[Command]:
                 program, args = "verispec", words[3:]
             elif words[0] in ("python", "python3") and words[1:3] == ["-m", "timeit"]:
                 program, args = "timeit", words[3:]
-            elif words[0] in ("python", "python3"):
+            elif words[0] in ("python", "python3") or (words[0] == "bash" and words[1:2]
+                                                        and words[1].endswith(".sh")):
                 program, args = words[1], words[2:]
             else:
                 program, args = words[0], words[1:]
@@ -139,6 +142,7 @@ def commands(path: Path) -> list[Command]:
 ALL = [command for doc in DOCS for command in commands(doc)]
 VERISPEC = [c for c in ALL if c.program == "verispec"]
 SCRIPTS = [c for c in ALL if c.program.endswith(".py")]
+SHELL_SCRIPTS = [c for c in ALL if c.program.endswith(".sh")]
 TIMEIT = [c for c in ALL if c.program == "timeit"]
 RUN_FAST = ("generate", "demo", "export")
 RUN_SLOW = ("bench", "train")
@@ -152,7 +156,7 @@ def test_the_docs_have_examples_to_run():
 
 def test_every_command_is_one_the_tests_know():
     known = ("verispec", "timeit", *OTHER_PROGRAMS)
-    unknown = {c.id for c in ALL if c.program not in known and c not in SCRIPTS}
+    unknown = {c.id for c in ALL if c.program not in known and c not in SCRIPTS + SHELL_SCRIPTS}
     assert not unknown, f"commands this test does not check: {sorted(unknown)}"
 
 
@@ -208,6 +212,14 @@ def test_every_script_command_parses(command, monkeypatch, capsys):
             runpy.run_path(str(script), run_name="__main__")
         except SystemExit:
             pytest.fail(f"{command.id}: {capsys.readouterr().err}")
+
+
+@pytest.mark.parametrize("command", SHELL_SCRIPTS, ids=lambda c: c.id)
+def test_every_shell_script_exists_and_parses(command):
+    script = ROOT / command.program
+    assert script.is_file(), f"{command.id}: no such script"
+    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert checked.returncode == 0, f"{command.id}: {checked.stderr}"
 
 
 def materialize(args: list[str], run_dir: Path) -> list[str]:

@@ -163,6 +163,31 @@ def test_training_steps_reduce_the_loss(loaded, data, kind):
 
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_training_step_puts_every_tensor_on_the_targets_device(loaded, data, kind):
+    """Training on a GPU (`--device cuda`) needs every tensor of a step on the target's device.
+    This machine may have no GPU, so the default device is made `meta` for the step: a tensor
+    made without naming its device lands there, and meeting the target's CPU tensors it fails
+    the step. (Without a device named, a step's `torch.arange` would be a CPU tensor on a GPU.)"""
+    meta, sequences = load_dataset(data)
+    torch.manual_seed(0)
+    recipe = recipe_for(kind, loaded, meta, sequences, OPTIONS)
+    assert recipe.device == loaded.model.device
+    assert all(p.device == recipe.device for p in recipe.module.parameters())
+    with torch.device("meta"):
+        loss, metrics = recipe.loss(sequences[:4], 64)
+        if loss is not None:  # None: MTP ran its backward head by head itself
+            loss.backward()
+        if RECIPES[kind].static_tree:
+            recipe.rank_accuracy(sequences[:2], 64)
+    assert metrics["loss"] > 0 and all(p.grad is not None and p.grad.device == recipe.device
+                                       for p in recipe.module.parameters() if p.requires_grad)
+    batch = collate(sequences[:2], 64, "meta")  # the batch moves to the device it is asked for
+    assert {t.device.type for t in (batch.tokens, batch.hidden, batch.mask, batch.answer)} == {"meta"}
+    assert batch.hidden.dtype == torch.float32
+    assert collate(sequences[:2], 64, aux=False).aux is None  # kinds that never read them
+
+
 def test_eagles_loss_is_its_definition_over_the_real_positions(loaded, data):
     """EAGLE's training loss (its rows gathered, the head taken block by block) against the loss
     written out over whole padded tensors: at unrolled step s, position i reads its step s - 1
@@ -482,6 +507,27 @@ def test_cli_trains_and_generates_with_the_result(loaded, data, tmp_path, capsys
     assert code == 0
     assert json.loads(capsys.readouterr().out)["stats"]["new_tokens"] == 12
 
+
+def test_cli_trains_a_drafter_in_parts_with_stop_at(loaded, data, tmp_path, capsys):
+    """--stop-at exports a usable drafter at a step of the --steps schedule, evaluated there; the
+    command run again resumes from its checkpoint and ends on the schedule one run ends on."""
+    base = ["train", "eagle", "--target", str(loaded.name), "--data", str(data), "--steps", "4",
+            "--exit-layer", "1", "--vocab", "40"]
+    assert main([*base, "--out", str(tmp_path / "a"), "--stop-at", "2"]) == 0
+    part = json.loads((tmp_path / "a" / "drafter.json").read_text())["training"]
+    assert part["step"] == 2 and part["final_eval"]["eval_loss"] > 0  # evaluated where it stopped
+    assert main([*base, "--out", str(tmp_path / "a")]) == 0
+    assert main([*base, "--out", str(tmp_path / "b")]) == 0
+    resumed, whole = (json.loads((tmp_path / run / "run" / "history.json").read_text())
+                      for run in ("a", "b"))
+    assert [h["step"] for h in resumed] == [h["step"] for h in whole] == [1, 2, 3, 4]
+    assert [h["lr"] for h in resumed] == [h["lr"] for h in whole]
+    assert json.loads((tmp_path / "a" / "drafter.json").read_text())["training"]["step"] == 4
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "a"), "--stop-at", "3"]) == 2  # past it already
+    assert "past 3" in capsys.readouterr().err
+    assert main([*base, "--out", str(tmp_path / "c"), "--stop-at", "5"]) == 2
+    assert "--stop-at must lie in 1..--steps (4)" in capsys.readouterr().err
 
 def test_mid_state_eagle_starts_as_the_drafter_it_widens_then_learns(loaded, data, trained):
     meta, sequences = load_dataset(data)

@@ -58,8 +58,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--steps", type=int,
                        help=f"default: {TrainConfig.steps}; {BYTE_TRAINING.steps}")
     train.add_argument("--stop-at", type=int, metavar="STEP",
-                       help=f"{BYTES_KIND}: stop and export at this step of the --steps schedule "
-                       "(resuming OUT/run's checkpoint: what an interrupted run reached)")
+                       help="stop and export at this step of the --steps schedule, with a held-out "
+                       "evaluation there (run again with a later STEP, or none, to resume from "
+                       "OUT/run's checkpoint: a long run in parts, each part a usable drafter)")
     train.add_argument("--lr", type=float, help=f"default: {TrainConfig.lr}; {BYTE_TRAINING.lr}")
     train.add_argument("--batch-size", type=int,
                        help=f"default: {TrainConfig.batch_size}; {BYTE_TRAINING.batch_size}")
@@ -146,9 +147,8 @@ def run_command(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise VerispecError(f"--out {out} exists and is not a directory")
     bf16 = {"auto": None, "on": True, "off": False}[args.bf16]
-    if args.stop_at is not None and not (byte_model and 1 <= args.stop_at <= steps):
-        raise VerispecError(f"--stop-at is a {BYTES_KIND} option and must lie in 1..--steps "
-                            f"({steps}), got {args.stop_at}")
+    if args.stop_at is not None and not 1 <= args.stop_at <= steps:
+        raise VerispecError(f"--stop-at must lie in 1..--steps ({steps}), got {args.stop_at}")
     if args.kind == DATA_KIND:
         return build_data_command(args, out)
     if args.source is None and (args.tokens != 1_000_000 or args.mode != "self"):
@@ -195,7 +195,7 @@ def run_command(args: argparse.Namespace) -> int:
         data_dirs.append(build_text_dataset(target, args.text, text_data,
                                             exit_layer=args.exit_layer, aux_layers=aux_layers))
     config = TrainConfig(steps=steps, lr=lr, batch_size=batch_size, seed=args.seed, bf16=bf16)
-    saved = train_drafter(args.kind, target, data_dirs, out, config, options)
+    saved = train_drafter(args.kind, target, data_dirs, out, config, options, until=args.stop_at)
     print(f"verispec: {args.kind} drafter written to {saved} (loss curve: {saved / 'run' / 'loss.png'}); "
           f"use it with --method {args.kind} --draft {saved}")
     return 0

@@ -121,7 +121,8 @@ def unembedding_norm(target: PreTrainedModel) -> RMSNorm:
         raise VerispecError(f"MTP heads read out through the target's final norm; "
                             f"{type(target).__name__} has none at .model.norm")
     config = target.config.get_text_config(decoder=True)
-    copy = RMSNorm(norm.weight.shape[0], float(getattr(config, "rms_norm_eps", 1e-5)))
+    with torch.device(norm.weight.device):  # beside the target's states, on any device
+        copy = RMSNorm(norm.weight.shape[0], float(getattr(config, "rms_norm_eps", 1e-5)))
     copy.weight.data.copy_(norm.weight.detach().float())
     return copy.requires_grad_(False)
 

@@ -104,8 +104,10 @@ class _HeadDistillation(torch.autograd.Function):
                 rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # student, teacher: [N, hidden]; head_t: [hidden, vocab]
         # -> (per-row loss [N] in float32 at least, student's top token [N], teacher's [N])
-        losses = torch.empty(len(student), dtype=torch.promote_types(student.dtype, torch.float32))
-        top_s, top_t = (torch.empty(len(student), dtype=torch.int64) for _ in range(2))
+        losses = torch.empty(len(student), dtype=torch.promote_types(student.dtype, torch.float32),
+                             device=student.device)
+        top_s, top_t = (torch.empty(len(student), dtype=torch.int64, device=student.device)
+                        for _ in range(2))
         grad = torch.zeros_like(student) if ctx.needs_input_grad[0] else None
         device = student.device.type
         if torch.is_autocast_enabled(device):  # cast once, not once a block

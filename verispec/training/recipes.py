@@ -100,13 +100,15 @@ def first_tokens(sequences: list[Sequence], tokens: int) -> list[Sequence]:
 
 def train_drafter(kind: str, target: LoadedModel, data_dirs: list[Path], out_dir: Path,
                   config: TrainConfig, options: RecipeOptions = RecipeOptions(),
-                  eval_fraction: float = 0.05, max_tokens: int | None = None) -> Path:
+                  eval_fraction: float = 0.05, max_tokens: int | None = None,
+                  until: int | None = None) -> Path:
     """Train a drafter of `kind` on the data in data_dirs (self-distillation and corpus data
     mixed); write it (and its run files) to out_dir. Where the first directory holds a held-out
     split (the data engine's), it is the evaluation set; otherwise a seeded eval_fraction of the
     sequences is. max_tokens: read only the first directory's leading sequences holding this many
     reply tokens, and the other directories' in full (the training curve's sizes; the reduced
-    vocabulary too is chosen on these alone)."""
+    vocabulary too is chosen on these alone). until: train and export only up to this step of
+    config's schedule (trainer.train's until: a long run in parts)."""
     if config.bf16 is None:  # recorded as decided
         config = replace(config, bf16=bf16_is_fast(target.model.device.type))
     meta, sequences = load_datasets(data_dirs, target, max_tokens)
@@ -118,10 +120,11 @@ def train_drafter(kind: str, target: LoadedModel, data_dirs: list[Path], out_dir
     torch.manual_seed(config.seed)
     recipe = recipe_for(kind, target, meta, sequences, options)
     history = train(recipe.module, lambda batch: recipe.loss(batch, config.max_len), train_items,
-                    eval_items, config, out_dir / "run", desc=f"train {kind}")
+                    eval_items, config, out_dir / "run", desc=f"train {kind}", until=until)
     final_eval = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
     extra = {"training": {"data": meta, "sequences": len(sequences), "config": asdict(config),
-                          "options": asdict(options), "final_eval": final_eval}}
+                          "options": asdict(options), "step": history[-1]["step"],
+                          "final_eval": final_eval}}
     if RECIPES[kind].static_tree:
         extra["rank_accuracy"] = recipe.rank_accuracy(eval_items, config.max_len)
     return recipe.export(out_dir, extra)

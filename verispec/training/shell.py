@@ -38,29 +38,44 @@ class Batch:
     aux: torch.Tensor | None = None
 
 
-def collate(items: list[Sequence], max_len: int) -> Batch:
-    """Right-pad sequences (each cut to its last max_len tokens) into one batch."""
+def collate(items: list[Sequence], max_len: int, device: torch.device | str = "cpu",
+            aux: bool = True) -> Batch:
+    """Right-pad sequences (each cut to its last max_len tokens) into one batch on `device`;
+    aux False leaves out the aux-layer states (three states wide) for kinds that never read them.
+
+    The batch is laid out on the CPU in the data's own float16 and widened to float32 on the
+    device: a GPU's copy moves half the bytes, and the CPU does no conversion pass."""
     cut = [max(0, len(s.tokens) - max_len) for s in items]  # tokens dropped from each start
     items = [Sequence(s.tokens[-max_len:], max(0, s.prompt_len - dropped), s.hidden[-max_len:],
-                      s.exit_hidden[-max_len:], None if s.aux_hidden is None else s.aux_hidden[-max_len:])
+                      s.exit_hidden[-max_len:],
+                      None if s.aux_hidden is None or not aux else s.aux_hidden[-max_len:])
              for s, dropped in zip(items, cut)]
     width = max(len(s.tokens) for s in items)
     size = items[0].hidden.shape[-1]
-    tokens = torch.zeros(len(items), width, dtype=torch.int64)
-    hidden = torch.zeros(len(items), width, size)
-    exit_hidden = torch.zeros(len(items), width, size)
-    mask = torch.zeros(len(items), width, dtype=torch.bool)
+    kinds = {t.dtype for s in items for t in (s.hidden, s.exit_hidden, s.aux_hidden) if t is not None}
+    stored = kinds.pop() if len(kinds) == 1 else torch.float32  # the data's float16, as a rule
+    cpu = torch.device("cpu")  # the layout is built here whatever the default device is
+    tokens = torch.zeros(len(items), width, dtype=torch.int64, device=cpu)
+    hidden = torch.zeros(len(items), width, size, dtype=stored, device=cpu)
+    exit_hidden = torch.zeros_like(hidden)
+    mask = torch.zeros(len(items), width, dtype=torch.bool, device=cpu)
     answer = torch.zeros_like(mask)
     with_aux = all(s.aux_hidden is not None for s in items)
-    aux = torch.zeros(len(items), width, items[0].aux_hidden.shape[-1]) if with_aux else None
+    aux = (torch.zeros(len(items), width, items[0].aux_hidden.shape[-1], dtype=stored, device=cpu)
+           if with_aux else None)
     for row, s in enumerate(items):
         n = len(s.tokens)
         tokens[row, :n], mask[row, :n] = s.tokens, True
         answer[row, max(0, s.prompt_len - 1): n] = True
-        hidden[row, :n], exit_hidden[row, :n] = s.hidden.float(), s.exit_hidden.float()
+        hidden[row, :n], exit_hidden[row, :n] = s.hidden, s.exit_hidden
         if aux is not None:
-            aux[row, :n] = s.aux_hidden.float()
-    return Batch(tokens, hidden, exit_hidden, mask, answer, aux)
+            aux[row, :n] = s.aux_hidden
+
+    def states(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True).float()
+
+    return Batch(tokens.to(device), states(hidden), states(exit_hidden), mask.to(device),
+                 answer.to(device), None if aux is None else states(aux))
 
 
 @dataclass(frozen=True)
@@ -126,6 +141,7 @@ class Recipe:
                  options: RecipeOptions) -> None:
         model = target.model
         self.kind, self.spec, self.target, self.options = kind.name, kind, model, options
+        self.device = model.device  # the kind's module, the batches and the head live there
         answers = [s.tokens[s.prompt_len:] for s in sequences]
         self.vocab_ids = frequent_tokens(answers, target.vocab_size, options.vocab,
                                          set(target.eos_token_ids))
@@ -135,6 +151,7 @@ class Recipe:
         self.settings, self.module = kind.build(self, meta, sequences)
         if options.init is not None:
             self._warm_start(Path(options.init))
+        self.module.to(self.device)
 
     def _warm_start(self, path: Path) -> None:
         """Load a trained drafter's own weights (its vocabulary is not kept: the network does not
@@ -179,7 +196,7 @@ class Recipe:
     def loss(self, items: list[Sequence], max_len: int) -> tuple[torch.Tensor | None, dict]:
         """(loss, metrics) of a batch; loss None where the kind has run its backward itself (MTP,
         while gradients are on)."""
-        return self.spec.loss(self, collate(items, max_len))
+        return self.spec.loss(self, collate(items, max_len, self.device, self.spec.reads_aux))
 
     def head_term(self, k: int, student: torch.Tensor, teacher_all: torch.Tensor,
                   b: Batch) -> tuple[torch.Tensor, dict]:
@@ -199,11 +216,12 @@ class Recipe:
         heads: int | None = None
         hits = counts = torch.zeros(0)
         for start in range(0, len(items), chunk):
-            b = collate(items[start: start + chunk], max_len)
+            b = collate(items[start: start + chunk], max_len, self.device, self.spec.reads_aux)
             features = self.spec.head_features(self, b)  # [B, T, heads, hidden]
             if heads is None:
                 heads = features.shape[2]
-                hits, counts = torch.zeros(heads, ranks), torch.zeros(heads)
+                hits = torch.zeros(heads, ranks, device=self.device)
+                counts = torch.zeros(heads, device=self.device)
             target_top = self.teacher(b.hidden).argmax(-1)  # [B, T]
             for k in range(1, heads + 1):
                 ranked = self.teacher(features[:, :-k, k - 1]).topk(ranks, dim=-1).indices

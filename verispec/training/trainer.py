@@ -131,7 +131,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
         optimizer.step()
         step += 1
         record = {"step": step, "lr": learning_rate(step - 1, config), **metrics}
-        if eval_items and (step % config.eval_every == 0 or step == config.steps):
+        if eval_items and (step % config.eval_every == 0 or step in (last, config.steps)):
             record.update(evaluate())
         record["seconds"] = time.perf_counter() - started
         history.append(record)

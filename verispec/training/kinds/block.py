@@ -41,10 +41,11 @@ def block_outputs(recipe: Recipe, b: Batch, anchors: torch.Tensor) -> torch.Tens
     context = net.context(torch.cat([b.hidden, b.aux], -1))  # [B, T, hidden]
     newest = context.gather(1, (anchors - 1)[..., None].expand(-1, -1, context.shape[-1]))
     rows = net.rows(embeds, newest[:, :, None].expand_as(embeds))  # [B, A, block, hidden]
-    positions = (anchors[:, :, None] + torch.arange(size)).view(batch, -1)  # [B, A * block]
+    device = anchors.device
+    positions = (anchors[:, :, None] + torch.arange(size, device=device)).view(batch, -1)  # [B, A * block]
     row_anchor = anchors.repeat_interleave(size, dim=1)  # [B, A * block]
-    sees_context = torch.arange(width) < row_anchor[:, :, None]  # [B, A * block, T]
-    own_block = torch.block_diag(*[torch.ones(size, size, dtype=torch.bool).tril()] * count)
+    sees_context = torch.arange(width, device=device) < row_anchor[:, :, None]  # [B, A * block, T]
+    own_block = torch.block_diag(*[torch.ones(size, size, dtype=torch.bool, device=device).tril()] * count)
     mask = torch.cat([sees_context, own_block.expand(batch, -1, -1)], -1)[:, None]
     return net(rows.reshape(batch, count * size, -1), positions, context, mask).view(
         batch, count, size, -1)
@@ -62,7 +63,9 @@ def loss(recipe: Recipe, b: Batch) -> tuple[torch.Tensor, dict]:
     generator = None if recipe.module.training else torch.Generator().manual_seed(0)
     candidates = b.answer & b.mask
     candidates[:, 0] = False
-    scores = torch.rand(batch, width, generator=generator).masked_fill(~candidates, -1.0)
+    # drawn on the CPU (its generator, or the global seed the trainer sets) on any device
+    scores = torch.rand(batch, width, generator=generator, device="cpu").to(b.mask.device)
+    scores = scores.masked_fill(~candidates, -1.0)
     anchors = scores.topk(min(ANCHORS, width), dim=1).indices  # [B, A]
     valid = candidates.gather(1, anchors)  # fewer candidates than anchors: the rest are off
     anchors = anchors.clamp_min(1)
@@ -90,7 +93,7 @@ def features(recipe: Recipe, b: Batch) -> torch.Tensor:
     the target's state at i has): [B, T, block - 1, hidden]; in chunks of ANCHORS anchors, as
     training runs them."""
     batch, width = b.tokens.shape
-    anchors = torch.arange(1, width + 1).clamp_max(width - 1).expand(batch, -1)
+    anchors = torch.arange(1, width + 1, device=b.tokens.device).clamp_max(width - 1).expand(batch, -1)
     return torch.cat([block_outputs(recipe, b, anchors[:, start: start + ANCHORS])[:, :, 1:]
                       for start in range(0, width, ANCHORS)], 1)
 

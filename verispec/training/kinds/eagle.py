@@ -30,7 +30,7 @@ def loss(recipe: Recipe, b: Batch) -> tuple[torch.Tensor, dict]:
     for step in range(options.unroll):
         width = features.shape[1]
         embeds = recipe.embed[b.tokens[:, step + 1: step + 1 + width]]
-        predicted = recipe.module(embeds, features, torch.arange(width), mid=mid)
+        predicted = recipe.module(embeds, features, torch.arange(width, device=b.tokens.device), mid=mid)
         mid = None
         m = mask[:, step: step + width]
         # the real positions' rows only [N, hidden]: padding never reaches the head

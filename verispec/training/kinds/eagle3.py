@@ -32,7 +32,7 @@ def loss(recipe: Recipe, b: Batch) -> tuple[torch.Tensor, dict]:
     for step in range(recipe.options.unroll):
         width = features.shape[1]
         embeds = recipe.embed[b.tokens[:, step + 1: step + 1 + width]]
-        output = recipe.module(embeds, features, torch.arange(width))
+        output = recipe.module(embeds, features, torch.arange(width, device=b.tokens.device))
         student = recipe.module.logits(output)
         teacher, m = teacher_all[:, step: step + width], mask[:, step: step + width]
         total = total + distill_loss(student, teacher, recipe.options.loss, m)

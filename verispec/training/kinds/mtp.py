@@ -22,14 +22,14 @@ def build(recipe: Recipe, meta: dict, sequences: list[Sequence]) -> Built:
 def features(recipe: Recipe, b: Batch) -> torch.Tensor:
     """Every head's features at every position, normed: [B, T, heads, hidden]."""
     norm = unembedding_norm(recipe.target)
-    return norm(recipe.module(b.hidden, torch.arange(b.tokens.shape[1])))
+    return norm(recipe.module(b.hidden, torch.arange(b.tokens.shape[1], device=b.tokens.device)))
 
 
 def head_losses(recipe: Recipe, b: Batch) -> tuple[list[Callable[[torch.Tensor], torch.Tensor]], dict]:
     """One loss function per head of the trunk's output [B, T, hidden] (the target's final
     states), and the metrics dict they fill in as they run. Head k reads the states up to i and
     predicts x_{i+1+k}: its teacher is the target's distribution at i + k."""
-    positions = torch.arange(b.tokens.shape[1])
+    positions = torch.arange(b.tokens.shape[1], device=b.tokens.device)
     teacher_all = recipe.teacher(b.hidden)  # [B, T, reduced]
     norm = unembedding_norm(recipe.target)
     metrics: dict = {}
