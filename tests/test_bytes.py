@@ -264,7 +264,7 @@ def test_train_bytes_stops_at_a_step_of_its_schedule_and_resumes_past_it(tmp_pat
     """--stop-at exports what an interrupted run reached, on the --steps schedule; the command
     without it resumes from there and ends where one uninterrupted run ends, on the same learning
     rates."""
-    from tests.tiny import save_tiny
+    from tests.tiny import assert_resumed_as_one_run, save_tiny
 
     writer = save_tiny(tmp_path / "writer")
     base = ["train", "bytes", "--target", str(writer), "--data", str(tmp_path / "data"), "--steps",
@@ -274,10 +274,7 @@ def test_train_bytes_stops_at_a_step_of_its_schedule_and_resumes_past_it(tmp_pat
     assert json.loads((tmp_path / "a" / "model" / "training.json").read_text())["step"] == 2
     assert main([*base, "--out", str(tmp_path / "a")]) == 0
     assert main([*base, "--out", str(tmp_path / "b")]) == 0
-    resumed, whole = (json.loads((tmp_path / run / "run" / "history.json").read_text())
-                      for run in ("a", "b"))
-    assert [h["step"] for h in resumed] == [h["step"] for h in whole] == [1, 2, 3, 4]
-    assert [h["lr"] for h in resumed] == [h["lr"] for h in whole]
+    assert_resumed_as_one_run(tmp_path / "a" / "run", tmp_path / "b" / "run", 4)
     assert json.loads((tmp_path / "a" / "model" / "training.json").read_text())["step"] == 4
     capsys.readouterr()
     assert main([*base, "--out", str(tmp_path / "a"), "--stop-at", "3"]) == 2  # past it already

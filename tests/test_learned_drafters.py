@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.tiny import TINY_RECIPE, VOCAB, plain_greedy, save_tiny, tiny_llama
+from tests.tiny import TINY_RECIPE, VOCAB, assert_resumed_as_one_run, plain_greedy, save_tiny, tiny_llama
 from verispec.bench.runner import BenchConfig, run_bench
 from verispec.bench.summary import summarize
 from verispec.cli import main
@@ -518,10 +518,7 @@ def test_cli_trains_a_drafter_in_parts_with_stop_at(loaded, data, tmp_path, caps
     assert part["step"] == 2 and part["final_eval"]["eval_loss"] > 0  # evaluated where it stopped
     assert main([*base, "--out", str(tmp_path / "a")]) == 0
     assert main([*base, "--out", str(tmp_path / "b")]) == 0
-    resumed, whole = (json.loads((tmp_path / run / "run" / "history.json").read_text())
-                      for run in ("a", "b"))
-    assert [h["step"] for h in resumed] == [h["step"] for h in whole] == [1, 2, 3, 4]
-    assert [h["lr"] for h in resumed] == [h["lr"] for h in whole]
+    assert_resumed_as_one_run(tmp_path / "a" / "run", tmp_path / "b" / "run", 4)
     assert json.loads((tmp_path / "a" / "drafter.json").read_text())["training"]["step"] == 4
     capsys.readouterr()
     assert main([*base, "--out", str(tmp_path / "a"), "--stop-at", "3"]) == 2  # past it already

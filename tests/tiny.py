@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -134,6 +135,14 @@ def save_tiny(directory: Path, seed: int = 0, layers: int = 3, prefix: str = "w"
 def tiny_loaded(seed: int = 0, layers: int = 3) -> LoadedModel:
     """The tiny Llama with its tokenizer, as verispec loads a target."""
     return LoadedModel(tiny_llama(seed=seed, layers=layers), tiny_tokenizer(), "tiny")
+
+
+def assert_resumed_as_one_run(resumed: Path, whole: Path, steps: int) -> None:
+    """The run directories' histories (a run stopped with --stop-at, then resumed; one run
+    uninterrupted) hold the same steps on the same learning rates: the same schedule."""
+    first, second = (json.loads((run / "history.json").read_text()) for run in (resumed, whole))
+    assert [h["step"] for h in first] == [h["step"] for h in second] == list(range(1, steps + 1))
+    assert [h["lr"] for h in first] == [h["lr"] for h in second]
 
 
 def plain_greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int) -> list[int]:
