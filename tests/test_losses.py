@@ -116,3 +116,19 @@ def test_bf16_autocast_only_where_the_cpu_has_it(monkeypatch, flags, fast):
     monkeypatch.setattr(trainer, "cpu_flags", lambda: flags)
     assert trainer.bf16_is_fast("cpu") is fast
     assert trainer.bf16_is_fast("cuda") and not trainer.bf16_is_fast("mps")
+
+
+@pytest.mark.parametrize("save_seconds, saved_at", [(0.0, [2, 4, 6, 7]), (3600.0, [7])])
+def test_checkpoints_come_every_few_steps_but_not_more_often_than_save_seconds(
+        monkeypatch, tmp_path, save_seconds, saved_at):
+    """Every checkpoint_every steps and at the end; with a step far quicker than SAVE_SECONDS (a
+    GPU's), only at the end."""
+    saves = []
+    monkeypatch.setattr(trainer, "SAVE_SECONDS", save_seconds)
+    monkeypatch.setattr(trainer, "plot_history",
+                        lambda history, path, title: saves.append(history[-1]["step"]))
+    module = torch.nn.Linear(2, 1)
+    config = trainer.TrainConfig(steps=7, warmup=1, batch_size=2, checkpoint_every=2, bf16=False)
+    history = trainer.train(module, lambda batch: ((module(torch.stack(batch)) ** 2).mean(), {"loss": 1.0}),
+                            [torch.ones(2), torch.zeros(2)], [], config, tmp_path)
+    assert len(history) == 7 and saves == saved_at and (tmp_path / "checkpoint.pt").is_file()

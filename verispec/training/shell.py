@@ -52,8 +52,8 @@ def collate(items: list[Sequence], max_len: int, device: torch.device | str = "c
              for s, dropped in zip(items, cut)]
     width = max(len(s.tokens) for s in items)
     size = items[0].hidden.shape[-1]
-    kinds = {t.dtype for s in items for t in (s.hidden, s.exit_hidden, s.aux_hidden) if t is not None}
-    stored = kinds.pop() if len(kinds) == 1 else torch.float32  # the data's float16, as a rule
+    dtypes = {t.dtype for s in items for t in (s.hidden, s.exit_hidden, s.aux_hidden) if t is not None}
+    stored = dtypes.pop() if len(dtypes) == 1 else torch.float32  # the data's float16, as a rule
     cpu = torch.device("cpu")  # the layout is built here whatever the default device is
     tokens = torch.zeros(len(items), width, dtype=torch.int64, device=cpu)
     hidden = torch.zeros(len(items), width, size, dtype=stored, device=cpu)
@@ -72,7 +72,7 @@ def collate(items: list[Sequence], max_len: int, device: torch.device | str = "c
             aux[row, :n] = s.aux_hidden
 
     def states(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True).float()
+        return t.to(device).float()
 
     return Batch(tokens.to(device), states(hidden), states(exit_hidden), mask.to(device),
                  answer.to(device), None if aux is None else states(aux))

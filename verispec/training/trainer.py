@@ -1,8 +1,8 @@
 """One generic training loop for every drafter: AdamW, warm-up + cosine schedule, resumable.
 
 A recipe supplies the module and a loss function of a batch; the loop owns the rest: progress
-bar, a checkpoint every few steps (the run resumes from it after an interruption), a held-out
-evaluation, and the loss curve as a PNG beside the checkpoint.
+bar, a checkpoint every few steps and at most every SAVE_SECONDS (the run resumes from it after an
+interruption), a held-out evaluation, and the loss curve as a PNG beside the checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from tqdm import tqdm
 
 from verispec.core.errors import VerispecError
 from verispec.core.files import write_whole
+
+# A checkpoint (and the loss plot) every checkpoint_every steps, but at most once this many
+# seconds: on a GPU a hundred steps take seconds, and saving the optimiser's state and drawing
+# the plot each time would cost a sizeable share of them.
+SAVE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
 
     module.train()
     started = time.perf_counter() - seconds
+    saved_at = time.perf_counter()
     bar = tqdm(total=config.steps, initial=step, desc=desc, unit="step")
     while step < last:
         for group in optimizer.param_groups:
@@ -137,9 +143,11 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
         history.append(record)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-        if step % config.checkpoint_every == 0 or step in (last, config.steps):
+        due = step % config.checkpoint_every == 0 and time.perf_counter() - saved_at >= SAVE_SECONDS
+        if due or step in (last, config.steps):
             save()
             plot_history(history, work_dir / "loss.png", desc)
+            saved_at = time.perf_counter()
     bar.close()
     (work_dir / "history.json").write_text(json.dumps(history))
     return history
