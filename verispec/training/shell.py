@@ -43,8 +43,8 @@ def collate(items: list[Sequence], max_len: int, device: torch.device | str = "c
     """Right-pad sequences (each cut to its last max_len tokens) into one batch on `device`;
     aux False leaves out the aux-layer states (three states wide) for kinds that never read them.
 
-    The batch is laid out on the CPU in the data's own float16 and widened to float32 on the
-    device: a GPU's copy moves half the bytes, and the CPU does no conversion pass."""
+    For another device than the CPU the batch is laid out in the data's own float16 and widened
+    to float32 there: the copy moves half the bytes, and the CPU makes no conversion pass."""
     cut = [max(0, len(s.tokens) - max_len) for s in items]  # tokens dropped from each start
     items = [Sequence(s.tokens[-max_len:], max(0, s.prompt_len - dropped), s.hidden[-max_len:],
                       s.exit_hidden[-max_len:],
@@ -53,7 +53,9 @@ def collate(items: list[Sequence], max_len: int, device: torch.device | str = "c
     width = max(len(s.tokens) for s in items)
     size = items[0].hidden.shape[-1]
     dtypes = {t.dtype for s in items for t in (s.hidden, s.exit_hidden, s.aux_hidden) if t is not None}
-    stored = dtypes.pop() if len(dtypes) == 1 else torch.float32  # the data's float16, as a rule
+    on_cpu = torch.device(device).type == "cpu"
+    # float32 on the CPU (each row widened as it is copied), else the data's float16 as a rule
+    stored = dtypes.pop() if len(dtypes) == 1 and not on_cpu else torch.float32
     cpu = torch.device("cpu")  # the layout is built here whatever the default device is
     tokens = torch.zeros(len(items), width, dtype=torch.int64, device=cpu)
     hidden = torch.zeros(len(items), width, size, dtype=stored, device=cpu)
