@@ -221,6 +221,12 @@ def build_data_command(args: argparse.Namespace, out: Path) -> int:
     if args.data or args.prompts or args.data_batches or args.text:
         raise VerispecError("verispec train data writes to --out from --source alone (no --data, "
                             "--prompts, --data-batches or --text)")
+    training = [name for name, value in (("--steps", args.steps), ("--stop-at", args.stop_at),
+                                         ("--lr", args.lr), ("--batch-size", args.batch_size),
+                                         ("--init", args.init)) if value is not None]
+    if training:
+        raise VerispecError(f"{', '.join(training)}: training options; verispec train data only "
+                            "builds data (train on it with verispec train KIND --data OUT)")
     target = load_model(args.target, args.dtype, args.device)
     build_data(target, out, args.source, args.mode, args.tokens, args.held_out,
                max_new_tokens=256 if args.max_new_tokens is None else args.max_new_tokens,
