@@ -231,7 +231,7 @@ def test_train_data_command_and_its_errors(tiny_dir, corpus, tmp_path, capsys):
                  str(tmp_path / "missing.jsonl")]) == 2
     assert "neither 'sharegpt', 'templates' nor a file" in capsys.readouterr().err
     assert main(["train", "data", "--out", str(tmp_path / "y"), "--source", str(corpus),
-                 "--steps", "9", "--stop-at", "3"]) == 2  # nothing is trained: said, not ignored
+                 "--steps", "9", "--stop-at", "30"]) == 2  # nothing is trained: said, not ignored
     assert "--steps, --stop-at: training options" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
     assert main(["train", "eagle", "--out", str(tmp_path / "x"), "--tokens", "5"]) == 2

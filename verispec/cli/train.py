@@ -136,6 +136,11 @@ def run_command(args: argparse.Namespace) -> int:
     from verispec.training.recipes import RECIPES, RecipeOptions, train_drafter
     from verispec.training.trainer import TrainConfig
 
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise VerispecError(f"--out {out} exists and is not a directory")
+    if args.kind == DATA_KIND:  # before the training options' checks: it refuses them all
+        return build_data_command(args, out)
     byte_model = args.kind == BYTES_KIND
     defaults = BYTE_TRAINING if byte_model else TrainConfig()
     steps, lr, batch_size = (defaults.steps if args.steps is None else args.steps,
@@ -143,14 +148,9 @@ def run_command(args: argparse.Namespace) -> int:
                              defaults.batch_size if args.batch_size is None else args.batch_size)
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise VerispecError("--steps and --batch-size must be >= 1 and --lr > 0")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise VerispecError(f"--out {out} exists and is not a directory")
     bf16 = {"auto": None, "on": True, "off": False}[args.bf16]
     if args.stop_at is not None and not 1 <= args.stop_at <= steps:
         raise VerispecError(f"--stop-at must lie in 1..--steps ({steps}), got {args.stop_at}")
-    if args.kind == DATA_KIND:
-        return build_data_command(args, out)
     if args.source is None and (args.tokens != 1_000_000 or args.mode != "self"):
         raise VerispecError("--tokens and --mode size and shape the data engine's data: give --source")
     if args.source is not None and (args.prompts or args.data_batches):

@@ -52,10 +52,8 @@ def collate(items: list[Sequence], max_len: int, device: torch.device | str = "c
              for s, dropped in zip(items, cut)]
     width = max(len(s.tokens) for s in items)
     size = items[0].hidden.shape[-1]
-    dtypes = {t.dtype for s in items for t in (s.hidden, s.exit_hidden, s.aux_hidden) if t is not None}
-    on_cpu = torch.device(device).type == "cpu"
-    # float32 on the CPU (each row widened as it is copied), else the data's float16 as a rule
-    stored = dtypes.pop() if len(dtypes) == 1 and not on_cpu else torch.float32
+    # float32 on the CPU (each row widened as it is copied), else the data's own (float16)
+    stored = torch.float32 if torch.device(device).type == "cpu" else items[0].hidden.dtype
     cpu = torch.device("cpu")  # the layout is built here whatever the default device is
     tokens = torch.zeros(len(items), width, dtype=torch.int64, device=cpu)
     hidden = torch.zeros(len(items), width, size, dtype=stored, device=cpu)
