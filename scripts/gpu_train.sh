@@ -50,7 +50,7 @@ history = json.loads((out / "history.json").read_text())
 # seconds a step after the fifth (the first steps warm the caches up), over every part so far
 skip = 5 if len(history) > 6 else 0
 rate = (history[-1]["seconds"] - (history[skip - 1]["seconds"] if skip else 0)) / (len(history) - skip)
-summary = {"step": training["step"], "data_seconds": data_s, "train_seconds": train_s,
+summary = {"step": training["step"], "data_seconds": data_s, "train_seconds": train_s, "fit": training["fit"],
            "seconds_a_step": round(rate, 4), **training["final_eval"]}
 (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 print(json.dumps(summary))

@@ -94,7 +94,7 @@ def tiny_trained(tiny_dir, tiny_data, tmp_path_factory):
     from verispec.training.trainer import TrainConfig
 
     loaded = load_model(str(tiny_dir))
-    config = TrainConfig(steps=4, warmup=1, batch_size=4, eval_every=2, checkpoint_every=2)
+    config = TrainConfig(steps=4, warmup=1, batch_size=4, eval_every=1, checkpoint_every=2)
     return {kind: train_drafter(kind, loaded, [tiny_data], tmp_path_factory.mktemp(kind), config,
                                 TINY_RECIPE)
             for kind in KINDS}

@@ -273,6 +273,9 @@ def test_trained_drafters_are_written_with_their_run(trained):
         final = config["training"]["final_eval"]  # over every position, and the answers' only
         assert any(name.endswith("_answer") for name in final)
         assert all(0 <= value <= 1 for name, value in final.items() if name.startswith("eval_top1"))
+        fit = config["training"]["fit"]  # an evaluation every step: the last third is steps 3 to 4
+        assert fit["verdict"] in ("steps", "data", "neither") and (fit["since_step"], fit["step"]) == (3, 4)
+        assert fit["held_out"] == final[f"eval_{fit['metric']}"]
         assert (path / "weights.safetensors").is_file()
         assert (path / "run" / "loss.png").is_file() and (path / "run" / "checkpoint.pt").is_file()
 

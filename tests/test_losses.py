@@ -132,3 +132,39 @@ def test_checkpoints_come_every_few_steps_but_not_more_often_than_save_seconds(
     history = trainer.train(module, lambda batch: ((module(torch.stack(batch)) ** 2).mean(), {"loss": 1.0}),
                             [torch.ones(2), torch.zeros(2)], [], config, tmp_path)
     assert len(history) == 7 and saves == saved_at and (tmp_path / "checkpoint.pt").is_file()
+
+
+def fit_history(training: list[float], held_out: dict[int, float], name: str = "top1_step1_answer"
+                ) -> list[dict]:
+    """A trainer history: `training[i]` the training batch's agreement at step i + 1, and the
+    held-out agreement at the steps `held_out` names."""
+    return [{"step": i + 1, "loss": 1.0, name: value,
+             **({f"eval_{name}": held_out[i + 1], "eval_loss": 1.0} if i + 1 in held_out else {})}
+            for i, value in enumerate(training)]
+
+
+@pytest.mark.parametrize("training, held_out, verdict", [
+    ([s / 100 for s in range(1, 31)], {10: 0.30, 20: 0.40, 30: 0.45}, "steps"),
+    ([s / 100 for s in range(1, 31)], {10: 0.30, 20: 0.40, 30: 0.405}, "data"),
+    ([0.5] * 30, {10: 0.30, 20: 0.40, 30: 0.405}, "neither"),
+])
+def test_fit_says_whether_more_steps_or_more_data_would_help(training, held_out, verdict):
+    """Over the run's last third (step 20 to 30 here): held-out still rising means more steps;
+    held-out flat while the training batches rise means the drafter memorises its data."""
+    report = trainer.fit(fit_history(training, held_out))
+    assert report["verdict"] == verdict and (report["since_step"], report["step"]) == (20, 30)
+    # the training batches' mean over the 20 steps up to each evaluation (span: since's step)
+    before, after = sum(training[:20]) / 20, sum(training[10:30]) / 20
+    assert report["training"] == pytest.approx(after)
+    assert report["training_gain"] == pytest.approx(after - before)
+    assert report["held_out_gain"] == pytest.approx(held_out[30] - held_out[20])
+    line = trainer.describe_fit(report)
+    assert f"{held_out[30]:.3f}" in line
+    assert {"steps": "more --steps should help", "data": "more data (--tokens)",
+            "neither": "will not help"}[verdict] in line
+
+
+def test_fit_needs_three_evaluations_of_an_agreement():
+    rising = [s / 100 for s in range(1, 31)]
+    assert trainer.fit(fit_history(rising, {15: 0.3, 30: 0.4})) is None
+    assert trainer.fit(fit_history(rising, {10: 0.3, 20: 0.4, 30: 0.5}, name="bits")) is None

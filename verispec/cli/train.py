@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -134,7 +135,7 @@ def run_command(args: argparse.Namespace) -> int:
     )
     from verispec.training.data_engine import build_data
     from verispec.training.recipes import RECIPES, RecipeOptions, train_drafter
-    from verispec.training.trainer import TrainConfig
+    from verispec.training.trainer import TrainConfig, describe_fit
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -196,6 +197,9 @@ def run_command(args: argparse.Namespace) -> int:
                                             exit_layer=args.exit_layer, aux_layers=aux_layers))
     config = TrainConfig(steps=steps, lr=lr, batch_size=batch_size, seed=args.seed, bf16=bf16)
     saved = train_drafter(args.kind, target, data_dirs, out, config, options, until=args.stop_at)
+    report = json.loads((saved / "drafter.json").read_text())["training"]["fit"]
+    if report is not None:
+        print(f"verispec: {describe_fit(report)}", file=sys.stderr)
     print(f"verispec: {args.kind} drafter written to {saved} (loss curve: {saved / 'run' / 'loss.png'}); "
           f"use it with --method {args.kind} --draft {saved}")
     return 0

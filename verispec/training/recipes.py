@@ -22,7 +22,7 @@ from verispec.training.data import Sequence, load_dataset
 from verispec.training.data_engine import HELD_OUT
 from verispec.training.kinds import block, draft, eagle, eagle3, early_exit, hydra, medusa, mtp
 from verispec.training.shell import Kind, Recipe, RecipeOptions
-from verispec.training.trainer import TrainConfig, bf16_is_fast, train
+from verispec.training.trainer import TrainConfig, bf16_is_fast, fit, train
 
 # Every kind `verispec train` knows, keyed by its drafter's own `kind` (the order of the help text).
 RECIPES: dict[str, Kind] = {k.name: k for k in (eagle.KIND, medusa.KIND, early_exit.KIND, draft.KIND,
@@ -124,7 +124,7 @@ def train_drafter(kind: str, target: LoadedModel, data_dirs: list[Path], out_dir
     final_eval = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
     extra = {"training": {"data": meta, "sequences": len(sequences), "config": asdict(config),
                           "options": asdict(options), "step": history[-1]["step"],
-                          "final_eval": final_eval}}
+                          "final_eval": final_eval, "fit": fit(history)}}
     if RECIPES[kind].static_tree:
         extra["rank_accuracy"] = recipe.rank_accuracy(eval_items, config.max_len)
     return recipe.export(out_dir, extra)

@@ -26,6 +26,13 @@ from verispec.core.files import write_whole
 # the plot each time would cost a sizeable share of them.
 SAVE_SECONDS = 30.0
 
+# How much the held-out agreement must rise over a run's last third for more steps to be
+# worth it, and how far the training batches' agreement must rise meanwhile before a flat
+# held-out figure reads as memorising: both a few times the held-out figure's noise (about 0.01
+# between reruns, docs/training.md).
+STILL_LEARNING = 0.01
+MEMORISING = 0.03
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -153,6 +160,56 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list], tuple[torch.Tensor 
     return history
 
 
+def training_mean(history: list[dict], step: int, name: str, span: int) -> float | None:
+    """The metric `name` averaged over the training batches of the `span` steps up to `step`."""
+    values = [h[name] for h in history if step - span < h["step"] <= step and name in h]
+    return sum(values) / len(values) if values else None
+
+
+def position_one(keys: set[str]) -> str | None:
+    """The held-out agreement at the first draft position over answer positions (its name
+    without "eval_"), where the keys hold one."""
+    names = sorted(k for k in keys if k.startswith("eval_top1") and k.endswith("_answer"))
+    return names[0].removeprefix("eval_") if names else None
+
+
+def fit(history: list[dict]) -> dict | None:
+    """Whether more steps or more data would help, read off the held-out agreement at position 1
+    (answer positions) against the training batches' over the run's last third: "steps" while
+    held-out still rises (by STILL_LEARNING), "data" where it has stopped while training batches
+    keep rising (by MEMORISING: the drafter memorises its data), else "neither" (the drafter
+    has stopped learning either way). None without three evaluations or an agreement metric."""
+    evals = [h for h in history if any(k.startswith("eval_") for k in h)]
+    name = position_one({k for h in evals for k in h})
+    if len(evals) < 3 or name is None:
+        return None
+    last = evals[-1]
+    since = min(evals[:-1], key=lambda h: abs(h["step"] - 2 * last["step"] / 3))
+    span = max(1, min(250, since["step"]))  # the training batches around each evaluation
+    trained = [training_mean(history, h["step"], name, span) for h in (since, last)]
+    if None in trained:
+        return None
+    held_gain = last[f"eval_{name}"] - since[f"eval_{name}"]
+    trained_gain = trained[1] - trained[0]
+    verdict = ("steps" if held_gain >= STILL_LEARNING
+               else "data" if trained_gain >= MEMORISING else "neither")
+    return {"metric": name, "since_step": since["step"], "step": last["step"],
+            "held_out": last[f"eval_{name}"], "training": trained[1],
+            "held_out_gain": held_gain, "training_gain": trained_gain, "verdict": verdict}
+
+
+def describe_fit(report: dict) -> str:
+    """One line for a user: what the last third of the run says about more steps or more data."""
+    head = (f"held-out {report['metric']} {report['held_out']:.3f} (training batches "
+            f"{report['training']:.3f}); from step {report['since_step']} to {report['step']} held-out "
+            f"{report['held_out_gain']:+.3f}, training {report['training_gain']:+.3f}: ")
+    return head + {
+        "steps": "still learning, so more --steps should help",
+        "data": "the drafter memorises this data; more data (--tokens) will help more than more --steps",
+        "neither": "neither figure is rising; more --steps alone will not help",
+    }[report["verdict"]]
+
+
 def plot_history(history: list[dict], path: Path, title: str) -> None:
     """Training loss (smoothed) and held-out metrics against the step."""
     import matplotlib
@@ -176,13 +233,20 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
     # A drafter's agreement with its target, else (a model trained from scratch) its bits.
     agreement = any(k.startswith("eval_top1") for h in evals for k in h)
     prefix = "eval_top1" if agreement else "eval_bits"
+    first = position_one({k for h in evals for k in h})
     for name in sorted({k for h in evals for k in h if k.startswith(prefix)}):
-        right.plot([h["step"] for h in evals], [h[name] for h in evals], marker="o",
-                   linestyle="--" if name.endswith("_answer") else "-",  # answer positions only
-                   label=name.removeprefix("eval_"))
+        line, = right.plot([h["step"] for h in evals], [h[name] for h in evals], marker="o",
+                           linestyle="--" if name.endswith("_answer") else "-",  # answers only
+                           label=name.removeprefix("eval_"))
+        if name == f"eval_{first}":  # a gap between the two: the drafter memorises its data
+            span = max(1, min(250, evals[0]["step"]))
+            trained = [(h["step"], training_mean(history, h["step"], first, span)) for h in evals]
+            trained = [(s, v) for s, v in trained if v is not None]
+            right.plot([s for s, _ in trained], [v for _, v in trained], color=line.get_color(),
+                       alpha=0.4, linestyle=line.get_linestyle(), label=f"{first} (training batches)")
     right.set_xlabel("step")
     if agreement:
-        right.set_ylabel("held-out top-1 agreement with the target")
+        right.set_ylabel("top-1 agreement with the target (held-out)")
         right.set_ylim(0, 1)
     else:
         right.set_ylabel("held-out bits per token")
