@@ -6,15 +6,16 @@
 # from the checkpoint in $RUN (kept while the machine stays warm). Settings come from the
 # environment; the defaults are for a GPU:
 #
-#   STOP_AT=2000 bash scripts/gpu_train.sh             # the first part
-#   STOP_AT=6000 bash scripts/gpu_train.sh             # the next, from the checkpoint
+#   STOP_AT=1000 bash scripts/gpu_train.sh             # the first part
+#   STOP_AT=2500 bash scripts/gpu_train.sh             # the next, from the checkpoint
 #   DEVICE=cpu DTYPE=float32 TOKENS=20000 STEPS=4 STOP_AT=2 BATCH=2 bash scripts/gpu_train.sh  # a dry run here
 set -euo pipefail
 
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}       # the target that builds the data (its states train the drafter)
-TOKENS=${TOKENS:-3000000}      # reply tokens of ShareGPT data (about 7.5 KiB of disk each)
-STEPS=${STEPS:-20000}          # the schedule's length (warm-up, cosine decay)
+TOKENS=${TOKENS:-3000000}      # reply tokens of ShareGPT data (about 7.7 KB of disk each: 23 GB)
+STEPS=${STEPS:-2500}           # the schedule's length (warm-up, cosine decay): about ten passes of BATCH over
+                               # TOKENS' ~15,000 exchanges; past that EAGLE memorises its data (docs/training.md)
 STOP_AT=${STOP_AT:-$STEPS}     # this part ends here
 BATCH=${BATCH:-64}
 LR=${LR:-0.003}               # best of 1e-3..1e-2 at batches of 8 on a CPU (2e-3 close; docs/training.md); not measured at 64
