@@ -32,6 +32,7 @@ SAVE_SECONDS = 30.0
 # between reruns, docs/training.md).
 STILL_LEARNING = 0.01
 MEMORISING = 0.03
+TRAINING_SPAN = 250  # the training batches' steps averaged beside an evaluation (at most)
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def fit(history: list[dict]) -> dict | None:
         return None
     last = evals[-1]
     since = min(evals[:-1], key=lambda h: abs(h["step"] - 2 * last["step"] / 3))
-    span = max(1, min(250, since["step"]))  # the training batches around each evaluation
+    span = max(1, min(TRAINING_SPAN, since["step"]))
     trained = [training_mean(history, h["step"], name, span) for h in (since, last)]
     if None in trained:
         return None
@@ -239,7 +240,7 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
                            linestyle="--" if name.endswith("_answer") else "-",  # answers only
                            label=name.removeprefix("eval_"))
         if name == f"eval_{first}":  # a gap between the two: the drafter memorises its data
-            span = max(1, min(250, evals[0]["step"]))
+            span = max(1, min(TRAINING_SPAN, evals[0]["step"]))
             trained = [(h["step"], training_mean(history, h["step"], first, span)) for h in evals]
             trained = [(s, v) for s, v in trained if v is not None]
             right.plot([s for s, _ in trained], [v for _, v in trained], color=line.get_color(),
