@@ -12,7 +12,7 @@ import importlib
 import json
 import os
 import shutil
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -47,6 +47,7 @@ from verispec.model.kernels import rows
 from verispec.model.loading import load_model
 from verispec.model.lowbit import Int8Groups
 from verispec.options import DraftOptions
+from verispec.training import trainer
 from verispec.training.data import (
     Sequence,
     build_dataset,
@@ -528,6 +529,21 @@ def test_cli_trains_a_drafter_in_parts_with_stop_at(loaded, data, tmp_path, caps
     assert "past 3" in capsys.readouterr().err
     assert main([*base, "--out", str(tmp_path / "c"), "--stop-at", "5"]) == 2
     assert "--stop-at must lie in 1..--steps (4)" in capsys.readouterr().err
+
+def test_cli_says_whether_more_steps_or_more_data_would_help(loaded, data, tmp_path, capsys, monkeypatch):
+    """With three evaluations or more, `verispec train` ends on the run's fit: the line
+    describe_fit makes of drafter.json's training.fit (here an evaluation every step)."""
+    @dataclass(frozen=True)
+    class EveryStep(trainer.TrainConfig):
+        eval_every: int = 1
+
+    monkeypatch.setattr(trainer, "TrainConfig", EveryStep)
+    assert main(["train", "eagle", "--target", str(loaded.name), "--data", str(data), "--steps", "4",
+                 "--exit-layer", "1", "--vocab", "40", "--out", str(tmp_path / "a")]) == 0
+    report = json.loads((tmp_path / "a" / "drafter.json").read_text())["training"]["fit"]
+    assert (report["since_step"], report["step"]) == (3, 4)
+    assert f"verispec: {trainer.describe_fit(report)}" in capsys.readouterr().err
+
 
 def test_mid_state_eagle_starts_as_the_drafter_it_widens_then_learns(loaded, data, trained):
     meta, sequences = load_dataset(data)
