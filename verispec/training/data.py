@@ -2,10 +2,11 @@
 of a text corpus read as its replies, with its hidden states.
 
 Each shard file holds one generation batch: for every sequence the token ids (prompt + answer),
-the prompt length, the target's final hidden state at every position (what EAGLE and Medusa
-drafters read), the hidden state after the early-exit layer (what a trained exit reads) and,
-where the data was built with `aux_layers`, the states after those layers side by side (what an
-EAGLE-3 drafter reads).
+the prompt length, the target's final hidden state at every position (what every kind reads:
+EAGLE's features, and the target's logits for every kind's loss), the hidden state after the
+early-exit layer (what a trained exit and EAGLE's --mid-state read; left out of data built with
+`exit_states=False`, recorded in meta.json) and, where the data was built with `aux_layers`, the
+states after those layers side by side (what EAGLE-3 and the block drafter read).
 Logits are not stored: they are `final_hidden @ lm_head.T`, recomputed when a loss needs them.
 Shards already written are kept, so an interrupted build resumes where it stopped.
 """
@@ -41,7 +42,9 @@ class Sequence:
     tokens: torch.Tensor  # [T] int64: prompt + answer
     prompt_len: int
     hidden: torch.Tensor  # [T, hidden] float16: final (normed) hidden state per position
-    exit_hidden: torch.Tensor  # [T, hidden] float16: hidden state after the first exit_layer layers
+    # [T, hidden] float16: hidden state after the first exit_layer layers; None for data built
+    # without it (meta.json's "exit_states": false)
+    exit_hidden: torch.Tensor | None
     # [T, hidden * len(aux_layers)] float16: Hugging Face hidden_states[L] for each L in the
     # data's aux_layers (meta.json), side by side; None for data built without them
     aux_hidden: torch.Tensor | None = None
@@ -64,9 +67,9 @@ def answer(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -
 
 @torch.inference_mode()
 def features(target: LoadedModel, sequences: list[list[int]], exit_layer: int,
-             aux_layers: tuple[int, ...] = ()) -> list[Sequence]:
-    """Final, exit-layer (and aux-layer) hidden states of each sequence, from one right-padded
-    forward."""
+             aux_layers: tuple[int, ...] = (), exit_states: bool = True) -> list[Sequence]:
+    """Final, exit-layer (unless exit_states is False) and aux-layer hidden states of each
+    sequence, from one right-padded forward."""
     model = target.model
     width = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), width, dtype=torch.int64)
@@ -79,7 +82,7 @@ def features(target: LoadedModel, sequences: list[list[int]], exit_layer: int,
     final, early = out.last_hidden_state, out.hidden_states[exit_layer]
     aux = torch.cat([out.hidden_states[layer] for layer in aux_layers], -1) if aux_layers else None
     return [Sequence(torch.tensor(s), 0, final[row, : len(s)].half().cpu(),
-                     early[row, : len(s)].half().cpu(),
+                     early[row, : len(s)].half().cpu() if exit_states else None,
                      None if aux is None else aux[row, : len(s)].half().cpu())
             for row, s in enumerate(sequences)]
 
@@ -120,9 +123,11 @@ def build_dataset(target: LoadedModel, out_dir: str | Path, num_prompts: int = 1
 
 
 def start_directory(target: LoadedModel, out_dir: str | Path, exit_layer: int | None,
-           settings: dict, aux_layers: tuple[int, ...] = ()) -> tuple[Path, int]:
+           settings: dict, aux_layers: tuple[int, ...] = (),
+           exit_states: bool = True) -> tuple[Path, int]:
     """Check the target and the exit layer, and create out_dir with its meta.json, refusing a
-    directory that holds data built with other settings (shards already there are kept)."""
+    directory that holds data built with other settings (shards already there are kept).
+    aux_layers and exit_states=False are recorded only where given, so older data stays valid."""
     if target.tokenizer is None:
         raise VerispecError(f"{target.name} has no tokenizer: training data is text")
     exit_layer = default_exit_layer(target.model) if exit_layer is None else exit_layer
@@ -137,6 +142,8 @@ def start_directory(target: LoadedModel, out_dir: str | Path, exit_layer: int | 
             "dtype": str(target.model.dtype).removeprefix("torch.")}
     if aux_layers:
         meta["aux_layers"] = list(aux_layers)
+    if not exit_states:
+        meta["exit_states"] = False
     claim_directory(out, "meta.json", meta, "data built")
     return out, exit_layer
 
@@ -153,7 +160,7 @@ def claim_directory(out: Path, name: str, meta: dict, what: str) -> None:
 
 def write_shard(shard: Path, records: list[Sequence], prompt_lens: list[int]) -> None:
     payload = [{"tokens": r.tokens.to(torch.int32), "prompt_len": n, "hidden": r.hidden,
-                "exit_hidden": r.exit_hidden,
+                **({} if r.exit_hidden is None else {"exit_hidden": r.exit_hidden}),
                 **({} if r.aux_hidden is None else {"aux_hidden": r.aux_hidden})}
                for r, n in zip(records, prompt_lens)]
     write_whole(shard, lambda partial: torch.save(payload, partial))
@@ -251,6 +258,6 @@ def load_dataset(data_dir: str | Path) -> tuple[dict, list[Sequence]]:
                             "--data DIR`, which writes it first)")
     # Memory-mapped: the states stay on disk until a batch reads them (data larger than memory
     # trains; the page cache keeps what is read often).
-    sequences = [Sequence(r["tokens"].long(), r["prompt_len"], r["hidden"], r["exit_hidden"],
+    sequences = [Sequence(r["tokens"].long(), r["prompt_len"], r["hidden"], r.get("exit_hidden"),
                           r.get("aux_hidden")) for shard in shards for r in torch.load(shard, mmap=True)]
     return json.loads((data / "meta.json").read_text()), sequences

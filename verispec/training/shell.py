@@ -28,7 +28,9 @@ from verispec.training.losses import agreement, agreement_rates, distill_loss, h
 class Batch:
     tokens: torch.Tensor  # [B, T] int64
     hidden: torch.Tensor  # [B, T, hidden] float32: the target's final hidden states
-    exit_hidden: torch.Tensor  # [B, T, hidden] float32
+    # [B, T, hidden] float32: the states after the data's exit layer (a trained early exit,
+    # EAGLE's --mid-state); None where the kind never reads them or the data has none
+    exit_hidden: torch.Tensor | None
     mask: torch.Tensor  # [B, T] bool: real (not padding) positions
     # [B, T] bool: real positions whose next token belongs to the answer (or corpus passage):
     # the predictions a drafter makes while decoding; the prompt's are trained on, not drafted.
@@ -39,15 +41,16 @@ class Batch:
 
 
 def collate(items: list[Sequence], max_len: int, device: torch.device | str = "cpu",
-            aux: bool = True) -> Batch:
+            aux: bool = True, exit: bool = True) -> Batch:
     """Right-pad sequences (each cut to its last max_len tokens) into one batch on `device`;
-    aux False leaves out the aux-layer states (three states wide) for kinds that never read them.
+    aux False leaves out the aux-layer states (three states wide) and exit False the exit-layer
+    states, for kinds that never read them (no copy made).
 
     For another device than the CPU the batch is laid out in the data's own float16 and widened
     to float32 there: the copy moves half the bytes, and the CPU makes no conversion pass."""
     cut = [max(0, len(s.tokens) - max_len) for s in items]  # tokens dropped from each start
     items = [Sequence(s.tokens[-max_len:], max(0, s.prompt_len - dropped), s.hidden[-max_len:],
-                      s.exit_hidden[-max_len:],
+                      None if s.exit_hidden is None or not exit else s.exit_hidden[-max_len:],
                       None if s.aux_hidden is None or not aux else s.aux_hidden[-max_len:])
              for s, dropped in zip(items, cut)]
     width = max(len(s.tokens) for s in items)
@@ -57,7 +60,8 @@ def collate(items: list[Sequence], max_len: int, device: torch.device | str = "c
     cpu = torch.device("cpu")  # the layout is built here whatever the default device is
     tokens = torch.zeros(len(items), width, dtype=torch.int64, device=cpu)
     hidden = torch.zeros(len(items), width, size, dtype=stored, device=cpu)
-    exit_hidden = torch.zeros_like(hidden)
+    with_exit = all(s.exit_hidden is not None for s in items)
+    exit_hidden = torch.zeros_like(hidden) if with_exit else None
     mask = torch.zeros(len(items), width, dtype=torch.bool, device=cpu)
     answer = torch.zeros_like(mask)
     with_aux = all(s.aux_hidden is not None for s in items)
@@ -67,15 +71,17 @@ def collate(items: list[Sequence], max_len: int, device: torch.device | str = "c
         n = len(s.tokens)
         tokens[row, :n], mask[row, :n] = s.tokens, True
         answer[row, max(0, s.prompt_len - 1): n] = True
-        hidden[row, :n], exit_hidden[row, :n] = s.hidden, s.exit_hidden
+        hidden[row, :n] = s.hidden
+        if exit_hidden is not None:
+            exit_hidden[row, :n] = s.exit_hidden
         if aux is not None:
             aux[row, :n] = s.aux_hidden
 
     def states(t: torch.Tensor) -> torch.Tensor:
         return t.to(device).float()
 
-    return Batch(tokens.to(device), states(hidden), states(exit_hidden), mask.to(device),
-                 answer.to(device), None if aux is None else states(aux))
+    return Batch(tokens.to(device), states(hidden), None if exit_hidden is None else states(exit_hidden),
+                 mask.to(device), answer.to(device), None if aux is None else states(aux))
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,7 @@ class Kind:
     # every position [B, T, heads, hidden], whose measured rank accuracy shapes the tree
     head_features: Callable[[Recipe, Batch], torch.Tensor] | None = None
     reads_aux: bool = False  # trains on the target's states after its aux layers (EAGLE-3)
+    reads_exit: bool = False  # trains on the target's states after its exit layer (early exit)
     own_head: bool = False  # its own head's rows are its vocabulary's: a warm start keeps both
 
     def __post_init__(self) -> None:
@@ -141,6 +148,13 @@ class Recipe:
                  options: RecipeOptions) -> None:
         model = target.model
         self.kind, self.spec, self.target, self.options = kind.name, kind, model, options
+        # the exit-layer states: a kind's own, or EAGLE's fused --mid-state input
+        self.reads_exit = kind.reads_exit or options.mid_state
+        if self.reads_exit and (meta.get("exit_states") is False
+                                or any(s.exit_hidden is None for s in sequences)):
+            raise VerispecError(f"the {kind.name} drafter{' with --mid-state' * options.mid_state} "
+                                "trains on the target's states after its exit layer: this data was "
+                                "built without them (its --for named no kind that reads them)")
         self.device = model.device  # the kind's module, the batches and the head live there
         answers = [s.tokens[s.prompt_len:] for s in sequences]
         self.vocab_ids = frequent_tokens(answers, target.vocab_size, options.vocab,
@@ -196,7 +210,11 @@ class Recipe:
     def loss(self, items: list[Sequence], max_len: int) -> tuple[torch.Tensor | None, dict]:
         """(loss, metrics) of a batch; loss None where the kind has run its backward itself (MTP,
         while gradients are on)."""
-        return self.spec.loss(self, collate(items, max_len, self.device, self.spec.reads_aux))
+        return self.spec.loss(self, self.collate(items, max_len))
+
+    def collate(self, items: list[Sequence], max_len: int) -> Batch:
+        """A batch of items holding the states this kind reads (collate)."""
+        return collate(items, max_len, self.device, self.spec.reads_aux, self.reads_exit)
 
     def head_term(self, k: int, student: torch.Tensor, teacher_all: torch.Tensor,
                   b: Batch) -> tuple[torch.Tensor, dict]:
@@ -216,7 +234,7 @@ class Recipe:
         heads: int | None = None
         hits = counts = torch.zeros(0)
         for start in range(0, len(items), chunk):
-            b = collate(items[start: start + chunk], max_len, self.device, self.spec.reads_aux)
+            b = self.collate(items[start: start + chunk], max_len)
             features = self.spec.head_features(self, b)  # [B, T, heads, hidden]
             if heads is None:
                 heads = features.shape[2]

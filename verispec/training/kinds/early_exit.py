@@ -26,4 +26,4 @@ def loss(recipe: Recipe, b: Batch) -> tuple[torch.Tensor, dict]:
 
 
 KIND = Kind(ExitAdapter.kind, build, loss, frozenset({"exit_layer"}), prefix="adapter.",
-            reduced_vocab=False)
+            reduced_vocab=False, reads_exit=True)
