@@ -273,6 +273,13 @@ def test_data_for_some_kinds_stores_only_the_states_they_read(tiny_dir, loaded, 
     meta, sequences = load_dataset(tmp_path / "exit")
     assert "exit_states" not in meta and "aux_layers" not in meta
     assert all(s.exit_hidden is not None and s.aux_hidden is None for s in sequences)
+    # inside `verispec train KIND`: EAGLE with --mid-state keeps the exit-layer states it reads
+    assert main(["train", "eagle", "--target", str(tiny_dir), "--out", str(tmp_path / "mid"),
+                 "--source", str(corpus), "--mode", "teacher", "--tokens", "20", "--for", "eagle",
+                 "--mid-state", "--steps", "1"]) == 0
+    meta, sequences = load_dataset(tmp_path / "mid" / "data")
+    assert "exit_states" not in meta and "aux_layers" not in meta
+    assert all(s.exit_hidden is not None for s in sequences)
     for args, said in ((["train", "data", "--source", str(corpus), "--for", "eagle,nope"],
                         "--for 'eagle,nope': name kinds from"),
                        (["train", "eagle", "--for", "eagle"], "--for chooses the states"),
