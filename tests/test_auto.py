@@ -396,18 +396,19 @@ def test_a_dip_in_the_forwards_timings_is_not_taken_for_a_cheaper_width(monkeypa
 
 
 def test_the_code_digest_follows_the_forwards_source(tmp_path):
-    """An edit to a kernel's or a drafter's source changes the profile's key; a file outside
-    the forward's folders does not."""
+    """An edit to a kernel's or a drafter's source, or a re-shipped drafter (its drafter.json),
+    changes the profile's key; a file outside the forward's folders does not."""
     (tmp_path / "model" / "kernels").mkdir(parents=True)
-    (tmp_path / "drafters").mkdir()
+    (tmp_path / "drafters" / "trained" / "m" / "eagle").mkdir(parents=True)
     kernel, drafter, elsewhere = (tmp_path / "model/kernels/rows.cpp", tmp_path / "drafters/ngram.py",
                                   tmp_path / "cli.py")
-    for path in (kernel, drafter, elsewhere):
+    shipped = tmp_path / "drafters/trained/m/eagle/drafter.json"
+    for path in (kernel, drafter, elsewhere, shipped):
         path.write_text("one")
     first = profile.code_digest(tmp_path)
     elsewhere.write_text("two")
     assert profile.code_digest(tmp_path) == first
-    for path in (kernel, drafter):
+    for path in (kernel, drafter, shipped):
         path.write_text("two")
         assert profile.code_digest(tmp_path) != first
         first = profile.code_digest(tmp_path)

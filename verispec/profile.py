@@ -37,6 +37,7 @@ from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.auto import CostProfile, DrafterCost
 from verispec.drafters.base import Drafter
+from verispec.drafters.learned import CONFIG_FILE
 from verispec.model.cached_model import CachedModel, forward_rows
 from verispec.model.kernels.rows import instruction_limits
 from verispec.model.loading import LoadedModel
@@ -156,12 +157,14 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def code_digest(root: Path = Path(__file__).parent) -> str:
-    """A digest of the source that runs a forward or a draft (CODE under the package `root`): a
-    profile measured before an edit to it (a faster kernel, norm or drafter) is measured again."""
+    """A digest of the source that runs a forward or a draft (CODE under the package `root`),
+    with the shipped drafters' drafter.json (each export records its training, so a re-shipped
+    drafter's changes): a profile measured before an edit to either (a faster kernel, norm or
+    drafter, a retrained EAGLE whose acceptance differs) is measured again."""
     digest = hashlib.sha256()
     for folder in CODE:
         for path in sorted((root / folder).rglob("*")):
-            if path.suffix in (".py", ".cpp"):
+            if path.suffix in (".py", ".cpp") or path.name == CONFIG_FILE:
                 digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
