@@ -185,7 +185,7 @@ def run_command(args: argparse.Namespace) -> int:
     target = load_model(args.target, args.dtype, args.device)
     # EAGLE-3 and the block drafter read the target's states after the engines' default aux
     # layers; the data engine's data holds them for every kind, unless --for says which
-    stored = stored_states(args.for_kinds)
+    stored = stored_states(args.for_kinds, args.mid_state)
     if args.source and args.kind not in stored.kinds:
         raise VerispecError(f"--for {args.for_kinds}: the data is for other kinds than {args.kind}")
     aux_layers = aux_layers_of(target) if kind.reads_aux or (args.source and stored.aux) else ()
@@ -194,7 +194,7 @@ def run_command(args: argparse.Namespace) -> int:
         build_data(target, data, args.source, args.mode, args.tokens, args.held_out,
                    max_new_tokens=256 if args.max_new_tokens is None else args.max_new_tokens,
                    seed=args.seed, exit_layer=args.exit_layer, aux_layers=aux_layers,
-                   exit_states=stored.exit or options.mid_state)
+                   exit_states=stored.exit)
     elif is_complete(data, args.data_batches):
         print(f"verispec: training on the existing data in {data}", file=sys.stderr)
     else:  # builds it, resumes an interrupted build, or adds the batches a larger count asks for
@@ -233,11 +233,12 @@ class StoredStates:
 
     kinds: tuple[str, ...]
     aux: bool  # the aux layers' states (EAGLE-3, the block drafter)
-    exit: bool  # the exit layer's (a trained early exit)
+    exit: bool  # the exit layer's (a trained early exit, EAGLE's --mid-state)
 
 
-def stored_states(for_kinds: str | None) -> StoredStates:
-    """The states --for KINDS asks the data engine to store (None: every kind's)."""
+def stored_states(for_kinds: str | None, mid_state: bool = False) -> StoredStates:
+    """The states --for KINDS asks the data engine to store (None: every kind's); mid_state:
+    also the exit layer's, which EAGLE's --mid-state reads."""
     from verispec.training.recipes import KINDS, RECIPES
 
     if for_kinds is None:
@@ -248,7 +249,7 @@ def stored_states(for_kinds: str | None) -> StoredStates:
         raise VerispecError(f"--for {for_kinds!r}: name kinds from {', '.join(KINDS)}, "
                             "comma-separated")
     return StoredStates(kinds, any(RECIPES[k].reads_aux for k in kinds),
-                        any(RECIPES[k].reads_exit for k in kinds))
+                        mid_state or any(RECIPES[k].reads_exit for k in kinds))
 
 
 def build_data_command(args: argparse.Namespace, out: Path) -> int:
@@ -267,13 +268,13 @@ def build_data_command(args: argparse.Namespace, out: Path) -> int:
     if training:
         raise VerispecError(f"{', '.join(training)}: training options; verispec train data only "
                             "builds data (train on it with verispec train KIND --data OUT)")
-    stored = stored_states(args.for_kinds)
+    stored = stored_states(args.for_kinds, args.mid_state)
     target = load_model(args.target, args.dtype, args.device)
     build_data(target, out, args.source, args.mode, args.tokens, args.held_out,
                max_new_tokens=256 if args.max_new_tokens is None else args.max_new_tokens,
                seed=args.seed, exit_layer=args.exit_layer,
                aux_layers=aux_layers_of(target) if stored.aux else (),
-               exit_states=stored.exit or args.mid_state)
+               exit_states=stored.exit)
     print(f"verispec: data in {out} (held-out split: {out / HELD_OUT}); train on it with "
           f"verispec train KIND --data {out} --out DIR", file=sys.stderr)
     return 0

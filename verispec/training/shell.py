@@ -150,8 +150,7 @@ class Recipe:
         self.kind, self.spec, self.target, self.options = kind.name, kind, model, options
         # the exit-layer states: a kind's own, or EAGLE's fused --mid-state input
         self.reads_exit = kind.reads_exit or options.mid_state
-        if self.reads_exit and (meta.get("exit_states") is False
-                                or any(s.exit_hidden is None for s in sequences)):
+        if self.reads_exit and any(s.exit_hidden is None for s in sequences):
             raise VerispecError(f"the {kind.name} drafter{' with --mid-state' * options.mid_state} "
                                 "trains on the target's states after its exit layer: this data was "
                                 "built without them (its --for named no kind that reads them)")
