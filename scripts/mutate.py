@@ -105,6 +105,13 @@ MUTANTS = (
            "token = sample(q, request.generator)", "token = q.argmax(-1)",
            (f"{LEARNED}[fast-eagle]", f"{LEARNED}[fast-eagle3]"),
            "EAGLE (and EAGLE-3) draft the argmax under sampling but report the softmax q"),
+    Mutant("eagle-draws-before-top-k", "verispec/drafters/eagle.py",
+           "token = sample(q, request.generator)",
+           "token = sample(self.head.full(logits).softmax(-1), request.generator)",
+           ("tests/test_builtin_sampling.py::test_shipped_drafters_sample_the_builtin_models_distribution"
+            "[fast-eagle]",),
+           "EAGLE draws from its unwarped softmax but reports the top-k-warped q (the tiny targets' "
+           "chain tests sample without top-k: only the built-in model's test, at top-k 4, sees it)"),
     Mutant("drafting-drops-the-bias", "verispec/drafters/learned.py",
            "return out if self.bias is None else out + self.bias.detach().to(out.dtype)", "return out",
            ("tests/test_learned_drafters.py::test_drafters_draft_in_8_bits_where_the_row_kernels_run",),

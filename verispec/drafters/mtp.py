@@ -22,6 +22,7 @@ states, so they draft as one layer whose batch is the heads (StackedHeads).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ from verispec.drafters.learned import ReducedHead
 from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.nn import DecoderLayer, RMSNorm, attention, rms_norm, rotary
 from verispec.model.kv_cache import KVCache
+from verispec.model.packed import per_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -127,6 +129,12 @@ def unembedding_norm(target: PreTrainedModel) -> RMSNorm:
     return copy.requires_grad_(False)
 
 
+# net -> its heads stacked (StackedHeads): the drafters of one network, one per sequence in a batch
+# or a server, share one copy (each made its own: 43 MB for the built-in model's four heads, so 500
+# samples of one prompt took 24 GB and were killed for memory)
+_STACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class MTPDrafter(MedusaDrafter):
     """Medusa's drafting (chain or static tree, see MedusaDrafter) with MTP heads' features."""
 
@@ -137,7 +145,7 @@ class MTPDrafter(MedusaDrafter):
                  tree: TreeSettings | None = None,
                  rank_accuracy: list[list[float]] | None = None) -> None:
         super().__init__(target, net, head, tree, rank_accuracy)
-        self.stacked = StackedHeads(self.net)
+        self.stacked = per_model(_STACKED, self.net, StackedHeads)
         self.norm = unembedding_norm(target).to(device=target.device, dtype=target.dtype)
         self.cache = KVCache()  # every head's keys and values, the heads as its batch
         self.hidden_layers = () if net.trunk_layer is None else (net.trunk_layer,)
