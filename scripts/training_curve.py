@@ -91,6 +91,9 @@ def main() -> None:
     parser.add_argument("--min-steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--seed", type=int, default=TrainConfig.seed,
+                        help="the batches' order (a continuation from --init: another seed than "
+                        "the run it continues, or it replays that run's batches first)")
     parser.add_argument("--init", help="start every size from this trained drafter (same kind)")
     parser.add_argument("--mix", nargs="+", default=[], metavar="DIR",
                         help="data directories trained on in full beside each size of --data")
@@ -124,7 +127,7 @@ def main() -> None:
             continue
         count = len(first_tokens(sequences, size)) + mixed
         steps = max(args.min_steps, math.ceil(args.epochs * count / args.batch_size))
-        config = TrainConfig(steps=steps, lr=args.lr, batch_size=args.batch_size)
+        config = TrainConfig(steps=steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
         drafter = train_drafter(args.kind, target, [data, *mix], out / str(size), config,
                                 RecipeOptions(init=args.init), max_tokens=size)
         point = {"tokens": size, "sequences": count, "steps": steps, **({"mix": args.mix} if mix else {}),

@@ -72,7 +72,8 @@ class SpeculativeEngine:
         self._free: dict[Speculation, list[tuple[CachedModel, Drafter | None]]] = {
             self.speculation: [(self.target, drafter)]}
         # The most idle (cache, drafter) pairs kept per way of speculating (absent: no limit); a
-        # server bounds the pools of the ways its clients choose (a trained drafter is tens of MB).
+        # server bounds the pools of the ways its clients choose (each idle pair keeps its KV
+        # caches; drafters of one trained network share its weights).
         self.pool_limit: dict[Speculation, int] = {}
         self._rows: dict[int, Row] = {}
         self._next_id = 0
