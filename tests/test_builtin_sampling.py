@@ -13,6 +13,7 @@ follows from tests/distribution.py. At k = 2 a run's first step drafts both chec
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distribution import POWER, assert_follows, exact_marginals, runs_for, sample_runs
 from verispec import methods as registry
@@ -36,7 +37,7 @@ KINDS = [kind if kind == RETRAINED else pytest.param(kind, marks=pytest.mark.ful
          for kind in sorted({m.trained_kind for m in registry.METHODS.values() if m.trained_kind})]
 
 
-def _loaded(dtype: str) -> tuple[LoadedModel, list[int], object]:
+def _loaded(dtype: str) -> tuple[LoadedModel, list[int], torch.Tensor]:
     target = load_model(DEFAULT_MODEL, dtype)
     prompt = encode_prompt(target, QUESTION, chat=True)
     return target, prompt, exact_marginals(target.model, prompt, CHECKED, SAMPLING)
@@ -52,15 +53,18 @@ def int4():
     return _loaded("int4")
 
 
-def _sample(loaded: tuple[LoadedModel, list[int], object], kind: str, skew: float) -> None:
+def _sample(loaded: tuple[LoadedModel, list[int], torch.Tensor], kind: str, skew: float) -> None:
     """Samples of the kind's shipped drafter at k = 2 (a chain: no profile is measured), checked
-    against the exact law of the first CHECKED tokens, with drafts made, kept and refused."""
+    against the exact law of the first CHECKED tokens [CHECKED, vocab], with drafts made, kept and
+    refused (EAGLE's kept at both positions; the distilled draft model and the early exit keep
+    none at position 2 on this prompt, in 400 runs)."""
     target, prompt, exact = loaded
     engine = build_engine(target, kind, DraftOptions(k=2))
     engine.load_cap = LoadCap(())  # every row of the batch drafts, as one request would alone
     sampled = sample_runs(engine, prompt, NEW, SAMPLING, runs_for(exact, skew))
     sampled.check_drafting(positions=CHECKED)
-    assert sampled.kept_by_position[0] > 0.05 * sampled.runs, (kind, sampled.kept_by_position)
+    kept = sampled.kept_by_position[: 2 if kind == RETRAINED else 1]
+    assert min(kept) > 0.05 * sampled.runs, (kind, sampled.kept_by_position)
     assert_follows(sampled, exact, kind, skew)
 
 
