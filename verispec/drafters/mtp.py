@@ -130,7 +130,7 @@ def unembedding_norm(target: PreTrainedModel) -> RMSNorm:
 
 
 # net -> its heads stacked (StackedHeads): the drafters of one network, one per sequence in a batch
-# or a server, share one copy (each made its own: 43 MB for the built-in model's four heads, so 500
+# or a server, share one copy (each made its own: 53 MB resident for the built-in model's four heads, so 500
 # samples of one prompt took 24 GB and were killed for memory)
 _STACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
