@@ -8,19 +8,27 @@ method's default tree (`--tree` without a size) is the fastest tree found here; 
 beats the chain at all is the other thing it shows.
 
     python scripts/tune_trees.py [count=8] [seed=779] [configs=the first round's] [dtype=float32]
+    python scripts/tune_trees.py 40 0 "eagle@4:chain,eagle@8:8x48" int4 --data runs/sg-teacher-bf16-3m \
+        --max-new-tokens 96
 
-(dtype int4: the 4-bit target, the GGUF's own blocks; every engine runs on that one target.)
+(dtype int4: the 4-bit target, the GGUF's own blocks; every engine runs on that one target.
+--data: the first COUNT prompts of a data directory's held-out split (`verispec train data`:
+conversations no drafter trained on) instead of the seed's templated prompts; the seed is unused.)
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from held_out import compare, held_out
 
 from verispec.core.tree import TreeSettings
 from verispec.methods import METHODS, build_engine
+from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.options import DraftOptions
+from verispec.training.data import load_dataset
+from verispec.training.data_engine import HELD_OUT
 
 # The first round: each tree-capable method worth speculating with on a CPU, chain first.
 FIRST_ROUND = ("pld:chain,pld:2x8,pld:2x12,pld:4x16,"
@@ -29,8 +37,14 @@ FIRST_ROUND = ("pld:chain,pld:2x8,pld:2x12,pld:4x16,"
                "eagle-pld:chain,eagle-pld:2x3,eagle-pld:2x4,eagle-pld:4x7")
 
 
-def main(count: int = 8, seed: int = 779, configs: str = FIRST_ROUND, dtype: str = "float32") -> None:
-    target, prompts = held_out(count, seed, dtype)
+def main(count: int = 8, seed: int = 779, configs: str = FIRST_ROUND, dtype: str = "float32",
+         data: str | None = None, max_new_tokens: int = 128) -> None:
+    if data is None:
+        target, prompts = held_out(count, seed, dtype)
+    else:
+        target = load_model(DEFAULT_MODEL, dtype, "cpu")
+        _, held = load_dataset(Path(data) / HELD_OUT)
+        prompts = [sequence.tokens[: sequence.prompt_len].tolist() for sequence in held[:count]]
     engines = {"ar": build_engine(target, "ar")}
     for config in configs.split(","):
         method_k, tree = config.split(":")
@@ -45,7 +59,7 @@ def main(count: int = 8, seed: int = 779, configs: str = FIRST_ROUND, dtype: str
         else:
             options = DraftOptions(k=int(k) if k else spec.default_k, tree=settings)
         engines[f"{method} k={k or spec.default_k} {tree}"] = build_engine(target, method, options)
-    compare(engines, prompts)
+    compare(engines, prompts, max_new_tokens)
 
 
 if __name__ == "__main__":
@@ -55,5 +69,7 @@ if __name__ == "__main__":
     parser.add_argument("seed", type=int, nargs="?", default=779, help="which held-out prompts")
     parser.add_argument("configs", nargs="?", default=FIRST_ROUND, help="METHOD[@K]:TREE,...")
     parser.add_argument("dtype", nargs="?", default="float32", help="the target's dtype")
+    parser.add_argument("--data", help="a data directory: its held-out split's prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
-    main(args.count, args.seed, args.configs, args.dtype)
+    main(args.count, args.seed, args.configs, args.dtype, args.data, args.max_new_tokens)

@@ -39,7 +39,7 @@ from verispec.drafters.auto import (
 )
 from verispec.drafters.base import Drafter, DraftRequest, Wrapper
 from verispec.drafters.eagle import EagleDrafter, EagleNet, eagle_settings
-from verispec.drafters.learned import ReducedHead
+from verispec.drafters.learned import SHIPPED, ReducedHead, weights_digest
 from verispec.drafters.ngram import PromptLookupDrafter
 from verispec.drafters.self_spec import _WEIGHTS, SelfDrafter, SelfSettings
 from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
@@ -1166,13 +1166,22 @@ def builtin_int4():
     return load_model(DEFAULT_MODEL, "int4")
 
 
-@pytest.mark.parametrize("free_rows, depth, tree", [(4, 2, TreeSettings(2, 3)), (1, 1, None)])
+# Shapes as measured ones look, fixed here so that the test holds the rule, not this month's τ.
+SHAPES = (methods.Shape(None, 1.5, 1), methods.Shape(None, 1.8), methods.Shape(TreeSettings(2, 3), 2.2))
+
+
+@pytest.mark.parametrize("free_rows, shapes, depth, tree", [
+    (4, SHAPES, 2, TreeSettings(2, 3)), (1, SHAPES, 1, None),
+    (4, SHAPES[:2] + (methods.Shape(None, 2.3, 3),), 3, None)])
 def test_the_shipped_eagle_is_a_candidate_drafting_the_shape_that_pays(
-        builtin_int4, monkeypatch, free_rows, depth, tree):
+        builtin_int4, monkeypatch, free_rows, shapes, depth, tree):
     """On the built-in model auto also chooses the EAGLE drafter shipped for it (not one given
     with --draft: that is the user's method), drafting the shape its measured shapes make fastest
     by the profile: a tree of 3 nodes to depth 2 where verifying 4 rows is free, a chain of 1
-    where each row costs a forward."""
+    where each row costs a forward, and a chain of 3, deeper than eagle's default k, where that
+    shape is the fastest."""
+    eagle = dataclasses.replace(methods.METHODS["eagle"], shapes=shapes)
+    monkeypatch.setitem(methods.METHODS, "eagle", eagle)
     builders, _ = _auto_candidates(builtin_int4, DraftOptions())
     assert "eagle" in builders
     builders, _ = _auto_candidates(builtin_int4, DraftOptions(draft="elsewhere"))
@@ -1185,6 +1194,19 @@ def test_the_shipped_eagle_is_a_candidate_drafting_the_shape_that_pays(
     assert isinstance(drafter.models["eagle"], EagleDrafter) and drafter.needs_hidden
     assert drafter.limits["eagle"] == depth and drafter.models["eagle"].tree == tree
     assert drafter.trees == ({} if tree is None else {"eagle": tree.nodes})
+
+
+def test_the_shapes_were_measured_with_the_drafters_shipped():
+    """Each method's shapes carry τ measured with the drafter shipped for the built-in model: a
+    re-shipped drafter (other weights) fails here until its shapes are measured again. A stale τ
+    had the profile choose shapes for a drafter two re-ships old (docs/tuning.md)."""
+    kinds = {spec.trained_kind for spec in methods.METHODS.values() if spec.shapes}
+    assert kinds == set(methods.SHAPES_MEASURED_WITH)
+    for kind in kinds:
+        shipped = SHIPPED / DEFAULT_MODEL / kind
+        assert weights_digest(shipped) == methods.SHAPES_MEASURED_WITH[kind], (
+            f"{kind} was re-shipped: run `python scripts/shape_tau.py` for its methods and paste "
+            "the shapes and the digest it prints into verispec/methods.py")
 
 
 class Slow(Drafter):

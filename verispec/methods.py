@@ -220,12 +220,14 @@ def _auto(target: LoadedModel, options: DraftOptions) -> Drafter:
     trees = {}
     for name in (name for name in AUTO_TRAINED if name in builders):
         # The shape its measured shapes make fastest here (`shaped`): a chain drafts up to its
-        # depth (auto's running acceptance, up after a few kept drafts, chose 2 tokens where 1
+        # depth, deeper than the method's default k where the shape is (within --k), and no
+        # deeper (auto's running acceptance, up after a few kept drafts, chose 2 tokens where 1
         # pays on the 4-bit target: held out, 0.96x against 0.98x eagle-suffix's speed with the
         # depth so bounded); a tree, where verifying its nodes costs little, is drafted whole.
         best = _fastest_shape(profile, name, name)
         if best is not None:
-            limits[name] = min(limits[name], METHODS[name].default_k if best.k is None else best.k)
+            depth = METHODS[name].default_k if best.k is None else best.k
+            limits[name] = depth if options.k is None else min(depth, options.k)
         if best is None or best.tree is None:
             models[name] = builders[name]()
         else:
@@ -254,14 +256,17 @@ def _dtype_name(target: LoadedModel) -> str:
 class Shape:
     """A way a trained method drafts (a chain, or a tree of `tree`'s size, of depth `k`, None:
     its drafter's k) and the tokens a step it gained with the drafter shipped for the built-in
-    model on held-out prompts (docs/tuning.md, "Since EAGLE drafts in 8 bits" and "EAGLE behind
-    suffix decoding": scripts/tune_trees.py, seed 785, the mean over the 4-bit and float32
-    targets, whose τ agree within 0.08)."""
+    model on held-out prompts: `python scripts/shape_tau.py METHOD` (20 prompts of seed 785, the
+    mean over the 4-bit and float32 targets; docs/tuning.md, "Shapes for the drafter shipped")."""
 
     tree: TreeSettings | None
     tau: float
     k: int | None = None
 
+
+# The shipped drafter weights (verispec.drafters.learned.weights_digest) each kind's shapes' τ were
+# measured with: a re-shipped drafter must measure them again (scripts/shape_tau.py; a test holds it).
+SHAPES_MEASURED_WITH = {"eagle": "f29000ac3849beaa", "eagle3": "96390fbc9ad29c30"}
 
 # A tree is chosen over the chain only where the model gives it this much more speed: the model
 # misses a tree's own verification work (its mask, compacting the cache), which made 2x3 and 2x4
@@ -398,21 +403,24 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            16, _lookup_then("eagle", lambda target, options: _suffix(target, options, "eagle-suffix")),
            "the fastest trained drafter on the built-in model's 4-bit target", Needs.TRAINED,
            EagleDrafter.kind, trees=True,
-           shapes=(Shape(None, 2.00), Shape(None, 1.86, 1), Shape(TreeSettings(2, 3), 1.99),
-                   Shape(TreeSettings(2, 4), 2.08))),
+           shapes=(Shape(None, 1.96, 1), Shape(None, 2.21), Shape(None, 2.31, 3), Shape(None, 2.36, 4),
+                   Shape(None, 2.38, 5), Shape(TreeSettings(2, 3), 2.20),
+                   Shape(TreeSettings(2, 4), 2.30))),
     Method("eagle-pld", "prompt lookup where the context repeats, the EAGLE drafter elsewhere", 7,
            _lookup_then("eagle", _prompt_lookup),
            "the fastest trained drafter on the built-in model in float32",
            Needs.TRAINED, EagleDrafter.kind, trees=True, default_tree=TreeSettings(2, 3),
-           shapes=(Shape(None, 1.94), Shape(None, 1.82, 1), Shape(TreeSettings(2, 3), 2.06),
-                   Shape(TreeSettings(2, 4), 2.11))),
+           shapes=(Shape(None, 1.99, 1), Shape(None, 2.23), Shape(None, 2.34, 3), Shape(None, 2.38, 4),
+                   Shape(None, 2.40, 5), Shape(TreeSettings(2, 3), 2.32),
+                   Shape(TreeSettings(2, 4), 2.39))),
     Method("eagle", "one trained decoder layer that predicts the target's next hidden state "
            "(EAGLE)", 2, _learned(EagleDrafter.kind, lambda path, target, options: EagleDrafter.load(
                path, target.model, options.confidence_threshold, options.tree)),
            "answers that do not copy the prompt, when a trained drafter exists", Needs.TRAINED,
            EagleDrafter.kind, trees=True, default_tree=TreeSettings(2, 3),
-           shapes=(Shape(None, 1.66), Shape(None, 1.49, 1), Shape(TreeSettings(2, 3), 1.80),
-                   Shape(TreeSettings(2, 4), 1.85))),
+           shapes=(Shape(None, 1.61, 1), Shape(None, 1.94), Shape(None, 2.09, 3), Shape(None, 2.17, 4),
+                   Shape(None, 2.21, 5), Shape(TreeSettings(2, 3), 2.09),
+                   Shape(TreeSettings(2, 4), 2.17))),
     Method("eagle3", "EAGLE-3: three target layers fused, a reduced-vocabulary head", 2,
            _learned(Eagle3Drafter.kind, lambda path, target, options: Eagle3Drafter.load(
                path, target.model, options.confidence_threshold, options.tree)),

@@ -60,6 +60,12 @@ def target_identity(target: PreTrainedModel) -> dict:
             "fingerprint": hashlib.sha1(sample).hexdigest()[:16]}
 
 
+def weights_digest(directory: Path) -> str:
+    """The first 16 hex digits of the SHA-256 of a drafter directory's weights: which trained
+    weights a figure measured with them belongs to (verispec.methods.SHAPES_MEASURED_WITH)."""
+    return hashlib.sha256((Path(directory) / WEIGHTS_FILE).read_bytes()).hexdigest()[:16]
+
+
 def shipped_drafter(target: PreTrainedModel, kind: str) -> Path | None:
     """The shipped drafter of `kind` trained for this target, if there is one."""
     identity = None
