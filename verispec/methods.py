@@ -302,8 +302,9 @@ def shaped(target: LoadedModel, method: str, options: DraftOptions) -> DraftOpti
     neither a tree nor k and the method drafts with its shipped drafter on a CPU: each measured
     shape's τ over its step's modelled seconds, T(1 + nodes) for the verify plus the drafter's
     measured cost (verispec.profile: the forward by rows and the drafter, cached per machine).
-    Where verifying extra rows is nearly free (the float32 target here) a tree gains 10-17%;
-    where every row costs a fifth of a forward (the 4-bit target) the chain is faster."""
+    Where verifying extra rows is nearly free (the float32 target here) a 3-token chain (a
+    depth-2 tree buys what a chain of as many rows does); where every row costs a fifth of a
+    forward (the 4-bit target) a chain of 1-2 (docs/tuning.md, "Shapes for the drafter shipped")."""
     spec = METHODS[method]
     kind = spec.trained_kind
     if (not spec.shapes or options.tree is not None or options.k is not None or options.draft is not None
