@@ -11,13 +11,19 @@ from __future__ import annotations
 import argparse
 import collections
 import time
+from pathlib import Path
 
 from verispec.core.stopping import StoppingRules
+from verispec.core.tree import TreeSettings
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.suffix import forget_outputs
+from verispec.methods import METHODS
 from verispec.model.loading import DEFAULT_MODEL, LoadedModel, load_model
+from verispec.options import DraftOptions
 from verispec.request import encode_prompt
+from verispec.training.data import load_dataset
+from verispec.training.data_engine import HELD_OUT
 from verispec.training.sources import unseen_prompts
 
 
@@ -29,6 +35,22 @@ def held_out(count: int, seed: int, dtype: str = "float32", model: str = DEFAULT
     these were the seed's first `count`, and 15 of seed 785's first 20 are seed 0's too."""
     target = load_model(model, dtype, "cpu")
     return target, [encode_prompt(target, p, chat=None) for p in unseen_prompts(count, seed)]
+
+
+def split_prompts(data: str | Path, count: int) -> list[list[int]]:
+    """The first `count` prompts (token ids) of a data directory's held-out split (`verispec
+    train data`: conversations no drafter trained on)."""
+    _, held = load_dataset(Path(data) / HELD_OUT)
+    return [sequence.tokens[: sequence.prompt_len].tolist() for sequence in held[:count]]
+
+
+def drafting_options(method: str, depth: int | None, tree: TreeSettings | None) -> DraftOptions:
+    """Options drafting `method` as a chain or `tree` of `depth` (None: the method's k); behind a
+    lookup (eagle-pld, eagle-suffix) the depth is the model's (--model-k), the lookup's k its own."""
+    spec = METHODS[method]
+    if spec.trained_kind not in (None, method):
+        return DraftOptions(k=spec.default_k, tree=tree, model_k=depth)
+    return DraftOptions(k=spec.default_k if depth is None else depth, tree=tree)
 
 
 def trained_arguments(doc: str) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 drafter shipped for the built-in model: the figures `auto`, `eagle`, `eagle-pld`, `eagle-suffix`
 and `eagle3` choose their shape by (verispec.methods.Shape, docs/tuning.md). Rerun after
 re-shipping a drafter, then paste the printed `shapes=` and digest into verispec/methods.py
-(tests/test_methods.py fails until the digest matches the weights shipped).
+(tests/test_auto.py fails until the digest matches the weights shipped).
 
 Greedy, 128 new tokens, COUNT held-out prompts of the training family (seed 785's that seed 0's
 do not hold; never Spec-Bench), τ = new tokens / target forwards on the float32 and the 4-bit
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from held_out import held_out
+from held_out import drafting_options, held_out
 
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
@@ -25,7 +25,6 @@ from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.learned import shipped_drafter, weights_digest
 from verispec.drafters.suffix import forget_outputs
 from verispec.methods import METHODS, build_engine
-from verispec.options import DraftOptions
 
 # Chains of depth 1-5 and the two trees of depth 2 (DEPTH:TOPKxNODES). Deeper trees (3:2x5, 3:3x8,
 # 4:2x6, 4:3x10, 5:4x16) raise τ to 2.4-3.0 but measured slower than a 4-token chain on a 2-core
@@ -39,19 +38,11 @@ def parse_shape(text: str) -> tuple[int, TreeSettings | None]:
     return int(depth), TreeSettings(*map(int, tree.split("x"))) if tree else None
 
 
-def options_for(method: str, depth: int, tree: TreeSettings | None) -> DraftOptions:
-    """The options drafting `method` in that shape: behind a lookup the depth is the model's."""
-    spec = METHODS[method]
-    if spec.trained_kind != method:
-        return DraftOptions(k=spec.default_k, tree=tree, model_k=depth)
-    return DraftOptions(k=depth, tree=tree)
-
-
 def tau(method: str, text: str, targets: dict, max_new_tokens: int) -> float:
     """Mean over the targets of τ for `method` drafting in shape `text`."""
     taus = []
     for target, prompts in targets.values():
-        engine = build_engine(target, method, options_for(method, *parse_shape(text)))
+        engine = build_engine(target, method, drafting_options(method, *parse_shape(text)))
         tokens = forwards = 0
         for ids in prompts:
             forget_outputs(engine.model)  # suffix decoding drafts from this prompt's history only

@@ -23,6 +23,8 @@ import json
 import math
 from pathlib import Path
 
+from held_out import split_prompts
+
 from verispec.core.files import write_json
 from verispec.core.stopping import StoppingRules
 from verispec.core.types import GenerationStats
@@ -32,7 +34,6 @@ from verispec.methods import METHODS, build_engine
 from verispec.model.loading import DEFAULT_MODEL, load_model
 from verispec.options import DraftOptions
 from verispec.training.data import load_dataset
-from verispec.training.data_engine import HELD_OUT
 from verispec.training.recipes import KINDS, first_tokens, train_drafter
 from verispec.training.shell import RecipeOptions
 from verispec.training.trainer import TrainConfig
@@ -108,8 +109,7 @@ def main() -> None:
     _, sequences = load_dataset(data)
     mix = [Path(d) for d in args.mix]
     mixed = sum(len(load_dataset(d)[1]) for d in mix)  # sequences added to every size
-    _, held = load_dataset(data / HELD_OUT)
-    prompts = [s.tokens[: s.prompt_len].tolist() for s in held[: args.count]]
+    prompts = split_prompts(data, args.count)
     record = out / "curve.json"
     points = json.loads(record.read_text()) if record.is_file() else []
     shipped, shipped_record = shipped_drafter(target.model, args.kind), out / "shipped.json"

@@ -19,16 +19,12 @@ conversations no drafter trained on) instead of the seed's templated prompts; th
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from held_out import compare, held_out
+from held_out import compare, drafting_options, held_out, split_prompts
 
 from verispec.core.tree import TreeSettings
 from verispec.methods import METHODS, build_engine
 from verispec.model.loading import DEFAULT_MODEL, load_model
-from verispec.options import DraftOptions
-from verispec.training.data import load_dataset
-from verispec.training.data_engine import HELD_OUT
 
 # The first round: each tree-capable method worth speculating with on a CPU, chain first.
 FIRST_ROUND = ("pld:chain,pld:2x8,pld:2x12,pld:4x16,"
@@ -42,9 +38,7 @@ def main(count: int = 8, seed: int = 779, configs: str = FIRST_ROUND, dtype: str
     if data is None:
         target, prompts = held_out(count, seed, dtype)
     else:
-        target = load_model(DEFAULT_MODEL, dtype, "cpu")
-        _, held = load_dataset(Path(data) / HELD_OUT)
-        prompts = [sequence.tokens[: sequence.prompt_len].tolist() for sequence in held[:count]]
+        target, prompts = load_model(DEFAULT_MODEL, dtype, "cpu"), split_prompts(data, count)
     engines = {"ar": build_engine(target, "ar")}
     for config in configs.split(","):
         method_k, tree = config.split(":")
@@ -53,12 +47,8 @@ def main(count: int = 8, seed: int = 779, configs: str = FIRST_ROUND, dtype: str
             engines[f"{method} (default: {tree})"] = build_engine(target, method)
             continue
         settings = None if tree == "chain" else TreeSettings(*map(int, tree.split("x")))
-        spec = METHODS[method]
-        if spec.trained_kind not in (None, method):  # behind a lookup: K is the model's depth
-            options = DraftOptions(k=spec.default_k, tree=settings, model_k=int(k) if k else None)
-        else:
-            options = DraftOptions(k=int(k) if k else spec.default_k, tree=settings)
-        engines[f"{method} k={k or spec.default_k} {tree}"] = build_engine(target, method, options)
+        options = drafting_options(method, int(k) if k else None, settings)
+        engines[f"{method} k={k or METHODS[method].default_k} {tree}"] = build_engine(target, method, options)
     compare(engines, prompts, max_new_tokens)
 
 
