@@ -462,13 +462,18 @@ def test_a_drafters_prior_is_its_acceptance_in_the_best_of_several_answers(loade
     """The profile times each drafter answering several requests and takes as its prior the
     acceptance of the answer where it drafted best: a prior set too low is never corrected (the
     drafter is never chosen, so never judged), one too high is within a few steps. A drafter
-    that drafts one answer right and two wrong gets 1.0, not the pooled third; its answers'
-    steps all count towards its cost. An answer ends at the model's end of text."""
+    that drafts one answer right and two wrong gets 1.0, not the pooled share (kept as `pooled`,
+    for auto's one-off choice of a self format); its answers' steps all count towards its cost.
+    An answer ends at the model's end of text."""
     monkeypatch.setattr(profile, "ANSWER_TOKENS", 24)
     continuations = {tuple(p): ref for p, ref in zip(PROMPTS, references)}
     knowing = Knowing(continuations, right={tuple(PROMPTS[1])})
-    assert profile.drafter_cost(loaded, knowing, 3, PROMPTS).acceptance == 1.0
-    assert profile.drafter_cost(loaded, Knowing(continuations, right=set()), 3, PROMPTS).acceptance == 0.0
+    cost = profile.drafter_cost(loaded, knowing, 3, PROMPTS)
+    assert cost.acceptance == 1.0 and 0.0 < cost.pooled < 0.5  # one answer's kept drafts of three's
+    everywhere = Knowing(continuations, right=set(continuations))
+    assert profile.drafter_cost(loaded, everywhere, 3, PROMPTS).pooled == 1.0
+    wrong = profile.drafter_cost(loaded, Knowing(continuations, right=set()), 3, PROMPTS)
+    assert wrong.acceptance == wrong.pooled == 0.0
 
     steps = []
     real = SpeculativeEngine.generate
@@ -616,6 +621,22 @@ def test_auto_as_measured_gives_ar_tokens_and_says_what_it_chose(loaded, referen
     second = len(results[0].stats.choices)
     assert len(total.choices) == sum(len(r.stats.choices) for r in results)
     assert total.choices[second][0] == results[0].stats.new_tokens
+
+
+@pytest.mark.parametrize("pooled, chosen", [((0.6, 0.9), "self-int8-pld"), ((None, None), "self-int4-pld")],
+                         ids=["pooled", "best-answer"])
+def test_auto_drafts_with_the_self_format_its_pooled_acceptance_makes_fastest(loaded, monkeypatch,
+                                                                               pooled, chosen):
+    """The self format is chosen once, by each format's acceptance pooled over the profile's
+    answers: int4, cheaper and best in its best answer, loses to int8 where its answers pooled
+    kept fewer; a profile without pooled figures falls back to the best answer's."""
+    names, _ = _auto_candidates(loaded, DraftOptions())
+    selves = {"self-int4": DrafterCost(0.0, 0.001, 0.95, pooled[0]),
+              "self-int8": DrafterCost(0.0, 0.0012, 0.9, pooled[1])}
+    assert set(selves) <= set(names)
+    costs = fake_profile(**{**{name: DrafterCost(0.0, 0.05, 0.9) for name in names}, **selves})
+    monkeypatch.setattr(methods, "cost_profile", lambda *args: costs)
+    assert set(build_engine(loaded, "auto").drafter.models) == {chosen}
 
 
 @pytest.mark.parametrize("costs, expected", [

@@ -65,7 +65,7 @@ REQUESTS = (
 # The acceptance also chooses auto's one self format, and an answer of 24 tokens was too short:
 # two refusals decided it (Gemma 3 held to AVX2 got the slower format: docs/tuning.md).
 ANSWER_TOKENS = 48
-VERSION = 6  # of the file's layout and the way it is measured: a new one measures again
+VERSION = 7  # of the file's layout and the way it is measured: a new one measures again
 # A profile whose forward timings disagree between repeats by more than this (CostProfile.noise)
 # was measured on a busy machine: its forward is timed again, up to ATTEMPTS times, and if it never
 # agrees the profile is not cached (a test run beside a training run once cached T(8) = 14.8 T(1),
@@ -389,7 +389,9 @@ def drafter_cost(target: LoadedModel, drafter: Drafter, limit: int, prompts: lis
     all of them pooled: auto corrects a prior set too high within a few steps, where the drafter is
     chosen and refused, but not one set too low, where it is never chosen (on the bfloat16
     target EAGLE kept 0.35 / 0.42 / 0.18 of REQUESTS' answers, 0.45-0.5 on held-out prompts, and
-    priced by all three pooled it drafted 17 of 1024 tokens there: docs/tuning.md)."""
+    priced by all three pooled it drafted 17 of 1024 tokens there: docs/tuning.md). The pooled
+    acceptance of those answers is kept too, for a choice made once and never revisited (auto's
+    self format: verispec.methods)."""
     engine = SpeculativeEngine(target.model, drafter, _Alternating(1, limit))
     engine.generate(SequenceSpec(prompts[0], StoppingRules.build(4)))  # warm-up
     stopping = StoppingRules.build(ANSWER_TOKENS, target.eos_token_ids)
@@ -397,14 +399,17 @@ def drafter_cost(target: LoadedModel, drafter: Drafter, limit: int, prompts: lis
     answers = [engine.generate(SequenceSpec(prompt, stopping)).steps[:-1] for prompt in prompts]
     per_step, per_token = _fit([(step.num_drafted, step.draft_seconds)
                                 for steps in answers for step in steps])
-    rates = []
+    rates, counts = [], []  # per answer: its rate; (kept, refused)
     for steps in answers:
         drafting = [step for step in steps if step.num_drafted]
         kept = sum(step.num_accepted for step in drafting)
         refused = sum(step.num_accepted < step.num_drafted for step in drafting)
         if len(drafting) >= 4 and kept + refused:
             rates.append(kept / (kept + refused))
-    return DrafterCost(per_step, per_token, max(rates, default=None))
+            counts.append((kept, refused))
+    kept, refused = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    pooled = kept / (kept + refused) if counts else None
+    return DrafterCost(per_step, per_token, max(rates, default=None), pooled)
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -433,10 +438,11 @@ def profile_table(profile: CostProfile) -> str:
                               if rows in (1, 2, 4, 8, 12, 16, 17)),
              f"prefill: {profile.prefill_rate:.0f} tokens/s; the forward's repeats varied by "
              f"{100 * profile.noise:.0f}% (median over row counts)",
-             "drafter      ms/proposal  ms/token  acceptance (best answer)"]
+             "drafter      ms/proposal  ms/token  acceptance: best answer  pooled"]
     for name, cost in profile.drafters.items():
-        accepted = "-" if cost.acceptance is None else f"{cost.acceptance:.3f}"
-        lines.append(f"{name:<12} {cost.per_step * 1e3:11.2f} {cost.per_token * 1e3:9.2f}  {accepted:>10}")
+        best, pooled = ("-" if rate is None else f"{rate:.3f}" for rate in (cost.acceptance, cost.pooled))
+        lines.append(f"{name:<12} {cost.per_step * 1e3:11.2f} {cost.per_token * 1e3:9.2f}"
+                     f"  {best:>23} {pooled:>7}")
     return "\n".join(lines)
 
 

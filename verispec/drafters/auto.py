@@ -110,7 +110,8 @@ class DrafterCost:
 
     per_step: float  # seconds per proposal, whatever its length
     per_token: float  # seconds per drafted token
-    acceptance: float | None = None
+    acceptance: float | None = None  # in the answer where it drafted best (auto's prior)
+    pooled: float | None = None  # over all the answers it drafted in (verispec.profile)
 
     def seconds(self, k: float) -> float:
         return self.per_step + self.per_token * k
