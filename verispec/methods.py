@@ -252,7 +252,7 @@ def _self_format(profile: CostProfile, selves: list[str], limits: dict[str, int]
     revisited, so not by the best answer's (each candidate's optimistic prior): on the off-grid
     copy of the built-in model that was 0.94 for int4 against 0.97 for int8, which chose int4
     where it kept 0.85 of Spec-Bench's drafts against int8's 0.98, and auto ran 0.84x
-    self-int8-pld (pooled: 0.87 against 0.97; docs/tuning.md, "auto's self format")."""
+    self-int8-pld (pooled: 0.85 against 0.97; docs/tuning.md, "auto's self format")."""
     def rate(name: str) -> float:
         pooled = profile.drafters[name].pooled
         acceptance = _prior(profile, name) if pooled is None else pooled
