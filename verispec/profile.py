@@ -62,7 +62,7 @@ REQUESTS = (
     "the northern hills and flows south for two hundred kilometres. Farmers along its banks grow "
     "rice and beans, and in spring the water floods their fields, which makes the soil rich.",
 )
-# The acceptance also chooses auto's one self format, and an answer of 24 tokens was too short:
+# The pooled acceptance also chooses auto's one self format, and an answer of 24 tokens was too short:
 # two refusals decided it (Gemma 3 held to AVX2 got the slower format: docs/tuning.md).
 ANSWER_TOKENS = 48
 VERSION = 7  # of the file's layout and the way it is measured: a new one measures again
