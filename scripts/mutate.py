@@ -621,7 +621,7 @@ MUTANTS = (
            ("tests/test_auto.py::test_a_drafter_priced_a_little_under_the_chosen_one_is_tried_too",),
            "a model drafter priced a little under the drafter chosen is never tried"),
     Mutant("profile-prior-pools-the-answers", "verispec/profile.py",
-           "max(rates, default=None)", "min(rates, default=None)",
+           "max(k / (k + r) for k, r in counts)", "min(k / (k + r) for k, r in counts)",
            ("tests/test_auto.py::"
             "test_a_drafters_prior_is_its_acceptance_in_the_best_of_several_answers",),
            "a drafter's prior is its worst answer's acceptance: set too low, it is never judged"),

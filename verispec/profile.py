@@ -399,17 +399,17 @@ def drafter_cost(target: LoadedModel, drafter: Drafter, limit: int, prompts: lis
     answers = [engine.generate(SequenceSpec(prompt, stopping)).steps[:-1] for prompt in prompts]
     per_step, per_token = _fit([(step.num_drafted, step.draft_seconds)
                                 for steps in answers for step in steps])
-    rates, counts = [], []  # per answer: its rate; (kept, refused)
+    counts = []  # (kept, refused) of each answer that drafted enough to tell
     for steps in answers:
         drafting = [step for step in steps if step.num_drafted]
         kept = sum(step.num_accepted for step in drafting)
         refused = sum(step.num_accepted < step.num_drafted for step in drafting)
         if len(drafting) >= 4 and kept + refused:
-            rates.append(kept / (kept + refused))
             counts.append((kept, refused))
-    kept, refused = sum(c[0] for c in counts), sum(c[1] for c in counts)
-    pooled = kept / (kept + refused) if counts else None
-    return DrafterCost(per_step, per_token, max(rates, default=None), pooled)
+    if not counts:
+        return DrafterCost(per_step, per_token)
+    kept, refused = (sum(column) for column in zip(*counts))
+    return DrafterCost(per_step, per_token, max(k / (k + r) for k, r in counts), kept / (kept + refused))
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
