@@ -339,3 +339,18 @@ def test_no_load_cap_without_batches_is_refused_by_name(tiny_dir, questions, tmp
                  "--methods", "pld", "--out", str(out)]) == 2
     assert "--no-load-cap sets the draft length at each batch size" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_trained_drafter_given_as_draft_runs_as_generate_runs_it(tiny_dir, tiny_trained, questions,
+                                                                    tmp_path):
+    """`--draft DIR` with a trained drafter directory (what `generate --draft` takes) drafts the
+    trained method with it, as `--trained DIR` does, instead of loading DIR as a draft model."""
+    out = tmp_path / "given"
+    code = main(["bench", "--model", str(tiny_dir), "--questions", str(questions), "--methods", "eagle",
+                 "--draft", str(tiny_trained["eagle"]), "--max-new-tokens", "12", "--warmup", "0",
+                 "--out", str(out)])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert {r["method"] for r in results["runs"]} == {"hf", "ar", "eagle"}
+    assert all(r["identical_to_baseline"] for r in results["runs"] if r["method"] == "eagle")
+    assert results["config"]["trained"] == [str(tiny_trained["eagle"])], results["config"]

@@ -99,6 +99,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(compare(*loaded))
         return 0
     beams = beam_settings(args)
+    draft_as_trained(args)
     if args.batch_size:
         if beams is not None:
             raise VerispecError("--batch-size measures decoding one path: it takes no --num-beams")
@@ -123,6 +124,15 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def draft_as_trained(args: argparse.Namespace) -> None:
+    """A trained drafter directory given as --draft (as `generate` takes one) joins --trained: the
+    bench's --draft is otherwise the draft model of `draft` and Hugging Face's assisted peers."""
+    from verispec.drafters.learned import is_drafter_dir
+
+    if args.draft is not None and is_drafter_dir(args.draft):
+        args.trained, args.draft = [*(args.trained or []), args.draft], None
+
+
 def beam_settings(args: argparse.Namespace) -> BeamSettings | None:
     """The beam search --num-beams, --length-penalty and --early-stopping ask for; None: one path."""
     if args.num_beams == 1:
@@ -143,7 +153,7 @@ def bench_batched(args: argparse.Namespace) -> int:
         raise VerispecError("--repeats times one path's runs: it goes without --batch-size")
     if args.trained:
         raise VerispecError("--batch-size runs trained methods with the drafters shipped for the model: "
-                            "it takes no --trained")
+                            "it takes no --trained (nor a trained drafter as --draft)")
     config = BatchBenchConfig(model=args.model, out=Path(args.out), batch_sizes=args.batch_size,
                               methods=args.methods, ks=args.k,
                               questions=Path(args.questions) if args.questions else None,
