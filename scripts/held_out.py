@@ -15,6 +15,7 @@ from pathlib import Path
 
 from verispec.core.stopping import StoppingRules
 from verispec.core.tree import TreeSettings
+from verispec.core.types import GenerationStats
 from verispec.decoding.engine import SpeculativeEngine
 from verispec.decoding.sequence import SequenceSpec
 from verispec.drafters.suffix import forget_outputs
@@ -67,9 +68,11 @@ def compare(engines: dict[str, SpeculativeEngine], prompts: list[list[int]],
             max_new_tokens: int = 128) -> None:
     """Run every engine on every prompt, greedy, the order rotating per prompt so that the
     machine's drifts in speed fall on all alike; print ms per token, tau and the ratio to the
-    first engine (the baseline), and the draft and verification milliseconds per step that
-    drafted. Outputs must equal the baseline's: a difference is an error."""
+    first engine (the baseline), the draft and verification milliseconds per step that drafted,
+    and the acceptance at draft positions 1-3 (kept among the steps that reached the position;
+    in a tree, any child kept). Outputs must equal the baseline's: a difference is an error."""
     names = list(engines)
+    stats: dict[str, list[GenerationStats]] = collections.defaultdict(list)
     seconds, tokens, steps = collections.Counter(), collections.Counter(), collections.Counter()
     drafting, draft_seconds, verify_seconds = (collections.Counter(), collections.Counter(),
                                                collections.Counter())
@@ -88,6 +91,7 @@ def compare(engines: dict[str, SpeculativeEngine], prompts: list[list[int]],
             draft_seconds[name] += sum(step.draft_seconds for step in drafted)
             verify_seconds[name] += sum(step.verify_seconds for step in drafted)
             outputs[name] = result.token_ids
+            stats[name].append(result.stats)
         differing = [name for name in names if outputs[name] != outputs[names[0]]]
         if differing:
             raise SystemExit(f"prompt {i}: {', '.join(differing)} differ from {names[0]}")
@@ -96,8 +100,10 @@ def compare(engines: dict[str, SpeculativeEngine], prompts: list[list[int]],
     for name in names:
         per_step = ""
         if drafting[name]:
+            kept = GenerationStats.total(stats[name]).acceptance_by_position[:3]
             per_step = (f"  draft {1000 * draft_seconds[name] / drafting[name]:.1f} / verify "
-                        f"{1000 * verify_seconds[name] / drafting[name]:.1f} ms a drafting step")
+                        f"{1000 * verify_seconds[name] / drafting[name]:.1f} ms a drafting step"
+                        f"  acceptance {' / '.join(f'{rate:.2f}' for rate in kept)}")
         print(f"{name:40s} {1000 * seconds[name] / tokens[name]:6.1f} ms/token  "
               f"tau {tokens[name] / steps[name]:.2f}  vs {base} {seconds[base] / seconds[name]:.2f}x"
               f"{per_step}", flush=True)
