@@ -4,6 +4,7 @@ sources, shards that stay on disk, and training that evaluates on the held-out s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -50,7 +51,7 @@ def corpus(tmp_path_factory):
 
 def build(loaded, out, corpus, mode, tokens=200, **kw):
     return build_data(loaded, out, str(corpus), mode, tokens, held_out=0.1, batch_size=4,
-                      max_new_tokens=12, exit_layer=1, aux_layers=AUX, **kw)
+                      max_new_tokens=12, exit_layer=1, **{"aux_layers": AUX, **kw})
 
 
 def reply_tokens(directory) -> int:
@@ -229,7 +230,7 @@ def test_train_data_command_and_its_errors(tiny_dir, corpus, tmp_path, capsys):
     assert reply_tokens(out) >= 30 and reply_tokens(out / HELD_OUT) >= 1
     assert main(["train", "data", "--target", str(tiny_dir), "--out", str(out), "--source",
                  str(tmp_path / "missing.jsonl")]) == 2
-    assert "neither 'sharegpt', 'templates' nor a file" in capsys.readouterr().err
+    assert "neither 'sharegpt', 'templates', a file nor a data directory" in capsys.readouterr().err
     assert main(["train", "data", "--out", str(tmp_path / "y"), "--source", str(corpus),
                  "--steps", "9", "--stop-at", "30"]) == 2  # nothing is trained: said, not ignored
     assert "--steps, --stop-at: training options" in capsys.readouterr().err
@@ -288,6 +289,46 @@ def test_data_for_some_kinds_stores_only_the_states_they_read(tiny_dir, loaded, 
         assert main([*args, "--out", str(tmp_path / "refused")]) == 2
         assert said in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
+
+
+def test_a_data_directory_is_restated_with_the_states_another_kind_reads(loaded, corpus, tmp_path):
+    """The target's own answers built --for eagle (final states alone) read again as a source:
+    each split from the source's split, the same sequences in the same shards, now with the aux
+    states EAGLE-3 reads, equal to a build that stored them from the start; resumable, and
+    refused in self mode or for another target, with nothing written."""
+    lean = build(loaded, tmp_path / "lean", corpus, "self", aux_layers=(), exit_states=False)
+    whole = build(loaded, tmp_path / "whole", corpus, "self")  # the same answers, every state
+    out = tmp_path / "restated"
+    assert build_data(loaded, out, str(lean), "teacher", 200, held_out=0.1, exit_layer=1,
+                      aux_layers=AUX, exit_states=False) == out
+    for split in (".", HELD_OUT):
+        got, want = load_dataset(out / split)[1], load_dataset(whole / split)[1]
+        assert [s.tokens.tolist() for s in got] == [s.tokens.tolist() for s in want]
+        assert [s.prompt_len for s in got] == [s.prompt_len for s in want]
+        assert all(torch.equal(a.hidden, b.hidden) and torch.equal(a.aux_hidden, b.aux_hidden)
+                   and a.exit_hidden is None for a, b in zip(got, want))
+        assert sorted(p.name for p in (out / split).glob("shard-*.pt")) == \
+            sorted(p.name for p in (lean / split).glob("shard-*.pt"))
+    assert load_dataset(out)[0]["source_meta"] == json.loads((lean / "meta.json").read_text())
+    shard = out / "shard-00001.pt"  # a killed restate: the missing shard is made again, alone
+    kept = {p: p.stat().st_mtime_ns for p in out.glob("shard-*.pt") if p != shard}
+    shard.unlink()
+    (out / "complete").unlink()
+    build_data(loaded, out, str(lean), "teacher", 200, held_out=0.1, exit_layer=1,
+               aux_layers=AUX, exit_states=False)
+    assert shard.is_file() and {p: p.stat().st_mtime_ns for p in kept} == kept
+    other = dataclasses.replace(loaded, name="another-model")
+    for model, mode, said in ((loaded, "self", "its sequences are read as they are"),
+                              (other, "teacher", "its token ids are another model's")):
+        with pytest.raises(VerispecError, match=said):
+            build_data(model, tmp_path / "refused", str(lean), mode, 200, exit_layer=1)
+    assert not (tmp_path / "refused").exists()
+    # the command line: --source DIR --mode teacher --for eagle3
+    assert main(["train", "data", "--target", loaded.name, "--out", str(tmp_path / "cmd"),
+                 "--source", str(lean), "--mode", "teacher", "--tokens", "40", "--exit-layer", "1",
+                 "--for", "eagle3"]) == 0
+    meta, sequences = load_dataset(tmp_path / "cmd")
+    assert meta["aux_layers"] and all(s.aux_hidden is not None for s in sequences)
 
 
 def test_a_conversation_is_held_out_whole(tmp_path):

@@ -112,8 +112,10 @@ def add_data_engine_arguments(train: argparse.ArgumentParser) -> None:
     train.add_argument("--source",
                        help=f"the data engine (docs/training.md): {SHAREGPT!r} (ShareGPT conversations, "
                        f"the optional extra verispec[sharegpt]; training only), {TEMPLATES!r} (the "
-                       "templated prompts) or a .jsonl file (prompt/reply, conversations, messages "
-                       "or text records); builds --data from it instead of the templated prompts")
+                       "templated prompts), a .jsonl file (prompt/reply, conversations, messages "
+                       "or text records) or a data directory (another build's sequences read as "
+                       "they are, --mode teacher: the states --for asks, no generation); builds "
+                       "--data from it instead of the templated prompts")
     train.add_argument("--mode", choices=MODES, default="self",
                        help="data engine: self (the target answers the source's prompts) or "
                        "teacher (the source's own replies, read in one forward: no generation)")
@@ -257,8 +259,8 @@ def build_data_command(args: argparse.Namespace, out: Path) -> int:
     from verispec.training.data_engine import HELD_OUT, build_data
 
     if args.source is None:
-        raise VerispecError("verispec train data builds from a --source (sharegpt, templates or "
-                            "a .jsonl file)")
+        raise VerispecError("verispec train data builds from a --source (sharegpt, templates, "
+                            "a .jsonl file or a data directory)")
     if args.data or args.prompts or args.data_batches or args.text:
         raise VerispecError("verispec train data writes to --out from --source alone (no --data, "
                             "--prompts, --data-batches or --text)")

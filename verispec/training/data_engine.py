@@ -4,7 +4,9 @@ held-out split beside it (`verispec train data`, or `--source` in `verispec trai
 Two modes. self: the target writes its own answers to the source's prompts (self-distillation:
 batched greedy generation on the target as loaded, then one forward for its states). teacher:
 the source's own replies are read as the target's (teacher forcing: one forward per batch of
-passages, no generation; several times faster, but the replies are not the target's).
+passages, no generation; several times faster, but the replies are not the target's). A source
+that is itself a data directory is read in teacher mode as it is, shard for shard and split for
+split: the target's own answers, written once, restated with the states another kind reads.
 
 OUT holds the training shards (the layout of verispec.training.data: they stream from disk as
 memory maps, so data larger than memory trains) and OUT/held-out the held-out split, drawn from
@@ -63,6 +65,9 @@ def build_data(target: LoadedModel, out_dir: str | Path, source: str, mode: str 
     if not 0 < held_out < 0.5:
         raise VerispecError(f"--held-out must lie in (0, 0.5), got {held_out}")
     budgets = {HELD_OUT: max(1, int(tokens * held_out)), "train": tokens}
+    if (Path(source) / "meta.json").is_file():
+        return _restate(target, Path(out_dir), Path(source), mode, budgets, held_out, exit_layer,
+                        aux_layers, exit_states)
     settings = {"source": source_id(source), "mode": mode, "held_out": held_out,
                 "batch_size": batch_size, "max_new_tokens": max_new_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "seed": seed, "sort_window": SORT_WINDOW}
@@ -85,6 +90,37 @@ def build_data(target: LoadedModel, out_dir: str | Path, source: str, mode: str 
         _fill(target, directory, batches, budgets[split], mode, max_new_tokens,
               lambda sequences: features(target, sequences, exit_layer, aux_layers, exit_states),
               f"{mode} data ({split})")
+    return out
+
+
+def _restate(target: LoadedModel, out: Path, source: Path, mode: str, budgets: dict[str, int],
+             held_out: float, exit_layer: int | None, aux_layers: tuple[int, ...],
+             exit_states: bool) -> Path:
+    """Teacher forcing over another data directory's sequences (prompt and reply token ids, as
+    they are): the states asked for, from one forward per source shard, no generation. So the
+    answers the target wrote once (self mode, the slow part) serve a kind that reads other
+    states (EAGLE-3's aux layers from data built --for eagle). Each split is read from the
+    source's split of the same name, its shards in order: held out stays held out."""
+    if mode != "teacher":
+        raise VerispecError(f"--source {source} is a data directory: its sequences are read as they "
+                            "are, the target writes nothing (--mode teacher)")
+    meta = json.loads((source / "meta.json").read_text())
+    if meta.get("target") != target.name:
+        raise VerispecError(f"{source} holds data for {meta.get('target')!r}, not {target.name!r}: "
+                            "its token ids are another model's")
+    if not (source / HELD_OUT / "meta.json").is_file():
+        raise VerispecError(f"{source} has no held-out split ({source / HELD_OUT}): not the data "
+                            "engine's data")
+    settings = {"source": f"data directory {source.name}", "source_meta": meta, "mode": mode,
+                "held_out": held_out}
+    out, exit_layer = start_directory(target, out, exit_layer, settings, aux_layers, exit_states)
+    start_directory(target, out / HELD_OUT, exit_layer, settings, aux_layers, exit_states)
+    for split, directory, read in ((HELD_OUT, out / HELD_OUT, source / HELD_OUT), ("train", out, source)):
+        batches = ([(r["tokens"][: r["prompt_len"]].tolist(), r["tokens"][r["prompt_len"]:].tolist())
+                    for r in torch.load(shard, mmap=True)] for shard in sorted(read.glob("shard-*.pt")))
+        _fill(target, directory, batches, budgets[split], mode, 0,
+              lambda sequences: features(target, sequences, exit_layer, aux_layers, exit_states),
+              f"{mode} data ({split}, from {source.name})")
     return out
 
 

@@ -79,7 +79,8 @@ def source_id(source: str) -> str:
 def _source_file(source: str) -> Path:
     path = Path(source)
     if not path.is_file():
-        raise VerispecError(f"--source {source!r} is neither {SHAREGPT!r}, {TEMPLATES!r} nor a file")
+        raise VerispecError(f"--source {source!r} is neither {SHAREGPT!r}, {TEMPLATES!r}, a file nor "
+                            "a data directory")
     return path
 
 
