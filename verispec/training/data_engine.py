@@ -80,16 +80,25 @@ def build_data(target: LoadedModel, out_dir: str | Path, source: str, mode: str 
     if mode == "teacher" and any(x.reply is None for x in exchanges):
         raise VerispecError(f"teacher forcing reads the source's replies; {source} has none "
                             "(use --mode self: the target answers its prompts)")
+    splits = dict(zip((HELD_OUT, "train"), split_exchanges(exchanges, held_out, seed)))
+    batches = {split: _batches(target, splits[split], mode, batch_size, max_new_tokens,
+                               max_prompt_tokens, SORT_WINDOW if split == "train" else 1, seed)
+               for split in splits}
+    return _write_splits(target, out, settings, batches, budgets, mode, max_new_tokens,
+                         exit_layer, aux_layers, exit_states, f"{mode} data")
+
+
+def _write_splits(target: LoadedModel, out: Path, settings: dict, batches: dict[str, Iterator],
+                  budgets: dict[str, int], mode: str, max_new_tokens: int, exit_layer: int | None,
+                  aux_layers: tuple[int, ...], exit_states: bool, desc: str) -> Path:
+    """Claim out and out/held-out for `settings` (refusing other settings), then fill each
+    split from its batches up to its budget, with the states asked for."""
     out, exit_layer = start_directory(target, out, exit_layer, settings, aux_layers, exit_states)
     start_directory(target, out / HELD_OUT, exit_layer, settings, aux_layers, exit_states)
-    splits = dict(zip((HELD_OUT, "train"), split_exchanges(exchanges, held_out, seed)))
     for split, directory in ((HELD_OUT, out / HELD_OUT), ("train", out)):
-        window = SORT_WINDOW if split == "train" else 1
-        batches = _batches(target, splits[split], mode, batch_size, max_new_tokens,
-                           max_prompt_tokens, window, seed)
-        _fill(target, directory, batches, budgets[split], mode, max_new_tokens,
+        _fill(target, directory, batches[split], budgets[split], mode, max_new_tokens,
               lambda sequences: features(target, sequences, exit_layer, aux_layers, exit_states),
-              f"{mode} data ({split})")
+              f"{desc} ({split})")
     return out
 
 
@@ -113,15 +122,11 @@ def _restate(target: LoadedModel, out: Path, source: Path, mode: str, budgets: d
                             "engine's data")
     settings = {"source": f"data directory {source.name}", "source_meta": meta, "mode": mode,
                 "held_out": held_out}
-    out, exit_layer = start_directory(target, out, exit_layer, settings, aux_layers, exit_states)
-    start_directory(target, out / HELD_OUT, exit_layer, settings, aux_layers, exit_states)
-    for split, directory, read in ((HELD_OUT, out / HELD_OUT, source / HELD_OUT), ("train", out, source)):
-        batches = ([(r["tokens"][: r["prompt_len"]].tolist(), r["tokens"][r["prompt_len"]:].tolist())
-                    for r in torch.load(shard, mmap=True)] for shard in sorted(read.glob("shard-*.pt")))
-        _fill(target, directory, batches, budgets[split], mode, 0,
-              lambda sequences: features(target, sequences, exit_layer, aux_layers, exit_states),
-              f"{mode} data ({split}, from {source.name})")
-    return out
+    batches = {split: ([(r["tokens"][: r["prompt_len"]].tolist(), r["tokens"][r["prompt_len"]:].tolist())
+                        for r in torch.load(shard, mmap=True)] for shard in sorted(read.glob("shard-*.pt")))
+               for split, read in ((HELD_OUT, source / HELD_OUT), ("train", source))}
+    return _write_splits(target, out, settings, batches, budgets, mode, 0, exit_layer, aux_layers,
+                         exit_states, f"{mode} data from {source.name}")
 
 
 def split_exchanges(exchanges: list[Exchange], held_out: float,
